@@ -1,0 +1,398 @@
+"""Typed configuration: dataclasses, YAML + flag overrides, one validation pass.
+
+Layering, lowest first: dataclass defaults < strategy preset options < the demo recipe
+(only when no CONFIG file is given and the model is `tiny`) < the YAML file < flags.
+
+YAML keys and flags spell the same thing the same way: a top-level key `micro_batch_size`
+is the flag `--micro-batch-size`; a key in a section (`fsdp: {cpu_offload: true}`) is the
+flag `--fsdp-cpu-offload`. Every field's `help` is its documentation (docs/config.md is
+generated from it by `shardwise config-docs`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from shardwise import presets
+from shardwise.errors import ShardwiseError
+
+
+def _f(default, help: str, choices: tuple | None = None, **kw):
+    return field(default=default, metadata={"help": help, "choices": choices, **kw})
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 (`fully_shard`) options; used by the fsdp presets."""
+
+    reshard_after_forward: bool = _f(True, "Free gathered parameters after forward (full shard, ZeRO-3-like); false keeps them until backward (shard grad op, ZeRO-2-like).")
+    hybrid: bool = _f(False, "HSDP: shard within a group of ranks (a node by default), replicate across groups, on a 2-D device mesh.")
+    shard_group_size: int = _f(0, "Ranks per shard group under hybrid; 0 means the ranks of one node (nproc_per_node).")
+    cpu_offload: bool = _f(False, "Keep sharded parameters, gradients and the optimizer step on the CPU.")
+    wrap: str = _f("block", "Sharding units: 'block' (each decoder layer one unit; embeddings and head grouped with the root) or 'size:N' (units of at least N parameters).")
+    prefetch: bool = _f(True, "Explicit forward/backward prefetch of the next unit's all-gather.")
+
+
+@dataclass
+class DeepSpeedConfig:
+    """DeepSpeed ZeRO options; used by the zero* presets."""
+
+    stage: int = _f(2, "ZeRO stage: 1 (optimizer states), 2 (+ gradients), 3 (+ parameters).", (1, 2, 3))
+    offload_optimizer: bool = _f(False, "Offload optimizer states and step to the CPU (ZeRO-Offload).")
+    offload_params: bool = _f(False, "Offload parameters to the CPU (ZeRO-3 only).")
+    config: str = _f("", "Path to a DeepSpeed JSON whose keys override the generated config.")
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA / QLoRA adapter options (used when tuner is lora or qlora)."""
+
+    r: int = _f(16, "LoRA rank.")
+    alpha: float = _f(32.0, "LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = _f(0.05, "Dropout on the adapter input.")
+    targets: str = _f("all-linear", "Comma-separated module names to adapt, or 'all-linear' (every linear projection of the blocks).")
+
+
+@dataclass
+class Config:
+    """One training run."""
+
+    # model
+    model: str = _f("tiny", "A local Hugging Face model directory, or 'tiny' for the built-in demo model.")
+    trust_remote_code: bool = _f(False, "Allow custom modelling code from the model directory (off: never run code from a model dir).")
+    tuner: str = _f("full", "What to train: all weights, LoRA adapters, or LoRA on a 4-bit base (QLoRA, CUDA only).", ("full", "lora", "qlora"))
+    # data
+    data: str = _f("demo", "A JSONL file (or a directory of them), or 'demo' for the built-in synthetic instruction set.")
+    data_format: str = _f("auto", "Record format; 'auto' detects it per file from the first record.", ("auto", "messages", "alpaca", "text"))
+    seq_len: int = _f(1024, "Maximum tokens per sequence; longer examples are truncated (counted and reported).")
+    packing: bool = _f(False, "Pack several examples into one sequence; attention never crosses example boundaries.")
+    skip_bad_records: bool = _f(False, "Skip malformed records (and report how many) instead of stopping at the first.")
+    # strategy and launch
+    strategy: str = _f("ddp", "Strategy or preset: " + ", ".join(presets.known_names()) + ".")
+    nproc_per_node: int = _f(0, "Processes per node; 0 means one per GPU, or 2 on a CPU-only machine.")
+    nnodes: int = _f(1, "Number of nodes (machines).")
+    node_rank: int = _f(0, "This node's rank; node 0 hosts the rendezvous store.")
+    rdzv_endpoint: str = _f("", "HOST:PORT of the c10d rendezvous (needed when nnodes > 1).")
+    max_restarts: int = _f(0, "Restart the worker group this many times after a failure; the run resumes from its newest checkpoint.")
+    # optimisation
+    max_steps: int = _f(-1, "Optimizer steps to run; -1 means as many as `epochs` take.")
+    epochs: int = _f(1, "Passes over the data (used when max_steps is -1).")
+    micro_batch_size: int = _f(4, "Sequences per rank per forward pass.")
+    grad_accum: int = _f(1, "Micro-batches per optimizer step (gradients are synchronised only on the last).")
+    lr: float = _f(2e-5, "Peak learning rate (AdamW).")
+    warmup_steps: int = _f(0, "Linear warm-up steps, then cosine decay to min_lr_ratio * lr.")
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of lr.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    seed: int = _f(42, "Seed for initialisation, shuffling and dropout.")
+    mixed_precision: str = _f("auto", "Compute dtype: no (fp32), bf16, fp16; auto is bf16 on a GPU that has it, else no.", ("auto", "no", "bf16", "fp16"))
+    param_dtype: str = _f("fp32", "Storage dtype of weights, gradients and optimizer states: fp32 (master weights) or bf16 (pure bf16, half the memory).", ("fp32", "bf16"))
+    gradient_checkpointing: bool = _f(False, "Recompute each block's activations in backward (non-reentrant): less memory, ~20-30% more compute.")
+    # outputs
+    output_dir: str = _f("", "Where the run writes; empty means runs/<strategy>-<date>-<time>.")
+    log_every: int = _f(10, "Log (terminal, metrics.jsonl, TensorBoard) every N steps.")
+    save_every: int = _f(0, "Save a checkpoint every N steps; 0 only at the end of training.")
+    keep_checkpoints: int = _f(2, "Keep the newest K checkpoints.")
+    resume: str = _f("none", "Resume from 'auto' (newest complete checkpoint in output_dir), 'none', or a checkpoint path.")
+    overwrite: bool = _f(False, "Allow writing into an output_dir that holds another run (its contents are replaced).")
+    save_final: bool = _f(True, "Save the final model as a Hugging Face directory under output_dir/final.")
+    # sections
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig, metadata={"help": "FSDP2 options."})
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig, metadata={"help": "DeepSpeed options."})
+    lora: LoRAConfig = field(default_factory=LoRAConfig, metadata={"help": "LoRA options."})
+
+
+SECTIONS = {"fsdp": FSDPConfig, "deepspeed": DeepSpeedConfig, "lora": LoRAConfig}
+# Keys that control this invocation rather than describe the run: not written to config.yaml.
+RUN_CONTROL_KEYS = ("output_dir", "resume", "overwrite")
+
+
+# ----------------------------------------------------------------------------- fields
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    key: str  # dotted: "lr", "fsdp.cpu_offload"
+    flag: str  # "--lr", "--fsdp-cpu-offload"
+    type: type
+    default: Any
+    help: str
+    choices: tuple | None
+
+
+def fields_info() -> list[FieldInfo]:
+    """Every settable key, in declaration order."""
+    out = []
+    for f in dataclasses.fields(Config):
+        if f.name in SECTIONS:
+            for sf in dataclasses.fields(SECTIONS[f.name]):
+                out.append(_info(f"{f.name}.{sf.name}", sf))
+        else:
+            out.append(_info(f.name, f))
+    return out
+
+
+def _info(key: str, f: dataclasses.Field) -> FieldInfo:
+    typ = {"bool": bool, "int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+    return FieldInfo(key, "--" + key.replace(".", "-").replace("_", "-"), typ, f.default,
+                     f.metadata["help"], f.metadata.get("choices"))
+
+
+FIELDS = {fi.key: fi for fi in fields_info()}
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def add_flags(parser: argparse.ArgumentParser, only: list[str] | None = None) -> None:
+    """Add one flag per config key; unset flags are absent from the namespace (SUPPRESS)."""
+    for fi in FIELDS.values():
+        if only is not None and fi.key not in only:
+            continue
+        dest = "cfg:" + fi.key
+        if fi.type is bool:
+            parser.add_argument(fi.flag, dest=dest, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=fi.help)
+        else:
+            parser.add_argument(fi.flag, dest=dest, default=argparse.SUPPRESS, metavar=fi.type.__name__.upper(),
+                                help=fi.help + (f" Choices: {', '.join(map(str, fi.choices))}." if fi.choices else ""))
+
+
+def flags_from_namespace(ns: argparse.Namespace) -> dict[str, tuple[Any, str]]:
+    """{dotted key: (raw value, where)} for the flags the user gave."""
+    out = {}
+    for k, v in vars(ns).items():
+        if k.startswith("cfg:"):
+            key = k[4:]
+            out[key] = (v, f"flag {FIELDS[key].flag}")
+    return out
+
+
+def _yaml_with_lines(path: str) -> dict[str, tuple[Any, str]]:
+    """Read a YAML config into {dotted key: (value, 'file:line')}; safe loader only."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise ShardwiseError(f"{path}: config file not found; give an existing YAML file or omit it to use flags only")
+    except OSError as e:
+        raise ShardwiseError(f"{path}: cannot read config file ({e.strerror})")
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        raise ShardwiseError(f"{where}: invalid YAML ({getattr(e, 'problem', e)}); fix the syntax")
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or node is None or not isinstance(node, yaml.MappingNode):
+        raise ShardwiseError(f"{path}:1: a config file must be a mapping of keys to values")
+    out: dict[str, tuple[Any, str]] = {}
+    for knode, vnode in node.value:
+        key = knode.value
+        where = f"{path}:{knode.start_mark.line + 1}"
+        if key in SECTIONS:
+            if isinstance(vnode, yaml.MappingNode):
+                section = data[key] or {}
+                for sk, sv in vnode.value:
+                    out[f"{key}.{sk.value}"] = (section[sk.value], f"{path}:{sk.start_mark.line + 1}")
+            elif not (isinstance(vnode, yaml.ScalarNode) and data[key] is None):
+                raise ShardwiseError(f"{where}: key '{key}' must be a mapping of {key} options")
+        else:
+            out[key] = (data[key], where)
+    return out
+
+
+def _coerce(key: str, value: Any, where: str) -> Any:
+    fi = FIELDS.get(key)
+    if fi is None:
+        close = difflib.get_close_matches(key, list(FIELDS), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else f"; known keys: {', '.join(FIELDS)}"
+        raise ShardwiseError(f"{where}: unknown key '{key}'{hint}")
+    t = fi.type
+    try:
+        if t is bool:
+            if isinstance(value, bool):
+                v = value
+            elif isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+                v = value.lower() in ("true", "yes", "1", "on")
+            else:
+                raise ValueError
+        elif t is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            v = int(value)
+        elif t is float:
+            if isinstance(value, bool):
+                raise ValueError
+            v = float(value)
+        else:
+            if value is None:
+                value = ""
+            if isinstance(value, (dict, list)):
+                raise ValueError
+            v = str(value)
+    except (TypeError, ValueError):
+        raise ShardwiseError(f"{where}: '{key}' must be {'a' if t is not int else 'an'} {t.__name__}, got {value!r}")
+    if fi.choices is not None and v not in fi.choices:
+        raise ShardwiseError(f"{where}: '{key}' must be one of {', '.join(map(str, fi.choices))}; got {v!r}")
+    return v
+
+
+# ----------------------------------------------------------------------------- building
+
+
+@dataclass
+class Resolved:
+    """A config plus where each explicitly given key came from."""
+
+    cfg: Config
+    origins: dict[str, str]  # dotted key -> "flag --x" / "file.yaml:3" / "preset zero3"
+
+    def where(self, key: str) -> str:
+        return self.origins.get(key, f"key '{key}'")
+
+    def explicit(self, key: str) -> bool:
+        return key in self.origins and not self.origins[key].startswith(("preset ", "demo recipe"))
+
+
+def demo_recipe_path() -> str:
+    return str(resources.files("shardwise").joinpath("demo.yaml"))
+
+
+def load_config(path: str | None = None, flags: dict[str, tuple[Any, str]] | None = None) -> Resolved:
+    """Build and validate a Config from an optional YAML file and flag overrides."""
+    flags = flags or {}
+    layers: list[dict[str, tuple[Any, str]]] = []
+    file_layer = _yaml_with_lines(path) if path else {}
+    user = {**file_layer, **flags}
+    model_name = user["model"][0] if "model" in user else FIELDS["model"].default
+    if path is None and model_name == "tiny":
+        demo = _yaml_with_lines(demo_recipe_path())
+        layers.append({k: (v, "demo recipe " + w) for k, (v, w) in demo.items()})
+    layers += [file_layer, flags]
+    # strategy preset options sit under everything the user or the demo recipe gave
+    strategy = FIELDS["strategy"].default
+    for layer in layers:
+        if "strategy" in layer:
+            strategy = str(layer["strategy"][0])
+    preset_layer = {}
+    if strategy in presets.PRESETS:
+        preset_layer = {k: (v, f"preset {strategy}") for k, v in presets.PRESETS[strategy][1].items()}
+    cfg = Config()
+    origins: dict[str, str] = {}
+    for layer in [preset_layer] + layers:
+        for key, (raw, where) in layer.items():
+            _set(cfg, key, _coerce(key, raw, where))
+            origins[key] = where
+    res = Resolved(cfg, origins)
+    validate(res)
+    return res
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    if "." in key:
+        sec, name = key.split(".", 1)
+        setattr(getattr(cfg, sec), name, value)
+    else:
+        setattr(cfg, key, value)
+
+
+def get(cfg: Config, key: str) -> Any:
+    if "." in key:
+        sec, name = key.split(".", 1)
+        return getattr(getattr(cfg, sec), name)
+    return getattr(cfg, key)
+
+
+def validate(res: Resolved) -> None:
+    """Every check that needs no hardware; raises ShardwiseError naming the key and where."""
+    c, w = res.cfg, res.where
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ShardwiseError(f"{w(key)}: {msg}")
+
+    need(c.strategy in presets.known_names(), "strategy",
+         f"unknown strategy '{c.strategy}'; known: {', '.join(presets.known_names())}")
+    need(c.seq_len >= 8, "seq_len", f"seq_len must be at least 8, got {c.seq_len}")
+    need(c.micro_batch_size >= 1, "micro_batch_size", f"micro_batch_size must be >= 1, got {c.micro_batch_size}")
+    need(c.grad_accum >= 1, "grad_accum", f"grad_accum must be >= 1, got {c.grad_accum}")
+    need(c.max_steps == -1 or c.max_steps >= 1, "max_steps", f"max_steps must be -1 (use epochs) or >= 1, got {c.max_steps}")
+    need(c.epochs >= 1, "epochs", f"epochs must be >= 1, got {c.epochs}")
+    need(c.lr > 0, "lr", f"lr must be > 0, got {c.lr}")
+    need(c.warmup_steps >= 0, "warmup_steps", f"warmup_steps must be >= 0, got {c.warmup_steps}")
+    need(0 <= c.min_lr_ratio <= 1, "min_lr_ratio", f"min_lr_ratio must be in [0, 1], got {c.min_lr_ratio}")
+    need(c.max_grad_norm >= 0, "max_grad_norm", f"max_grad_norm must be >= 0 (0 disables clipping), got {c.max_grad_norm}")
+    need(c.log_every >= 1, "log_every", f"log_every must be >= 1, got {c.log_every}")
+    need(c.save_every >= 0, "save_every", f"save_every must be >= 0, got {c.save_every}")
+    need(c.keep_checkpoints >= 1, "keep_checkpoints", f"keep_checkpoints must be >= 1, got {c.keep_checkpoints}")
+    need(c.nproc_per_node >= 0, "nproc_per_node", f"nproc_per_node must be >= 0 (0 = auto), got {c.nproc_per_node}")
+    need(c.nnodes >= 1, "nnodes", f"nnodes must be >= 1, got {c.nnodes}")
+    need(0 <= c.node_rank < c.nnodes, "node_rank", f"node_rank must be in [0, nnodes={c.nnodes}), got {c.node_rank}")
+    need(c.max_restarts >= 0, "max_restarts", f"max_restarts must be >= 0, got {c.max_restarts}")
+    need(c.nnodes == 1 or bool(c.rdzv_endpoint), "nnodes",
+         "a multi-node run needs --rdzv-endpoint HOST:PORT (the address of node 0)")
+    if c.rdzv_endpoint:
+        host, _, port = c.rdzv_endpoint.rpartition(":")
+        need(bool(host) and port.isdigit(), "rdzv_endpoint", f"rdzv_endpoint must be HOST:PORT, got '{c.rdzv_endpoint}'")
+    need(c.mixed_precision != "fp16" or c.param_dtype != "bf16", "mixed_precision",
+         "mixed_precision fp16 with param_dtype bf16 mixes two half types; use --mixed-precision bf16")
+    need(c.resume in ("auto", "none") or bool(c.resume), "resume", "resume must be auto, none or a checkpoint path")
+    need(c.lora.r >= 1, "lora.r", f"lora.r must be >= 1, got {c.lora.r}")
+    need(0 <= c.lora.dropout < 1, "lora.dropout", f"lora.dropout must be in [0, 1), got {c.lora.dropout}")
+    need(c.fsdp.wrap == "block" or (c.fsdp.wrap.startswith("size:") and c.fsdp.wrap[5:].isdigit()
+                                     and int(c.fsdp.wrap[5:]) > 0),
+         "fsdp.wrap", f"fsdp.wrap must be 'block' or 'size:N' with N > 0, got '{c.fsdp.wrap}'")
+    need(c.fsdp.shard_group_size >= 0, "fsdp.shard_group_size", "fsdp.shard_group_size must be >= 0")
+
+    base = presets.PRESETS[c.strategy][0] if c.strategy in presets.PRESETS else c.strategy
+    # Options that belong to another strategy, set explicitly, are a mistake worth a line.
+    if base != "auto":
+        for key in res.origins:
+            sec = key.split(".", 1)[0] if "." in key else None
+            if sec == "fsdp" and base != "fsdp" and res.explicit(key):
+                raise ShardwiseError(f"{w(key)}: '{key}' applies to FSDP but the strategy is '{c.strategy}'; "
+                                     f"use --strategy fsdp (or fsdp-offload / hybrid) or drop the option")
+            if sec == "deepspeed" and base != "deepspeed" and res.explicit(key):
+                raise ShardwiseError(f"{w(key)}: '{key}' applies to DeepSpeed but the strategy is '{c.strategy}'; "
+                                     f"use --strategy zero1/zero2/zero3 or drop the option")
+    if base == "fsdp" and c.fsdp.hybrid:
+        need(c.nnodes > 1 or c.fsdp.shard_group_size > 0, "fsdp.hybrid",
+             "hybrid sharding needs more than one node (or fsdp.shard_group_size to split one node into groups)")
+    if base == "deepspeed":
+        need(not c.deepspeed.offload_params or c.deepspeed.stage == 3, "deepspeed.offload_params",
+             "deepspeed.offload_params needs ZeRO stage 3; use --strategy zero3-offload")
+    if base == "single":
+        need(c.nnodes == 1 and c.nproc_per_node in (0, 1), "strategy",
+             "strategy 'single' runs one process; use --strategy ddp (or fsdp) for more than one")
+
+
+def to_yaml(cfg: Config, where: str = "") -> str:
+    """The resolved config as YAML; run-control keys are left out so the file repeats the run."""
+    d = dataclasses.asdict(cfg)
+    for k in RUN_CONTROL_KEYS:
+        d.pop(k, None)
+    head = "# shardwise resolved config; `shardwise train THIS_FILE` repeats the run into a new output_dir.\n"
+    if where:
+        head += f"# written by the run in {where}\n"
+    return head + yaml.safe_dump(d, sort_keys=False)
+
+
+def config_docs() -> str:
+    """Markdown table of every key (docs/config.md)."""
+    lines = ["| key | flag | default | what it does |", "|---|---|---|---|"]
+    for fi in FIELDS.values():
+        choices = f" ({' / '.join(map(str, fi.choices))})" if fi.choices else ""
+        default = "''" if fi.default == "" else fi.default
+        lines.append(f"| `{fi.key}` | `{fi.flag}` | `{default}` | {fi.help}{choices} |")
+    return "\n".join(lines) + "\n"
