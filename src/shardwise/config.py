@@ -396,3 +396,10 @@ def config_docs() -> str:
         default = "''" if fi.default == "" else fi.default
         lines.append(f"| `{fi.key}` | `{fi.flag}` | `{default}` | {fi.help}{choices} |")
     return "\n".join(lines) + "\n"
+
+
+def from_dict(d: dict) -> Config:
+    """Rebuild a Config written by dataclasses.asdict (trusted, already validated)."""
+    d = dict(d)
+    secs = {name: cls(**d.pop(name, {})) for name, cls in SECTIONS.items()}
+    return Config(**d, **secs)

@@ -1,0 +1,74 @@
+"""Argument parsing only: each subcommand calls one function."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardwise import __version__
+from shardwise.errors import ShardwiseError
+
+
+def _train(args) -> int:
+    from shardwise import config, launch
+
+    res = config.load_config(args.config, config.flags_from_namespace(args))
+    return launch.train(res, force=args.force)
+
+
+def _config_docs(args) -> int:
+    from shardwise.config import config_docs
+
+    print(config_docs(), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from shardwise import config
+
+    p = argparse.ArgumentParser(prog="shardwise", description="Plan, explain and run DDP, FSDP2 or DeepSpeed ZeRO fine-tuning.")
+    p.add_argument("--version", action="version", version=f"shardwise {__version__}")
+    p.add_argument("--debug", action="store_true", help="Show tracebacks for errors.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    t = sub.add_parser("train", help="Fine-tune a model (no arguments: the built-in demo).",
+                       description="Fine-tune a causal LM. Every config key is a flag; flags override the YAML file.")
+    t.add_argument("config", nargs="?", help="YAML config file (optional).")
+    t.add_argument("--force", action="store_true", help="Launch even if the planner says it will not fit.")
+    t.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    config.add_flags(t)
+    t.set_defaults(func=_train)
+
+    c = sub.add_parser("config-docs", help="Print every config key as a Markdown table.")
+    c.set_defaults(func=_config_docs)
+
+    for name in ("shardwise.plan.command", "shardwise.doctor", "shardwise.bench.command", "shardwise.export"):
+        try:
+            mod = __import__(name, fromlist=["add_parser"])
+        except ImportError:
+            continue
+        if hasattr(mod, "add_parser"):
+            mod.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except ShardwiseError as e:
+        if getattr(args, "debug", False):
+            raise
+        print(f"shardwise: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("shardwise: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data: record formats, chat templating + label masking, packing, the step sampler."""

@@ -1,0 +1,1 @@
+"""Model loading: local Hugging Face directories, the built-in tiny model, LoRA."""

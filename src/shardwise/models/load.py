@@ -1,0 +1,66 @@
+"""Load a local Hugging Face causal LM and its tokenizer: no network, SDPA attention,
+safetensors only, `trust_remote_code` off unless asked."""
+
+from __future__ import annotations
+
+import os
+
+from shardwise.errors import ShardwiseError
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def resolve_model_dir(model: str, seed: int) -> str:
+    """'tiny' -> the built-in model's directory; a path -> checked to be a usable HF dir."""
+    if model == "tiny":
+        from shardwise.models.tiny import tiny_dir
+
+        return tiny_dir(seed)
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.isdir(path):
+        raise ShardwiseError(f"--model {model}: no such directory; give a local Hugging Face model directory or 'tiny'")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ShardwiseError(f"--model {model}: no config.json in it; is this a Hugging Face model directory?")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
+        bins = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth"))]
+        hint = (" (found pickle weights " + ", ".join(sorted(bins)[:3]) + ": convert them to safetensors, "
+                "e.g. load and save_pretrained once in a trusted environment)") if bins else ""
+        raise ShardwiseError(f"--model {model}: no safetensors weights (model.safetensors or its index){hint}")
+    return path
+
+
+def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises many types here
+        raise ShardwiseError(f"--model {model_dir}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+    return tok
+
+
+def load_model(model_dir: str, dtype, trust_remote_code: bool = False):
+    """The model on the CPU in `dtype`, loaded from safetensors with SDPA attention."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation="sdpa", local_files_only=True,
+            trust_remote_code=trust_remote_code, use_safetensors=True,
+        )
+    except Exception as e:
+        msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        raise ShardwiseError(f"--model {model_dir}: cannot load the model ({type(e).__name__}: {msg}); "
+                             "check that its weights are complete and match config.json")
+    model.config.use_cache = False
+    return model
+
+
+def max_positions(model_dir: str) -> int | None:
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as fh:
+        cfg = json.load(fh)
+    return cfg.get("max_position_embeddings")

@@ -1,0 +1,106 @@
+"""The built-in `tiny` model: a small Llama-style config, random init, and a byte-level
+BPE tokenizer with a chat template, all created by project code and written out as a
+Hugging Face directory so it goes through the same loading path as a real model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+from shardwise.errors import ShardwiseError
+
+TINY_RECIPE_VERSION = 1
+# 4 decoder layers, GQA (4 query / 2 KV heads), SwiGLU MLP: ~1.3M params with a 512-token vocab.
+TINY_CONFIG = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=352,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
+# ChatML-style: each turn is <|im_start|>role\ncontent<|im_end|>\n; loss goes on the
+# assistant content and its <|im_end|>.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def cache_root() -> str:
+    return os.environ.get("SHARDWISE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "shardwise")
+
+
+def tiny_dir(seed: int) -> str:
+    """Build (once, atomically) and return the tiny model directory for this seed."""
+    key = hashlib.sha1(json.dumps([TINY_RECIPE_VERSION, TINY_CONFIG, seed]).encode()).hexdigest()[:12]
+    path = os.path.join(cache_root(), f"tiny-{key}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=cache_root())
+    try:
+        write_tiny(tmp, seed)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another process won the race; theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _training_corpus() -> list[str]:
+    from shardwise.data.demo import demo_records
+
+    tmpl_text = []
+    for rec in demo_records():
+        tmpl_text.append("".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in rec["messages"]))
+    return tmpl_text
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_CONFIG["vocab_size"], special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_training_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def write_tiny(path: str, seed: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tokenizer()
+    if len(tok) > TINY_CONFIG["vocab_size"]:
+        raise ShardwiseError(f"tiny tokenizer has {len(tok)} tokens, more than the model's vocab")
+    config = LlamaConfig(**TINY_CONFIG, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    devnull_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    torch.random.set_rng_state(devnull_state)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)

@@ -1,0 +1,231 @@
+"""The shape of a decoder-only model, as far as the planner needs it.
+
+A model comes from a local Hugging Face directory (only config.json is read, with json),
+a preset name (plan/model_presets.py), the project's `tiny` model, or a bare parameter
+count ("7B", "350M") for which a Llama-style shape is assumed. No torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+from dataclasses import dataclass, replace
+
+from shardwise.errors import ShardwiseError
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-style decoder: embeddings, L blocks (attention + gated MLP), final norm, LM head."""
+
+    name: str
+    source: str  # where the numbers came from (HF repo, directory, "assumed shape")
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tied_embeddings: bool
+    max_positions: int = 4096
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    norms_per_layer: int = 2  # Gemma 2 has 4 (pre/post attention and MLP)
+    family: str = "llama"  # llama | qwen2 | qwen3 | mistral | gemma2
+    model_type: str = "llama"  # the HF model_type, used by --simulate
+
+    # ------------------------------------------------------------ parameter counts
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear projection of one block."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
+                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def layer_linear_params(self) -> int:
+        return sum(a * b for a, b in self.linear_shapes().values())
+
+    @property
+    def layer_params(self) -> int:
+        p = self.layer_linear_params + self.norms_per_layer * self.hidden_size
+        if self.attention_bias:
+            p += self.q_dim + 2 * self.kv_dim
+        if self.qk_norm:
+            p += 2 * self.head_dim
+        return p
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def head_params(self) -> int:
+        """LM head weights that are not shared with the embedding."""
+        return 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def root_params(self) -> int:
+        """Everything outside the blocks: embeddings, final norm, untied head."""
+        return self.embed_params + self.head_params + self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        return self.num_layers * self.layer_params + self.root_params
+
+    @property
+    def linear_params(self) -> int:
+        """Weights that go through a matmul (blocks + the LM head, tied or not)."""
+        return self.num_layers * self.layer_linear_params + self.vocab_size * self.hidden_size
+
+    def lora_params(self, r: int, targets: str = "all-linear") -> int:
+        """Trainable adapter parameters: r * (in + out) per adapted projection."""
+        names = LINEAR_NAMES if targets in ("all-linear", "") else [t.strip() for t in targets.split(",")]
+        shapes = self.linear_shapes()
+        return self.num_layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in names if n in shapes)
+
+    def lora_input_width(self, targets: str = "all-linear") -> int:
+        """Sum of input widths of the adapted projections of one block (each has its own dropout copy)."""
+        names = LINEAR_NAMES if targets in ("all-linear", "") else [t.strip() for t in targets.split(",")]
+        shapes = self.linear_shapes()
+        return sum(shapes[n][0] for n in names if n in shapes)
+
+    def to_hf_config(self) -> dict:
+        """A config.json dict for transformers (used by --simulate)."""
+        d = {"model_type": self.model_type, "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+             "head_dim": self.head_dim, "tie_word_embeddings": self.tied_embeddings,
+             "max_position_embeddings": self.max_positions}
+        if self.model_type == "llama":
+            d["attention_bias"] = self.attention_bias
+        return d
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def from_hf_config(cfg: dict, name: str, source: str) -> ModelSpec:
+    """Read the fields the planner needs from a config.json dict."""
+    if "text_config" in cfg and "hidden_size" not in cfg:  # multimodal wrappers: plan the language model
+        cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
+    need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in need if not isinstance(cfg.get(k), int)]
+    if missing:
+        raise ShardwiseError(f"{source}: config.json lacks {', '.join(missing)}; the planner needs a decoder-only "
+                             f"model config (Llama, Qwen, Mistral, Gemma style)")
+    mt = str(cfg.get("model_type", "llama"))
+    heads = cfg["num_attention_heads"]
+    family = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma2": "gemma2"}.get(mt, "llama")
+    return ModelSpec(
+        name=name, source=source,
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_positions=int(cfg.get("max_position_embeddings") or 4096),
+        attention_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
+        qk_norm=mt == "qwen3",
+        norms_per_layer=4 if mt == "gemma2" else 2,
+        family=family, model_type=mt,
+    )
+
+
+_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMbBtT])\s*$")
+_SCALE = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+# Llama-style shapes by size: (up to params, hidden, heads, kv heads)
+_SHAPES = [(2e8, 768, 12, 12), (6e8, 1024, 16, 16), (1.5e9, 2048, 16, 16), (4e9, 3072, 24, 24),
+           (9e9, 4096, 32, 32), (2e10, 5120, 40, 40), (4e10, 6656, 52, 8), (1e11, 8192, 64, 8),
+           (float("inf"), 12288, 96, 8)]
+
+
+def from_count(text: str) -> ModelSpec:
+    """A Llama-style model of about this many parameters ("7B", "350M")."""
+    m = _COUNT.match(text)
+    if not m:
+        raise ShardwiseError(f"--model '{text}': not a directory, preset or parameter count; "
+                             f"give a local Hugging Face directory, a preset (shardwise plan --list-models) or a count like 7B or 350M")
+    target = float(m.group(1)) * _SCALE[m.group(2).lower()]
+    if not 1e6 <= target <= 1e13:
+        raise ShardwiseError(f"--model '{text}': a parameter count must be between 1M and 10T")
+    for limit, h, a, k in _SHAPES:
+        if target <= limit:
+            break
+    vocab = 32000
+    inter = int(round(8 * h / 3 / 256)) * 256
+    probe = ModelSpec("", "", vocab, h, inter, 1, a, k, h // a, False)
+    layers = max(1, round((target - probe.root_params) / probe.layer_params))
+    return replace(probe, name=text.strip(), num_layers=layers,
+                   source=f"assumed Llama-style shape for {text.strip()}: hidden {h}, {layers} layers, "
+                          f"{a} heads ({k} KV), intermediate {inter}, vocab {vocab}, untied")
+
+
+def tiny_config() -> dict:
+    """The project's tiny model config: TINY_CONFIG read from models/tiny.py without importing it."""
+    fallback = dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                    tie_word_embeddings=False)
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "tiny.py")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "TINY_CONFIG" for t in node.targets):
+                v = node.value
+                if isinstance(v, ast.Call) and getattr(v.func, "id", "") == "dict":
+                    return {kw.arg: ast.literal_eval(kw.value) for kw in v.keywords}
+                return ast.literal_eval(v)
+    except (OSError, SyntaxError, ValueError):
+        pass
+    return fallback
+
+
+def resolve_model(text: str) -> ModelSpec:
+    """--model: a directory with config.json, a preset name, 'tiny', or a parameter count."""
+    from shardwise.plan.model_presets import MODEL_PRESETS, find_preset
+
+    text = str(text).strip()
+    if not text:
+        raise ShardwiseError("--model is empty; give a local model directory, a preset or a count like 7B")
+    if text == "tiny":
+        return from_hf_config({"model_type": "llama", **tiny_config()}, "tiny", "shardwise tiny model (models/tiny.py)")
+    if os.path.isdir(text):
+        path = os.path.join(text, "config.json")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                cfg = json.load(fh)
+        except FileNotFoundError:
+            raise ShardwiseError(f"{path}: no config.json in the model directory; point --model at a Hugging Face "
+                                 f"model directory (the one holding config.json)")
+        except (OSError, ValueError) as e:
+            raise ShardwiseError(f"{path}: cannot read config.json ({e}); fix or replace the file")
+        if not isinstance(cfg, dict):
+            raise ShardwiseError(f"{path}: config.json must hold a JSON object")
+        return from_hf_config(cfg, os.path.basename(os.path.normpath(text)), path)
+    preset = find_preset(text)
+    if preset is not None:
+        return preset
+    if _COUNT.match(text):
+        return from_count(text)
+    if "/" in text or text.startswith("."):
+        raise ShardwiseError(f"--model '{text}': no such directory; give a local Hugging Face model directory "
+                             f"(nothing is downloaded), a preset or a count like 7B")
+    import difflib
+
+    close = difflib.get_close_matches(text.lower(), list(MODEL_PRESETS), n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise ShardwiseError(f"--model '{text}': unknown preset{hint}; `shardwise plan --list-models` lists presets, "
+                         f"or give a local directory or a count like 7B")

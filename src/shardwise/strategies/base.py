@@ -1,0 +1,137 @@
+"""The strategy interface: the one place that knows how a backend wraps and steps a model.
+
+The training loop calls only these methods and never branches on the strategy:
+
+    model, optimizer = strategy.setup(model)         # wrap, move to device, build optimizer
+    with strategy.sync(model, last_micro), strategy.autocast():
+        loss = ...
+    strategy.backward(loss)
+    grad_norm = strategy.step(model, optimizer)       # unscale, clip, step, zero grads
+    state = strategy.state_dict(model, optimizer)     # portable: torch.distributed.checkpoint
+    strategy.load_state_dict(model, optimizer, state)
+    full = strategy.full_model_state_dict(model)      # rank 0: full tensors on the CPU
+
+Gradient reduction across ranks is a mean (DDP, FSDP and ZeRO all average), so the loop
+scales each rank's loss by the world size after dividing by the global loss-token count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.config import Config
+
+DTYPES = {"no": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+class Strategy:
+    name = "base"
+
+    def __init__(self, cfg: Config, env: DistEnv):
+        self.cfg, self.env = cfg, env
+        self.compute_dtype = DTYPES[cfg.mixed_precision]
+        self.param_dtype = DTYPES[cfg.param_dtype]
+        self.scaler = None
+        if cfg.mixed_precision == "fp16":
+            self.scaler = torch.amp.GradScaler(env.device.type)
+
+    # -- setup -------------------------------------------------------------------------
+    def setup(self, model: torch.nn.Module):
+        model = self.wrap(model)
+        return model, self.build_optimizer(model)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.to(self.env.device)
+
+    def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """AdamW; no weight decay on biases and norm weights (1-D tensors)."""
+        decay, no_decay = [], []
+        for p in model.parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        kw = {}
+        if self.env.device.type == "cuda":
+            kw["fused"] = True
+        else:
+            kw["foreach"] = True
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.cfg.lr, betas=(0.9, 0.999),
+                                 eps=1e-8, **kw)
+
+    # -- per step ----------------------------------------------------------------------
+    def autocast(self):
+        """Autocast when compute is in a lower precision than the stored weights."""
+        if self.compute_dtype != torch.float32 and self.param_dtype == torch.float32:
+            return torch.autocast(self.env.device.type, dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
+    def sync(self, model: torch.nn.Module, enabled: bool):
+        """Context for one micro-batch; gradients are synchronised only when enabled."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def clip_grad_norm(self, model: torch.nn.Module, optimizer) -> torch.Tensor:
+        params = [p for p in model.parameters() if p.grad is not None]
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def step(self, model: torch.nn.Module, optimizer) -> torch.Tensor:
+        """Unscale (fp16), clip, step, zero the gradients; returns the pre-clip global norm."""
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+        norm = self.clip_grad_norm(model, optimizer)
+        if self.scaler:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self, model, optimizer) -> dict:
+        """Model and optimizer state keyed by parameter names, sharded where the backend
+        shards: the form torch.distributed.checkpoint saves and reshards on load."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, optimizer)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, model, optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def full_model_state_dict(self, model) -> dict:
+        """Full (unsharded) tensors on the CPU, on rank 0; empty elsewhere."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The Hugging Face module inside any wrapper."""
+        return getattr(model, "module", model)
+
+    def describe(self) -> str:
+        return self.name

@@ -1,0 +1,25 @@
+"""`ddp`: DistributedDataParallel. A full replica per rank; one bucketed all-reduce of the
+gradients per optimizer step, overlapped with backward. Mixed precision is autocast over
+fp32 master weights (or pure bf16 weights with param_dtype bf16)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from shardwise.strategies.base import Strategy
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = model.to(self.env.device)
+        device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
+        # gradient_as_bucket_view: gradients live in the all-reduce buckets (no second copy)
+        return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+
+    def sync(self, model, enabled: bool):
+        return contextlib.nullcontext() if enabled else model.no_sync()

@@ -1,0 +1,7 @@
+"""`single`: one process, no wrapping."""
+
+from shardwise.strategies.base import Strategy
+
+
+class SingleStrategy(Strategy):
+    name = "single"

@@ -1,0 +1,1 @@
+"""The training engine: per-rank setup, the loop, metrics and checkpoints."""

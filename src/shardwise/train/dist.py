@@ -1,0 +1,68 @@
+"""Process-group setup and the small collectives the loop needs."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shardwise.strategies.base import DistEnv
+
+
+def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
+    """Join the process group torchrun's agent prepared (RANK, WORLD_SIZE, MASTER_ADDR ...),
+    or make a one-rank group in this process. NCCL with one GPU per rank when CUDA is
+    available, gloo otherwise."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        if "MASTER_ADDR" in os.environ:
+            kw = {"device_id": device} if cuda else {}
+            dist.init_process_group(backend, timeout=timeout, **kw)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistEnv(rank, world, local_rank, local_world, device, backend)
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op)
+    return t
+
+
+@torch.no_grad()
+def ensure_same_weights(model: torch.nn.Module, env: DistEnv) -> bool:
+    """The article's pitfall: ranks must start from identical weights. Compare a cheap
+    fingerprint of every tensor across ranks; if any rank differs, broadcast rank 0's
+    weights to all. Returns True when a broadcast was needed."""
+    if env.world_size == 1:
+        return False
+    tensors = list(model.state_dict().values())
+    fp = torch.stack([t.detach().double().sum() + t.detach().double().abs().sum() * 1e-3 if t.numel() else
+                      torch.zeros((), dtype=torch.float64) for t in tensors]).to(env.device)
+    ref = fp.clone()
+    dist.broadcast(ref, src=0)
+    differs = torch.tensor([float(not torch.equal(fp, ref))], device=env.device)
+    all_reduce(differs, dist.ReduceOp.MAX)
+    if differs.item() == 0:
+        return False
+    for t in tensors:
+        buf = t.detach().to(env.device)
+        dist.broadcast(buf, src=0)
+        t.copy_(buf.to(t.device))
+    return True
