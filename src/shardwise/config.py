@@ -360,6 +360,8 @@ def validate(res: Resolved) -> None:
     if base != "auto":
         for key in res.origins:
             sec = key.split(".", 1)[0] if "." in key else None
+            if sec and get(c, key) == FIELDS[key].default:
+                continue  # restating a default is harmless
             if sec == "fsdp" and base != "fsdp" and res.explicit(key):
                 raise ShardwiseError(f"{w(key)}: '{key}' applies to FSDP but the strategy is '{c.strategy}'; "
                                      f"use --strategy fsdp (or fsdp-offload / hybrid) or drop the option")
@@ -382,6 +384,14 @@ def to_yaml(cfg: Config, where: str = "") -> str:
     d = dataclasses.asdict(cfg)
     for k in RUN_CONTROL_KEYS:
         d.pop(k, None)
+    base = presets.PRESETS[cfg.strategy][0] if cfg.strategy in presets.PRESETS else cfg.strategy
+    # sections that do not apply to this run are left out (they hold defaults)
+    if base not in ("fsdp", "auto"):
+        d.pop("fsdp")
+    if base not in ("deepspeed", "auto"):
+        d.pop("deepspeed")
+    if cfg.tuner == "full":
+        d.pop("lora")
     head = "# shardwise resolved config; `shardwise train THIS_FILE` repeats the run into a new output_dir.\n"
     if where:
         head += f"# written by the run in {where}\n"

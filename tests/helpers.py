@@ -1,0 +1,47 @@
+"""Shared test helpers: run the real CLI in a subprocess, read what a run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args: str, timeout: float = 600, env: dict | None = None, cwd: str | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m shardwise ARGS` with captured output; raises with the output on failure."""
+    full_env = {**os.environ, **(env or {})}
+    p = subprocess.run([sys.executable, "-m", "shardwise", *args], capture_output=True, text=True,
+                       timeout=timeout, env=full_env, cwd=cwd)
+    if check and p.returncode != 0:
+        raise AssertionError(f"shardwise {' '.join(args)} exited {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}")
+    return p
+
+
+def read_metrics(out_dir: str) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def losses(out_dir: str) -> list[float]:
+    return [r["loss"] for r in read_metrics(out_dir)]
+
+
+def write_jsonl(path: str, records: list) -> str:
+    with open(path, "w") as fh:
+        for r in records:
+            fh.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path
+
+
+def chat_records(n: int = 64) -> list[dict]:
+    """Chat examples whose lengths and numbers of loss tokens differ."""
+    out = []
+    for i in range(n):
+        q = " ".join(["apple", "river", "stone", "cloud"][: 1 + i % 4]) * (1 + i % 3)
+        a = " ".join(["green", "quiet", "music"][: 1 + (i * 7) % 3]) * (1 + (i * 5) % 4)
+        out.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+    return out

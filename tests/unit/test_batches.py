@@ -1,0 +1,75 @@
+import pytest
+
+from shardwise.data.batches import DataPosition, StepSampler
+from shardwise.data.encode import IGNORE, Encoded
+from shardwise.errors import ShardwiseError
+
+
+def dataset(n=40):
+    ids = [[5] * (3 + i % 7) for i in range(n)]
+    tg = [[IGNORE] * (len(r) - 1 - i % 2) + [7] * (1 + i % 2) for i, r in enumerate(ids)]
+    return Encoded(ids, tg, [list(range(len(r))) for r in ids], [""] * n)
+
+
+def rows_of_step(data, world, mbs, accum, pos):
+    """Rows each rank gets, via the padded tensors' lengths (so collate is exercised)."""
+    out = []
+    for rank in range(world):
+        s = StepSampler(data, mbs, accum, world, rank, seed=3, pad_id=0)
+        batch, nxt = s.next(pos)
+        assert len(batch.micro) == accum and all(mb.input_ids.shape[0] == mbs for mb in batch.micro)
+        out.append(batch)
+    return out, nxt
+
+
+def test_ranks_split_the_global_batch_disjointly_and_agree_on_counts():
+    data = dataset()
+    batches, nxt = rows_of_step(data, world=2, mbs=2, accum=3, pos=DataPosition())
+    assert batches[0].rows == batches[1].rows and len(set(batches[0].rows)) == 12
+    assert batches[0].loss_tokens == sum(sum(t != IGNORE for t in data.targets[r]) for r in batches[0].rows)
+    # the global batch of 2 ranks is the same rows as one process with twice the accumulation
+    single, _ = rows_of_step(data, world=1, mbs=2, accum=6, pos=DataPosition())
+    assert single[0].rows == batches[0].rows and single[0].loss_tokens == batches[0].loss_tokens
+    assert nxt == DataPosition(0, 12)
+
+
+def test_padding_is_ignored_and_positions_continue():
+    data = dataset()
+    s = StepSampler(data, 4, 1, 1, 0, seed=0, pad_id=0)
+    mb = s.collate([0, 6])
+    assert mb.input_ids.shape[1] % 8 == 0
+    assert (mb.targets[0, len(data.input_ids[0]):] == IGNORE).all()
+    assert mb.position_ids[0].tolist() == list(range(mb.input_ids.shape[1]))
+
+
+def test_epochs_roll_over_with_a_new_order_and_drop_the_partial_batch():
+    data = dataset(40)
+    s = StepSampler(data, 4, 1, 2, 0, seed=1, pad_id=0)
+    assert s.steps_per_epoch == 5
+    pos, seen = DataPosition(), []
+    for _ in range(5):
+        b, pos = s.next(pos)
+        seen += b.rows
+    assert sorted(seen) == list(range(40)) and pos == DataPosition(0, 40)
+    b, pos = s.next(pos)
+    assert pos == DataPosition(1, 8) and b.rows != seen[:8]
+
+
+def test_position_is_world_size_independent():
+    """Resuming on another world size continues at the same row of the same epoch."""
+    data = dataset(48)
+    two = StepSampler(data, 2, 1, 2, 0, seed=5, pad_id=0)
+    one = StepSampler(data, 2, 1, 1, 0, seed=5, pad_id=0)
+    pos, rows = DataPosition(), []
+    for _ in range(3):
+        b, pos = two.next(pos)
+        rows += b.rows
+    for _ in range(3):
+        b, pos = one.next(pos)
+        rows += b.rows
+    assert len(rows) == len(set(rows)) == 18 and rows == two.order(0)[:18]
+
+
+def test_too_little_data_for_one_global_batch():
+    with pytest.raises(ShardwiseError, match="fewer than one global batch of 64"):
+        StepSampler(dataset(10), 8, 4, 2, 0, seed=0, pad_id=0)

@@ -1,0 +1,104 @@
+import argparse
+
+import pytest
+import yaml
+
+from shardwise import config
+from shardwise.errors import ShardwiseError
+
+REQUIRED_FLAGS = ["--model", "--data", "--data-format", "--strategy", "--nproc-per-node", "--nnodes", "--node-rank",
+                  "--rdzv-endpoint", "--max-steps", "--epochs", "--micro-batch-size", "--grad-accum", "--seq-len",
+                  "--lr", "--warmup-steps", "--seed", "--output-dir", "--log-every", "--save-every", "--resume",
+                  "--mixed-precision", "--gradient-checkpointing", "--packing"]
+
+
+def flags(*argv):
+    p = argparse.ArgumentParser()
+    config.add_flags(p)
+    return config.flags_from_namespace(p.parse_args(list(argv)))
+
+
+def write(tmp_path, text):
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_every_required_flag_exists_with_its_spelling():
+    assert set(REQUIRED_FLAGS) <= {fi.flag for fi in config.FIELDS.values()}
+
+
+def test_flags_win_over_yaml_and_yaml_over_defaults(tmp_path):
+    path = write(tmp_path, "model: tiny\nlr: 0.5\nmicro_batch_size: 3\nfsdp:\n  prefetch: false\nstrategy: fsdp\n")
+    res = config.load_config(path, flags("--lr", "0.25"))
+    assert res.cfg.lr == 0.25 and res.cfg.micro_batch_size == 3 and res.cfg.fsdp.prefetch is False
+    assert res.origins["lr"] == "flag --lr" and res.origins["micro_batch_size"].endswith("run.yaml:3")
+    # untouched keys keep the dataclass default (a config file disables the demo recipe)
+    assert res.cfg.seq_len == config.Config().seq_len
+
+
+def test_demo_recipe_applies_only_without_a_config_file(tmp_path):
+    assert config.load_config(None, {}).cfg.seq_len == 128  # demo.yaml
+    assert config.load_config(None, flags("--seq-len", "64")).cfg.seq_len == 64
+    assert config.load_config(write(tmp_path, "model: tiny\n"), {}).cfg.seq_len == config.Config().seq_len
+
+
+def test_unknown_key_names_file_line_and_suggests(tmp_path):
+    path = write(tmp_path, "model: tiny\n\nmicro_batch: 4\n")
+    with pytest.raises(ShardwiseError, match=r"run\.yaml:3: unknown key 'micro_batch' \(did you mean 'micro_batch_size'\?\)"):
+        config.load_config(path, {})
+
+
+def test_bad_types_and_choices_name_where(tmp_path):
+    with pytest.raises(ShardwiseError, match=r"run\.yaml:1: 'lr' must be a float, got 'fast'"):
+        config.load_config(write(tmp_path, "lr: fast\n"), {})
+    with pytest.raises(ShardwiseError, match=r"flag --mixed-precision: 'mixed_precision' must be one of auto, no, bf16, fp16"):
+        config.load_config(None, flags("--mixed-precision", "fp8"))
+    with pytest.raises(ShardwiseError, match=r"run\.yaml:2: invalid YAML"):
+        config.load_config(write(tmp_path, "a: 1\n  b: [\n"), {})
+
+
+def test_unknown_strategy_lists_the_known_ones():
+    with pytest.raises(ShardwiseError, match=r"flag --strategy: unknown strategy 'fsdp3'; known: single, ddp, fsdp"):
+        config.load_config(None, flags("--strategy", "fsdp3"))
+
+
+def test_preset_options_yield_to_explicit_options():
+    res = config.load_config(None, flags("--strategy", "fsdp-offload"))
+    assert res.cfg.fsdp.cpu_offload is True and res.origins["fsdp.cpu_offload"] == "preset fsdp-offload"
+    res = config.load_config(None, flags("--strategy", "fsdp-offload", "--no-fsdp-cpu-offload"))
+    assert res.cfg.fsdp.cpu_offload is False
+    assert config.load_config(None, flags("--strategy", "zero3-offload")).cfg.deepspeed.offload_params is True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--strategy", "ddp", "--fsdp-cpu-offload"), r"'fsdp.cpu_offload' applies to FSDP but the strategy is 'ddp'"),
+    (("--strategy", "ddp", "--deepspeed-offload-optimizer"), r"applies to DeepSpeed"),
+    (("--strategy", "hybrid"), r"hybrid sharding needs more than one node"),
+    (("--nnodes", "2"), r"needs --rdzv-endpoint"),
+    (("--node-rank", "1"), r"node_rank must be in \[0, nnodes=1\)"),
+    (("--strategy", "single", "--nproc-per-node", "2"), r"strategy 'single' runs one process"),
+    (("--micro-batch-size", "0"), r"flag --micro-batch-size: micro_batch_size must be >= 1"),
+    (("--mixed-precision", "fp16", "--param-dtype", "bf16"), r"mixes two half types"),
+    (("--fsdp-wrap", "size:x", "--strategy", "fsdp"), r"fsdp.wrap must be 'block' or 'size:N'"),
+    (("--rdzv-endpoint", "nohostport"), r"rdzv_endpoint must be HOST:PORT"),
+])
+def test_invalid_combinations_are_refused_with_where(argv, message):
+    with pytest.raises(ShardwiseError, match=message):
+        config.load_config(None, flags(*argv))
+
+
+def test_resolved_yaml_round_trips_and_omits_run_control(tmp_path):
+    res = config.load_config(None, flags("--strategy", "fsdp-grad-op", "--lr", "0.01", "--output-dir", "x",
+                                         "--packing", "--tuner", "lora", "--lora-r", "8"))
+    text = config.to_yaml(res.cfg)
+    assert "output_dir" not in yaml.safe_load(text)
+    again = config.load_config(write(tmp_path, text), {}).cfg
+    res.cfg.output_dir = ""
+    assert again == res.cfg
+
+
+def test_config_docs_lists_every_key():
+    doc = config.config_docs()
+    for fi in config.FIELDS.values():
+        assert f"`{fi.flag}`" in doc

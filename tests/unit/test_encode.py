@@ -1,0 +1,98 @@
+import pytest
+import torch
+
+from shardwise.data.encode import IGNORE, encode, shift
+from shardwise.data.formats import Record
+from shardwise.errors import ShardwiseError
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    from shardwise.models.load import load_tokenizer
+
+    return load_tokenizer(tiny_dir)
+
+
+def chat(*turns):
+    return Record("chat", [{"role": r, "content": c} for r, c in turns], "t:1")
+
+
+def decoded_targets(tok, enc, row=0):
+    return tok.decode([t for t in enc.targets[row] if t != IGNORE])
+
+
+def test_loss_only_on_assistant_turns_and_their_end_marker(tok):
+    rec = chat(("system", "be brief"), ("user", "reverse: a b"), ("assistant", "b a"),
+               ("user", "again"), ("assistant", "a b"))
+    enc = encode([rec], tok, 256, packing=False)
+    assert decoded_targets(tok, enc) == "b a<|im_end|>\na b<|im_end|>\n"
+    # every input position whose target is set is followed by an assistant token
+    ids, tg = enc.input_ids[0], enc.targets[0]
+    assert all(tg[i] == ids[i + 1] for i in range(len(ids) - 1) if tg[i] != IGNORE)
+    assert tg[-1] == IGNORE
+
+
+def test_text_records_train_on_every_token(tok):
+    enc = encode([Record("text", "hello world", "t:1")], tok, 256, packing=False)
+    n = len(enc.input_ids[0])
+    assert sum(t != IGNORE for t in enc.targets[0]) == n - 1
+    assert enc.input_ids[0][-1] == tok.eos_token_id
+
+
+def test_truncation_is_counted_and_keeps_next_token_target(tok):
+    long = chat(("user", "x"), ("assistant", "apple river stone " * 30))
+    enc = encode([long, chat(("user", "y"), ("assistant", "z"))], tok, 16, packing=False)
+    assert enc.stats["truncated"] == 1 and len(enc.input_ids[0]) == 16 and len(enc.targets[0]) == 16
+
+
+def test_examples_without_loss_tokens_after_truncation_are_dropped(tok):
+    rec = chat(("user", "apple river stone " * 30), ("assistant", "z"))
+    with pytest.raises(ShardwiseError, match="no example keeps a loss token at seq_len 16"):
+        encode([rec], tok, 16, packing=False)
+
+
+def test_chat_data_needs_a_chat_template(tok):
+    tok2 = type(tok).from_pretrained(tok.name_or_path)
+    tok2.chat_template = None
+    with pytest.raises(ShardwiseError, match="tokenizer has no chat template"):
+        encode([chat(("user", "a"), ("assistant", "b"))], tok2, 64, packing=False)
+
+
+def test_packing_restarts_positions_and_never_crosses_examples(tok):
+    recs = [chat(("user", f"q{i}"), ("assistant", "answer " * (1 + i))) for i in range(6)]
+    plain = encode(recs, tok, 64, packing=False)
+    packed = encode(recs, tok, 64, packing=True)
+    assert len(packed) < len(plain)
+    assert sum(len(r) for r in packed.input_ids) == sum(len(r) for r in plain.input_ids)
+    assert max(len(r) for r in packed.input_ids) <= 64
+    # the concatenated targets are exactly the per-example targets: no label crosses a boundary
+    flat = lambda rows: [t for r in rows for t in r]  # noqa: E731
+    assert flat(packed.targets) == flat(plain.targets)
+    for pos in packed.position_ids:
+        starts = [i for i, p in enumerate(pos) if p == 0]
+        assert starts[0] == 0 and len(starts) >= 1
+
+
+def test_packed_attention_is_block_diagonal_in_the_real_model(tok, tiny_dir):
+    """A packed row gives each example the same logits as running it alone."""
+    from shardwise.models.load import load_model
+
+    model = load_model(tiny_dir, torch.float32).eval()
+    recs = [chat(("user", "reverse: a b c"), ("assistant", "c b a")), chat(("user", "sort 3 1"), ("assistant", "1 3"))]
+    plain = encode(recs, tok, 128, packing=False)
+    packed = encode(recs, tok, 128, packing=True)
+    assert len(packed) == 1
+    with torch.no_grad():
+        row = torch.tensor([packed.input_ids[0]])
+        pos = torch.tensor([packed.position_ids[0]])
+        together = model(input_ids=row, position_ids=pos).logits[0]
+        n0 = len(plain.input_ids[0])
+        alone = model(input_ids=torch.tensor([plain.input_ids[1]])).logits[0]
+        torch.testing.assert_close(together[n0:], alone, rtol=1e-4, atol=1e-4)
+        # without restarting positions the second example would see the first
+        leaky = model(input_ids=row).logits[0]
+        assert (leaky[n0:] - alone).abs().max() > 1e-2
+
+
+def test_shift_masks_targets_not_followed_by_loss_tokens():
+    assert shift([1, 2, 3, 4], [0, 0, 1, 1]) == [IGNORE, 3, 4, IGNORE]

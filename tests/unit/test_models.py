@@ -1,0 +1,67 @@
+import json
+import os
+
+import pytest
+import torch
+
+from shardwise.errors import ShardwiseError
+from shardwise.models.load import load_model, load_tokenizer, resolve_model_dir
+
+
+def test_tiny_is_a_real_hf_directory(tiny_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True)
+    assert tok.chat_template and tok.pad_token_id is not None
+    assert os.path.isfile(os.path.join(tiny_dir, "model.safetensors"))
+    assert model.config.model_type == "llama" and model.config.vocab_size >= len(tok)
+    out = model(input_ids=torch.tensor([tok("hello")["input_ids"]]))
+    assert torch.isfinite(out.logits).all()
+
+
+def test_tiny_is_deterministic_per_seed(tmp_path, monkeypatch):
+    from shardwise.models import tiny
+
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path))
+    a = load_model(tiny.tiny_dir(7), torch.float32).state_dict()
+    b_dir = tmp_path / "again"
+    tiny.write_tiny(str(b_dir), 7)
+    b = load_model(str(b_dir), torch.float32).state_dict()
+    c = load_model(tiny.tiny_dir(8), torch.float32).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+
+
+def test_model_dir_errors(tmp_path):
+    with pytest.raises(ShardwiseError, match="no such directory"):
+        resolve_model_dir(str(tmp_path / "nope"), 0)
+    with pytest.raises(ShardwiseError, match="no config.json"):
+        resolve_model_dir(str(tmp_path), 0)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(ShardwiseError, match="no safetensors weights.*pickle weights pytorch_model.bin"):
+        resolve_model_dir(str(tmp_path), 0)
+
+
+def test_corrupt_weights_are_one_clear_error(tmp_path, tiny_dir):
+    import shutil
+
+    bad = tmp_path / "m"
+    shutil.copytree(tiny_dir, bad)
+    with open(bad / "model.safetensors", "r+b") as fh:
+        fh.truncate(1000)
+    with pytest.raises(ShardwiseError, match="cannot load the model"):
+        load_model(str(bad), torch.float32)
+
+
+def test_tokenizer_without_pad_gets_one(tmp_path, tiny_dir):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.pop("pad_token", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_tokenizer(str(d))
+    assert tok.pad_token_id is not None
