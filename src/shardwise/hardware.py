@@ -5,7 +5,10 @@ Importing this module never initialises CUDA or a process group; `detect()` only
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 
 # Dense peak TFLOP/s by (device name substring, dtype), from the vendors' datasheets
@@ -29,6 +32,7 @@ class Hardware:
     device_count: int  # GPUs per node (0 on CPU)
     memory_gib: float  # per device (GPU memory, or host RAM on CPU)
     host_memory_gib: float
+    nvlink: bool | None = None  # GPUs of a node linked by NVLink (None: not known)
 
 
 def peak_flops(device_name: str, dtype: str = "bf16") -> float | None:
@@ -59,3 +63,70 @@ def bf16_supported() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+# ----------------------------------------------------------------------------- links
+
+# Nominal per-GPU (or per-node, for the network) bandwidths in Gb/s, used when nothing is
+# measured or given. nccl-tests bus bandwidth reaches ~80% of these on large messages.
+LINKS_GBPS = {
+    "nvlink4": (3600.0, "NVLink 4 (H100/H200 SXM, 450 GB/s per direction)"),
+    "nvlink3": (2400.0, "NVLink 3 (A100 SXM, 300 GB/s per direction)"),
+    "pcie4": (256.0, "PCIe Gen4 x16 (32 GB/s)"),
+    "pcie5": (512.0, "PCIe Gen5 x16 (64 GB/s)"),
+    "eth25": (25.0, "25 Gb/s Ethernet"),
+    "net100": (100.0, "100 Gb/s Ethernet/InfiniBand per node"),
+    "ib400": (400.0, "400 Gb/s InfiniBand per node"),
+    "gloo": (40.0, "gloo on one host (shared memory / loopback TCP)"),
+}
+LINK_EFFICIENCY = 0.8  # achieved bus bandwidth / nominal, large messages
+
+
+def default_intra_link(device_name: str, nvlink: bool | None = None) -> str:
+    """The link assumed between GPUs of one node when nothing is measured or given."""
+    if device_name == "cpu":
+        return "gloo"
+    if nvlink is False:
+        return "pcie5" if any(k in device_name for k in ("H100", "H200", "L40S")) else "pcie4"
+    if any(k in device_name for k in ("H100", "H200", "B200", "GH200")):
+        return "nvlink4"
+    if "A100" in device_name or nvlink:
+        return "nvlink3"
+    return "pcie4"
+
+
+def cache_dir() -> str:
+    """Where measurements are kept: $SHARDWISE_CACHE_DIR, else ~/.cache/shardwise."""
+    return os.environ.get("SHARDWISE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "shardwise")
+
+
+def doctor_path() -> str:
+    return os.path.join(cache_dir(), "doctor.json")
+
+
+def load_doctor() -> dict | None:
+    """The last `shardwise doctor` report, or None."""
+    try:
+        with open(doctor_path(), encoding="utf-8") as fh:
+            d = json.load(fh)
+        return d if isinstance(d, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def detect_light() -> Hardware:
+    """Like detect(), without importing torch: nvidia-smi when present, else the host."""
+    host = host_memory_gib()
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=5).stdout
+            rows = [r.split(",") for r in out.strip().splitlines() if r.strip()]
+            if rows:
+                topo = subprocess.run([smi, "topo", "-m"], capture_output=True, text=True, timeout=5).stdout
+                nvlink = any(tok.startswith("NV") and tok[2:].isdigit() for tok in topo.split()) if len(rows) > 1 else None
+                return Hardware("cuda", rows[0][0].strip(), len(rows), float(rows[0][1]) / 1024, host, nvlink)
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            pass
+    return Hardware("cpu", "cpu", 0, host, host)

@@ -1,0 +1,181 @@
+"""Communication per step and the step-time model. Pure arithmetic.
+
+Collective sizes follow nccl-tests: a collective of M bytes (the full, unsharded buffer)
+on n ranks puts 2(n-1)/n*M bytes per rank on the wire for all-reduce and (n-1)/n*M for
+all-gather / reduce-scatter, and takes that many bytes divided by the bus bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardwise.plan.memory import QLORA_BYTES_PER_PARAM, Job, Opts, unit_params
+from shardwise.plan.model_spec import ModelSpec
+
+DS_CPU_ADAM_PARAMS_PER_S = 1.5e9  # DeepSpeed CPUAdam (AVX/OpenMP), per node
+TORCH_CPU_ADAM_PARAMS_PER_S = 5e8  # torch AdamW on the host, per node
+HOST_LINK_GBPS = 200.0  # PCIe Gen4 x16 nominal, per GPU, for offload traffic
+HBM_BYTES_PER_S = 2.0e12  # effective device memory bandwidth for the optimizer step (GPU)
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bus bandwidths (bytes/s) and per-collective latency (s)."""
+
+    intra_busbw: float
+    inter_busbw: float  # per node, all NICs together
+    intra_latency: float = 15e-6
+    inter_latency: float = 40e-6
+    host_bw: float = HOST_LINK_GBPS / 8 * 1e9 * 0.8
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Effective FLOP/s of one rank: peak * MFU."""
+
+    peak_flops: float
+    mfu: float
+    device_mem_bw: float = HBM_BYTES_PER_S
+
+
+@dataclass
+class Coll:
+    op: str  # all_reduce | all_gather | reduce_scatter | h2d | d2h
+    bytes: float  # M, the full buffer
+    ranks: int
+    where: str  # intra | inter | flat | host
+    per_step: float  # how many times per optimizer step
+    phase: str  # fwd | bwd | step
+
+    def wire(self) -> float:
+        n = self.ranks
+        if self.op in ("h2d", "d2h"):
+            return self.bytes
+        if n <= 1:
+            return 0.0
+        f = 2 * (n - 1) / n if self.op == "all_reduce" else (n - 1) / n
+        return f * self.bytes
+
+
+@dataclass
+class Timing:
+    comm_bytes: float  # bytes on the wire per rank per optimizer step
+    compute_s: float
+    exposed_comm_s: float
+    other_s: float  # offload transfers, CPU optimizer step, device optimizer step
+    step_s: float
+    tokens_per_s: float
+    collectives: list = field(default_factory=list)
+
+
+def collectives(spec: ModelSpec, job: Job, o: Opts, shard_n: int) -> list[Coll]:
+    """The collectives of one optimizer step for one strategy."""
+    P = spec.total_params
+    full = job.tuner == "full"
+    P_t = P if full else spec.lora_params(job.lora_r, job.lora_targets)
+    c, w = job.c, job.w
+    rd = 4 if w == 4 else w
+    ga = job.grad_accum
+    flat = "flat" if job.nodes > 1 else "intra"
+    gb = QLORA_BYTES_PER_PARAM if job.tuner == "qlora" else c
+    blocks = P - spec.root_params
+    gathered = gb * blocks + c * spec.root_params
+    out: list[Coll] = []
+    if o.base == "ddp" and job.world > 1:
+        out.append(Coll("all_reduce", w * P_t, job.world, flat, 1, "bwd"))
+    elif o.base == "fsdp" and job.world > 1:
+        where = "intra" if o.hybrid else flat
+        # forward gathers every unit; backward gathers the blocks again unless kept (reshard_after_forward off);
+        # the root stays gathered between forward and backward
+        out.append(Coll("all_gather", gathered, shard_n, where, ga, "fwd"))
+        if o.reshard_after_forward:
+            out.append(Coll("all_gather", gb * blocks, shard_n, where, ga, "bwd"))
+        out.append(Coll("reduce_scatter", rd * P_t, shard_n, where, ga, "bwd"))
+        if o.hybrid and job.world > shard_n:
+            out.append(Coll("all_reduce", rd * P_t / shard_n, job.world // shard_n, "inter", ga, "bwd"))
+        if o.cpu_offload:
+            out.append(Coll("h2d", w * P / shard_n * (2 if o.reshard_after_forward else 1), 1, "host", ga, "fwd"))
+            out.append(Coll("d2h", rd * P_t / shard_n, 1, "host", ga, "bwd"))
+    elif o.base == "deepspeed" and job.world > 1:
+        n = job.world
+        if o.stage == 3:
+            out.append(Coll("all_gather", gathered, n, flat, ga, "fwd"))
+            out.append(Coll("all_gather", gathered, n, flat, ga, "bwd"))
+            out.append(Coll("reduce_scatter", c * P_t, n, flat, ga, "bwd"))
+        else:
+            out.append(Coll("reduce_scatter", c * P_t, n, flat, ga if o.stage == 2 else 1, "bwd"))
+            out.append(Coll("all_gather", c * P_t, n, flat, 1, "step"))
+        if o.offload_optimizer:
+            out.append(Coll("d2h", c * P_t / n, 1, "host", ga if o.stage >= 2 else 1, "bwd"))
+            out.append(Coll("h2d", c * P_t / n, 1, "host", 1, "step"))
+        if o.offload_params and o.stage == 3:
+            out.append(Coll("h2d", 2 * c * P / n, 1, "host", ga, "fwd"))
+    return out
+
+
+def coll_time(cl: Coll, links: Links) -> float:
+    if cl.where == "host":
+        return cl.bytes / links.host_bw
+    if cl.where == "intra":
+        bw, lat = links.intra_busbw, links.intra_latency
+    elif cl.where == "inter":
+        bw, lat = links.inter_busbw, links.inter_latency
+    else:  # a flat ring across nodes runs at the slower of the two
+        bw, lat = min(links.intra_busbw, links.inter_busbw), links.inter_latency
+    return cl.wire() / bw + lat
+
+
+def flops_per_microbatch(spec: ModelSpec, job: Job) -> tuple[float, float]:
+    """(forward, backward) FLOPs of one micro-batch on one rank; MEASUREMENTS.md convention 6N + 12*L*H*S per token."""
+    T, S = job.tokens, job.seq_len
+    P = spec.total_params
+    attn_f = 4 * spec.num_layers * spec.q_dim * S * T  # 1/3 of 12*L*H*S
+    fwd = 2 * P * T + attn_f
+    if job.tuner == "full":
+        bwd = 4 * P * T + 2 * attn_f
+    else:  # frozen weights need only input gradients
+        P_t = spec.lora_params(job.lora_r, job.lora_targets)
+        bwd = 2 * P * T + 6 * P_t * T + 2 * attn_f
+    if job.checkpointing:  # blocks run forward again in backward
+        bwd += 2 * (P - spec.root_params) * T + attn_f
+    return fwd, bwd
+
+
+def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, comp: Compute) -> Timing:
+    colls = collectives(spec, job, o, shard_n)
+    f_fwd, f_bwd = flops_per_microbatch(spec, job)
+    rate = comp.peak_flops * comp.mfu
+    t_fwd, t_bwd = f_fwd / rate, f_bwd / rate
+    ga = job.grad_accum
+    compute = ga * (t_fwd + t_bwd)
+    overlap = 1.0 if (o.prefetch or o.base != "fsdp") else 0.5
+    exposed = 0.0
+    other = 0.0
+    net = [cl for cl in colls if cl.where != "host"]
+    if o.base == "ddp":
+        for cl in net:  # overlapped with the last micro-batch's backward, except the last bucket
+            t = coll_time(cl, links)
+            exposed += max(0.0, t - t_bwd) + min(t, t * 25 * 2**20 / max(cl.bytes, 1.0))
+    elif o.base == "fsdp" or (o.base == "deepspeed" and o.stage == 3):
+        for phase, t_comp in (("fwd", t_fwd), ("bwd", t_bwd)):
+            ph = [cl for cl in net if cl.phase == phase]
+            t = sum(coll_time(cl, links) / cl.per_step * ga for cl in ph) / ga if ph else 0.0
+            units = max(unit_params(spec, o)[1], 1)
+            exposed += ga * (max(0.0, t - overlap * t_comp) + t / units)  # the first gather cannot overlap
+    else:  # ZeRO-1/2: overlap_comm is off by default in DeepSpeed
+        exposed += sum(coll_time(cl, links) * cl.per_step for cl in net)
+    for cl in colls:
+        if cl.where == "host":
+            other += coll_time(cl, links) * cl.per_step
+    P_t = spec.total_params if job.tuner == "full" else spec.lora_params(job.lora_r, job.lora_targets)
+    per_rank_params = P_t / (shard_n if o.base in ("fsdp", "deepspeed") else 1)
+    cpu_step = (o.base == "fsdp" and o.cpu_offload) or (o.base == "deepspeed" and o.offload_optimizer)
+    if cpu_step:
+        node_rate = DS_CPU_ADAM_PARAMS_PER_S if o.base == "deepspeed" else TORCH_CPU_ADAM_PARAMS_PER_S
+        other += per_rank_params / (node_rate / job.gpus_per_node)
+    else:  # AdamW reads p, g, m, v and writes p, m, v in the state dtype
+        other += 7 * job.w * per_rank_params / comp.device_mem_bw
+    step = compute + exposed + other
+    comm_bytes = sum(cl.wire() * cl.per_step for cl in net)
+    tokens = job.world * job.tokens * ga
+    return Timing(comm_bytes, compute, exposed, other, step, tokens / step if step > 0 else 0.0, colls)

@@ -1,0 +1,194 @@
+"""`shardwise plan`: per-rank memory, communication and step time for every strategy preset.
+
+    shardwise plan --model PATH|PRESET|7B --gpus 8 --gpu-memory 80 [--nodes 2] ... [--json]
+    shardwise plan CONFIG.yaml        # plan exactly what `train CONFIG.yaml` would run
+
+The analytic path imports no torch; --simulate imports torch and transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from shardwise.errors import ShardwiseError
+
+# config keys that `plan` shares with `train` (same flag spelling and meaning)
+SHARED_KEYS = ["model", "strategy", "seq_len", "micro_batch_size", "grad_accum", "tuner", "lora.r", "lora.targets",
+               "mixed_precision", "param_dtype", "gradient_checkpointing", "packing", "nproc_per_node",
+               "fsdp.reshard_after_forward", "fsdp.hybrid", "fsdp.shard_group_size", "fsdp.cpu_offload",
+               "fsdp.wrap", "fsdp.prefetch", "deepspeed.stage", "deepspeed.offload_optimizer",
+               "deepspeed.offload_params"]
+
+
+def add_parser(subparsers) -> None:
+    from shardwise import config
+
+    p = subparsers.add_parser(
+        "plan", help="Predict per-rank memory, communication and speed of every strategy; recommend one.",
+        description="Predict per-rank memory, communication and step time of every strategy preset and recommend "
+                    "one. --model also takes a preset name (--list-models) or a parameter count such as 7B; "
+                    "with CONFIG.yaml it plans exactly what `shardwise train CONFIG.yaml` would run and lints it.")
+    p.add_argument("config", nargs="?", help="YAML config file: plan what `train CONFIG` would run.")
+    p.add_argument("--gpus", metavar="N", help="GPUs per node (default: detected; on a CPU-only machine 2 ranks).")
+    p.add_argument("--nodes", metavar="N", help="Number of nodes (default 1, or nnodes from the config).")
+    p.add_argument("--gpu-memory", metavar="GIB", help="Memory per GPU in GiB (default: detected, else 80).")
+    p.add_argument("--gpu-type", metavar="NAME", help="GPU model for peak FLOP/s and links, e.g. H100, A100 (default: detected, else H100).")
+    p.add_argument("--intra-node-gbps", metavar="X", help="GPU-to-GPU bandwidth in a node, Gb/s per GPU "
+                   "(default: measured by `shardwise doctor`, else NVLink for H100/H200/A100, PCIe otherwise).")
+    p.add_argument("--inter-node-gbps", metavar="Y", help="Network bandwidth per node, Gb/s (default 100; 25/100/400 Ethernet/IB).")
+    p.add_argument("--mfu", metavar="F", help="Model FLOPs utilisation to assume (default 0.41, measured eager bf16 on H200).")
+    p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
+    p.add_argument("--simulate", action="store_true", help="Also measure per-rank memory exactly by running one step of "
+                   "the real model under fake tensors and a fake process group (imports torch; slower).")
+    p.add_argument("--list-models", action="store_true", help="List the model presets and exit.")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    config.add_flags(p, only=SHARED_KEYS)
+    p.set_defaults(func=run)
+
+
+def _num(value, flag: str, kind=int):
+    if value is None:
+        return None
+    try:
+        v = kind(value)
+    except (TypeError, ValueError):
+        raise ShardwiseError(f"{flag} must be {'an integer' if kind is int else 'a number'}, got '{value}'")
+    return v
+
+
+def build(args):
+    """(plan, resolved config) for parsed arguments."""
+    from shardwise import config
+    from shardwise.plan.decide import plan_model
+    from shardwise.plan.inputs import job_from_config, make_setup
+    from shardwise.plan.lint import lint
+    from shardwise.plan.model_spec import resolve_model
+
+    flags = config.flags_from_namespace(args)
+    res = config.load_config(getattr(args, "config", None), flags)
+    cfg = res.cfg
+    gpus = _num(getattr(args, "gpus", None), "--gpus")
+    nodes = _num(getattr(args, "nodes", None), "--nodes")
+    if gpus is not None and gpus < 1:
+        raise ShardwiseError(f"--gpus must be >= 1 (GPUs per node), got {gpus}")
+    if nodes is not None and nodes < 1:
+        raise ShardwiseError(f"--nodes must be >= 1, got {nodes}")
+    nodes = nodes or cfg.nnodes
+    per_node = cfg.nproc_per_node or None
+    if cfg.strategy == "single":
+        if (gpus or 1) * nodes != 1:
+            raise ShardwiseError("strategy 'single' runs one process; drop --strategy single or use --gpus 1")
+        per_node = 1
+    if gpus is not None and per_node is not None and gpus != per_node:
+        raise ShardwiseError(f"--gpus {gpus} disagrees with nproc_per_node {per_node} "
+                             f"({res.where('nproc_per_node')}); give one of them")
+    setup = make_setup(None, gpus=gpus, nodes=nodes,
+                       gpu_memory=_num(getattr(args, "gpu_memory", None), "--gpu-memory", float),
+                       gpu_type=getattr(args, "gpu_type", None),
+                       intra_gbps=_num(getattr(args, "intra_node_gbps", None), "--intra-node-gbps", float),
+                       inter_gbps=_num(getattr(args, "inter_node_gbps", None), "--inter-node-gbps", float),
+                       mfu=_num(getattr(args, "mfu", None), "--mfu", float),
+                       ranks_per_node=per_node if gpus is None else None)
+    spec = resolve_model(cfg.model)
+    job = job_from_config(cfg, setup)
+    configured = None
+    if getattr(args, "config", None) or res.explicit("strategy"):
+        configured = cfg.strategy if cfg.strategy != "auto" else None
+    plan = plan_model(spec, job, setup, configured=configured, cfg=cfg)
+    plan.lint = lint(plan, res)
+    return plan, res
+
+
+def run(args) -> int:
+    if getattr(args, "list_models", False):
+        from shardwise.plan.model_presets import MODEL_PRESETS
+
+        for name, s in MODEL_PRESETS.items():
+            print(f"{name:16s} {s.total_params / 1e9:7.2f}B  {s.source}")
+        print(f"{'tiny':16s}  (shardwise's demo model)  — or any local HF directory, or a count like 7B / 350M")
+        return 0
+    plan, res = build(args)
+    sim = None
+    if getattr(args, "simulate", False):
+        from shardwise.plan.simulate import simulate_plan
+
+        sim = simulate_plan(plan)
+    if getattr(args, "json", False):
+        d = plan.to_json()
+        if sim is not None:
+            d["simulated"] = sim
+        json.dump(d, sys.stdout, indent=2)
+        print()
+    else:
+        print(render(plan, sim))
+    return 0
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def _job_line(plan) -> str:
+    j = plan.job
+    dt = {4: "fp32"}.get(j.c, "fp16" if j.compute == "fp16" else "bf16")
+    tuner = {"full": "full fine-tune", "lora": f"LoRA r={j.lora_r}", "qlora": f"QLoRA r={j.lora_r} (4-bit base)"}[j.tuner]
+    return (f"{tuner}; micro-batch {j.micro_batch} x {j.seq_len} tokens, grad-accum {j.grad_accum} "
+            f"(global {j.micro_batch * j.grad_accum * j.world} sequences); compute {dt}, weights/grads/optimizer "
+            f"{j.param_dtype}; checkpointing {'on' if j.checkpointing else 'off'}; packing {'on' if j.packing else 'off'}")
+
+
+def render(plan, sim=None) -> str:
+    from shardwise.plan.memory import GiB, Opts, layer_activations
+
+    s, h = plan.spec, plan.setup
+    lines = [f"model     {s.name}: {s.total_params / 1e9:.3g}B params ({s.num_layers} layers, hidden {s.hidden_size}, "
+             f"vocab {s.vocab_size}) — {s.source}",
+             f"job       {_job_line(plan)}",
+             f"hardware  {h.gpus_per_node} x {h.device_name} ({h.device_mem_gib:.1f} GiB) x {h.nodes} node(s) = "
+             f"{h.world} ranks; intra-node {h.intra_label}"
+             + (f"; inter-node {h.inter_label}" if h.nodes > 1 else "")]
+    for n in h.notes:
+        lines.append(f"          - {n}")
+    per = sum(layer_activations(s, plan.job, Opts("fsdp")).values())
+    ck = plan.job.tokens * s.hidden_size * plan.job.c
+    lines.append(f"activations per block: {per / 2**20:,.1f} MiB without checkpointing, {ck / 2**20:,.1f} MiB with "
+                 f"(block input only); logits + fp32 loss at the peak: "
+                 f"{(plan.job.c + 12) * plan.job.tokens * s.vocab_size / GiB:.2f} GiB")
+    lines.append("")
+    hdr = (f"{'per rank (GiB)':15s}{'params':>8s}{'grads':>8s}{'optim':>8s}{'activ':>8s}{'buffers':>8s}"
+           f"{'total':>8s}  {'fits':5s}{'comm GB':>9s}{'step s':>9s}{'tokens/s':>11s}")
+    lines += [hdr, "-" * len(hdr)]
+    for sp in plan.strategies:
+        m = sp.mem_gib
+        mark = "*" if sp.strategy == plan.recommended else (">" if sp.strategy == plan.configured else " ")
+        lines.append(f"{mark}{sp.strategy:14s}{m['params']:8.2f}{m['grads']:8.2f}{m['optimizer']:8.2f}"
+                     f"{m['activations']:8.2f}{m['buffers']:8.2f}{m['total']:8.2f}  {'yes' if sp.fits else 'NO':5s}"
+                     f"{sp.comm_gb_per_step:9.2f}{sp.step_time_s:9.3f}{sp.tokens_per_s:11,.0f}")
+    lines.append("* recommended" + ("   > configured" if plan.configured and plan.configured != plan.recommended else "")
+                 + "   total = peak of the step + allowance (not the sum of the columns); comm = bytes on the wire "
+                   "per rank per optimizer step")
+    for sp in plan.strategies:
+        if sp.notes:
+            lines.append(f"  {sp.strategy}: " + "; ".join(sp.notes))
+    lines += ["", f"recommended: {plan.recommended}"] + [f"  - {r}" for r in plan.reasons]
+    t = plan.tree
+    lines += ["", f"article's decision tree: {t['path']} (says {t['says']}); planner: {t['planner']} — "
+                  f"{'agree' if t['agree'] else 'differ'}"] + [f"  - {w}" for w in t["why"]]
+    if plan.configured:
+        from shardwise.plan.decide import fit_advice
+
+        lines += ["", f"configured: {fit_advice(plan, plan.configured)}"]
+        if plan.lint:
+            lines += ["lint:"] + [f"  [{f['severity']}] {f['message']}" for f in plan.lint]
+        else:
+            lines += ["lint: nothing to report"]
+    if sim:
+        lines += ["", "simulated (one step under fake tensors and a fake process group):"]
+        for r in sim.get("results", []):
+            lines.append(f"  {r['strategy']:12s} peak {r['peak_gib']:.3f} GiB per rank (analytic tensors "
+                         f"{r['analytic_gib']:.3f} GiB, {r['diff_pct']:+.1f}%), {r['seconds']:.1f} s")
+        for e in sim.get("errors", []):
+            lines.append(f"  {e}")
+    lines += ["", "assumptions:"] + [f"  - {a}" for a in plan.assumptions]
+    return "\n".join(lines)

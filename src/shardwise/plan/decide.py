@@ -1,0 +1,393 @@
+"""Put memory, communication and time together for every preset, and choose.
+
+`plan_model` is the pure core; `plan_run` builds its inputs from a training Config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from shardwise import hardware, presets
+from shardwise.errors import ShardwiseError
+from shardwise.plan.comm import Compute, Links, Timing, step_time
+from shardwise.plan.memory import GiB, Job, Memory, Opts, estimate, shard_ranks, unit_params
+from shardwise.plan.model_spec import ModelSpec
+
+DEFAULT_MFU = 0.41  # MEASUREMENTS.md: eager bf16, 1.14B Llama, 8x2048 tokens, one H200: 41-42%
+CPU_PEAK_FLOPS = 5e10  # per rank, when `shardwise doctor` has not measured a matmul
+CPU_MFU = 0.5  # of the measured matmul rate
+TIE = 0.05  # strategies within 5% of the fastest count as equally fast; the simpler one wins
+SIMPLICITY = ["single", "ddp", "fsdp", "fsdp-grad-op", "hybrid", "zero1", "zero2", "zero3",
+              "fsdp-offload", "zero2-offload", "zero3-offload"]
+TIGHT = 0.05  # less than 5% of device memory left is reported as tight
+
+
+@dataclass
+class Setup:
+    """The hardware a plan is for, and where each number came from."""
+
+    gpus_per_node: int
+    nodes: int
+    accelerator: str  # cuda | cpu
+    device_name: str
+    device_mem_gib: float
+    host_mem_gib: float  # per node
+    intra_gbps: float
+    intra_label: str
+    inter_gbps: float
+    inter_label: str
+    peak_flops: float
+    mfu: float
+    notes: list = field(default_factory=list)
+    measured_busbw: float | None = None  # bytes/s from doctor.json, replaces intra when set
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def links(self) -> Links:
+        eff = hardware.LINK_EFFICIENCY
+        intra = self.measured_busbw or self.intra_gbps / 8 * 1e9 * eff
+        lat = 200e-6 if self.accelerator == "cpu" else 15e-6
+        return Links(intra_busbw=intra, inter_busbw=self.inter_gbps / 8 * 1e9 * eff, intra_latency=lat)
+
+
+@dataclass
+class StrategyPlan:
+    strategy: str
+    base: str
+    description: str
+    opts: Opts
+    memory: Memory
+    timing: Timing
+    fits: bool
+    device_mem_gib: float
+    notes: list = field(default_factory=list)
+
+    @property
+    def mem_gib(self) -> dict:
+        return self.memory.gib()
+
+    @property
+    def headroom_gib(self) -> float:
+        return self.device_mem_gib - self.memory.total / GiB
+
+    @property
+    def step_time_s(self) -> float:
+        return self.timing.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.timing.tokens_per_s
+
+    @property
+    def comm_gb_per_step(self) -> float:
+        return self.timing.comm_bytes / 1e9
+
+    def to_json(self) -> dict:
+        t = self.timing
+        return {"strategy": self.strategy, "base": self.base, "fits": self.fits,
+                "mem_gib": self.mem_gib, "headroom_gib": round(self.headroom_gib, 3),
+                "peak_phase": self.memory.phase,
+                "comm_gb_per_step": round(self.comm_gb_per_step, 4),
+                "step_time_s": round(t.step_s, 5), "tokens_per_s": round(t.tokens_per_s, 1),
+                "compute_s": round(t.compute_s, 5), "exposed_comm_s": round(t.exposed_comm_s, 5),
+                "other_s": round(t.other_s, 5),
+                "collectives": [{"op": c.op, "gb": round(c.bytes / 1e9, 4), "ranks": c.ranks, "link": c.where,
+                                 "per_step": c.per_step} for c in t.collectives],
+                "notes": self.notes}
+
+
+@dataclass
+class Plan:
+    spec: ModelSpec
+    job: Job
+    setup: Setup
+    strategies: list
+    recommended: str
+    reasons: list
+    tree: dict
+    configured: str | None = None
+    lint: list = field(default_factory=list)
+    assumptions: list = field(default_factory=list)
+
+    def for_strategy(self, name: str) -> StrategyPlan:
+        for s in self.strategies:
+            if s.strategy == name:
+                return s
+        known = ", ".join(s.strategy for s in self.strategies)
+        raise ShardwiseError(f"strategy '{name}' is not planned for this setup; planned: {known}")
+
+    def to_json(self) -> dict:
+        s, j, h = self.spec, self.job, self.setup
+        return {
+            "model": {"name": s.name, "source": s.source, "params": s.total_params,
+                      "trainable_params": self.strategies[0].memory.detail["trainable_params"],
+                      "layers": s.num_layers, "hidden": s.hidden_size, "intermediate": s.intermediate_size,
+                      "heads": s.num_heads, "kv_heads": s.num_kv_heads, "vocab": s.vocab_size,
+                      "tied_embeddings": s.tied_embeddings},
+            "job": dataclasses.asdict(j),
+            "hardware": {"gpus_per_node": h.gpus_per_node, "nodes": h.nodes, "world_size": h.world,
+                         "accelerator": h.accelerator, "device": h.device_name,
+                         "device_mem_gib": h.device_mem_gib, "host_mem_gib": h.host_mem_gib,
+                         "intra_node_gbps": h.intra_gbps, "intra_node_link": h.intra_label,
+                         "inter_node_gbps": h.inter_gbps, "inter_node_link": h.inter_label,
+                         "measured_busbw_gbps": h.measured_busbw * 8 / 1e9 if h.measured_busbw else None,
+                         "peak_tflops": h.peak_flops / 1e12, "mfu": h.mfu, "notes": h.notes},
+            "strategies": [x.to_json() for x in self.strategies],
+            "recommended": self.recommended,
+            "reasons": self.reasons,
+            "configured": self.configured,
+            "decision_tree": self.tree,
+            "lint": self.lint,
+            "assumptions": self.assumptions,
+        }
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def opts_for(name: str, cfg=None) -> Opts:
+    """A preset's options over the config defaults; the config's own options for the configured strategy."""
+    from shardwise.config import Config, get
+
+    if cfg is None or cfg.strategy != name:
+        base_cfg = Config()
+        for key, value in presets.PRESETS[name][1].items():
+            sec, attr = key.split(".", 1)
+            setattr(getattr(base_cfg, sec), attr, value)
+        cfg = base_cfg
+    f, d = cfg.fsdp, cfg.deepspeed
+    return Opts(base=presets.base_strategy(name), reshard_after_forward=f.reshard_after_forward,
+                cpu_offload=f.cpu_offload, hybrid=f.hybrid, shard_group_size=f.shard_group_size, wrap=f.wrap,
+                prefetch=f.prefetch, stage=d.stage, offload_optimizer=d.offload_optimizer,
+                offload_params=d.offload_params)
+
+
+def preset_names(setup: Setup) -> list[str]:
+    out = []
+    for name in presets.PRESETS:
+        if name == "single" and setup.world != 1:
+            continue
+        if name == "hybrid" and setup.nodes <= 1:
+            continue
+        out.append(name)
+    return out
+
+
+# ----------------------------------------------------------------------------- core
+
+
+def plan_strategy(spec: ModelSpec, job: Job, setup: Setup, name: str, opts: Opts) -> StrategyPlan:
+    mem = estimate(spec, job, opts)
+    n = shard_ranks(job, opts)
+    timing = step_time(spec, job, opts, n, setup.links(), Compute(setup.peak_flops, setup.mfu))
+    fits_dev = mem.total / GiB <= setup.device_mem_gib
+    host_need = mem.host * setup.gpus_per_node / GiB
+    fits_host = host_need <= setup.host_mem_gib * 0.9
+    notes = []
+    if not fits_dev:
+        notes.append(f"needs {mem.total / GiB:.1f} GiB per rank, {setup.device_mem_gib:.1f} GiB available")
+    elif (setup.device_mem_gib - mem.total / GiB) < TIGHT * setup.device_mem_gib:
+        notes.append(f"tight: {setup.device_mem_gib - mem.total / GiB:.1f} GiB left per rank")
+    if mem.host:
+        notes.append(f"offloads {host_need:.1f} GiB per node to host RAM ({setup.host_mem_gib:.0f} GiB)")
+        if not fits_host:
+            notes.append("host RAM is too small for the offloaded state")
+    return StrategyPlan(name, opts.base, presets.PRESETS[name][2], opts, mem, timing,
+                        fits_dev and fits_host, setup.device_mem_gib, notes)
+
+
+def plan_model(spec: ModelSpec, job: Job, setup: Setup, configured: str | None = None, cfg=None) -> Plan:
+    """Plan every preset for a model, a job and a setup; recommend one."""
+    if setup.world < 1 or setup.gpus_per_node < 1 or setup.nodes < 1:
+        raise ShardwiseError(f"a plan needs at least one rank (gpus {setup.gpus_per_node}, nodes {setup.nodes})")
+    names = preset_names(setup)
+    if configured and configured in presets.PRESETS and configured not in names:
+        names.append(configured)
+    plans = [plan_strategy(spec, job, setup, n, opts_for(n, cfg)) for n in names]
+    plan = Plan(spec, job, setup, plans, "", [], {}, configured)
+    plan.recommended, plan.reasons = recommend(plan)
+    plan.tree = decision_tree(plan)
+    plan.assumptions = assumptions(plan)
+    return plan
+
+
+def _gib(x: float) -> str:
+    return f"{x:.1f} GiB"
+
+
+def recommend(plan: Plan) -> tuple[str, list[str]]:
+    fitting = [s for s in plan.strategies if s.fits]
+    mem = plan.setup.device_mem_gib
+    if not fitting:
+        best = min(plan.strategies, key=lambda s: s.memory.total)
+        reasons = [f"nothing fits in {mem:.1f} GiB per rank; the smallest is {best.strategy} at "
+                   f"{_gib(best.memory.total / GiB)}",
+                   fit_advice(plan, best.strategy)]
+        return best.strategy, reasons
+    fastest = max(fitting, key=lambda s: s.tokens_per_s)
+    close = [s for s in fitting if s.tokens_per_s >= (1 - TIE) * fastest.tokens_per_s]
+    order = {n: i for i, n in enumerate(SIMPLICITY)}
+    best = min(close, key=lambda s: order.get(s.strategy, 99))
+    t = best.timing
+    reasons = [f"{best.strategy} fits: {_gib(best.memory.total / GiB)} of {mem:.1f} GiB per rank "
+               f"({_gib(best.headroom_gib)} headroom; peak at {best.memory.phase})"]
+    if best is fastest:
+        reasons.append(f"it is the fastest of the {len(fitting)} strategies that fit: "
+                       f"{best.tokens_per_s:,.0f} tokens/s predicted")
+    else:
+        reasons.append(f"it is within {TIE:.0%} of the fastest ({fastest.strategy}, "
+                       f"{fastest.tokens_per_s:,.0f} tokens/s) and simpler: {best.tokens_per_s:,.0f} tokens/s predicted")
+    if t.comm_bytes:
+        reasons.append(f"it moves {t.comm_bytes / 1e9:.2f} GB per rank per step; {t.exposed_comm_s * 1e3:.0f} ms of "
+                       f"that is not hidden behind {t.compute_s * 1e3:.0f} ms of compute")
+    ddp = next((s for s in plan.strategies if s.strategy == "ddp"), None)
+    if best.base != "ddp" and ddp is not None and not ddp.fits:
+        m = ddp.memory
+        reasons.append(f"ddp does not fit: a full replica needs {_gib(m.total / GiB)} "
+                       f"(weights {_gib(m.params / GiB)}, optimizer {_gib(m.optimizer / GiB)}, "
+                       f"activations {_gib(m.activations / GiB)})")
+    if best.base == "ddp":
+        sharded = [s for s in fitting if s.base != "ddp"]
+        if sharded:
+            f = max(sharded, key=lambda s: s.tokens_per_s)
+            reasons.append(f"sharding would free memory ({f.strategy}: {_gib(f.memory.total / GiB)}) but is not "
+                           f"faster here ({f.tokens_per_s:,.0f} tokens/s)")
+    return best.strategy, reasons
+
+
+def decision_tree(plan: Plan) -> dict:
+    """What the article's decision tree says, and whether the numbers agree."""
+    P = plan.spec.total_params
+    mem_gb = plan.setup.device_mem_gib * GiB / 1e9
+    big_mem = mem_gb >= 79  # "80 GB" cards report ~79.6-85 GB
+    if P <= 7.5e9:  # the article's "7B" class includes 7.2-7.6B models
+        if big_mem:
+            says, path = "ddp", "model <= 7B and >= 80 GB per GPU -> DDP"
+        else:
+            says, path = "fsdp-offload", "model <= 7B and < 80 GB per GPU -> FSDP + CPU offload"
+    elif plan.setup.world >= 8:
+        says, path = "fsdp", ">7B with >= 8 GPUs -> FSDP + mixed precision + gradient checkpointing"
+    else:
+        says, path = "fsdp", ">7B with < 8 GPUs -> FSDP with sharding optimizations"
+    rec = plan.for_strategy(plan.recommended)
+    tree_plan = next((s for s in plan.strategies if s.strategy == says), None)
+    why = []
+    if says == plan.recommended:
+        why.append("the numbers agree")
+    elif tree_plan is not None and not tree_plan.fits:
+        why.append(f"{says} does not fit here ({_gib(tree_plan.memory.total / GiB)} per rank)")
+        if says == "ddp":
+            bpp = (tree_plan.memory.params + tree_plan.memory.grads + tree_plan.memory.optimizer) / max(P, 1)
+            why.append(f"the article budgets 8 bytes/param for a replica (fp16 weights, grads, Adam: 7B -> 56 GB); "
+                       f"this job keeps {bpp:.0f} bytes/param (param_dtype {plan.job.param_dtype}, "
+                       f"tuner {plan.job.tuner})")
+    elif tree_plan is not None:
+        why.append(f"{says} fits too, but {plan.recommended} is predicted faster or simpler "
+                   f"({rec.tokens_per_s:,.0f} vs {tree_plan.tokens_per_s:,.0f} tokens/s)")
+        if says == "fsdp-offload":
+            why.append("offload is only worth it when nothing else fits: the optimizer step on the CPU and the "
+                       "host transfers cost time")
+    if says == "fsdp" and "checkpointing" in path and not plan.job.checkpointing:
+        why.append("the tree also says gradient checkpointing; " +
+                   ("it is not needed at this micro-batch" if rec.fits else "turning it on cuts activations"))
+    return {"says": says, "path": path, "planner": plan.recommended, "agree": says == plan.recommended, "why": why}
+
+
+def assumptions(plan: Plan) -> list[str]:
+    j, s = plan.job, plan.setup
+    out = [f"compute dtype {'fp32' if j.c == 4 else ('bf16' if j.compute != 'fp16' else 'fp16')}, "
+           f"stored weights/grads/optimizer in {j.param_dtype}"
+           + (" (autocast for DDP: fp32 residual stream + bf16 weight copies; FSDP2 MixedPrecisionPolicy "
+              "casts weights, reduces in fp32)" if j.w > j.c else ""),
+           "AdamW with two states per trainable parameter; zero_grad(set_to_none=True); the loop keeps the "
+           "model output (logits) until backward" if j.hold_outputs else "AdamW; outputs dropped before backward",
+           "HF Llama-style block with SDPA (flash / memory-efficient: no S^2 term"
+           + ("; packing uses a bool block-diagonal mask, so K/V are repeated to all heads)" if j.packing else ")"),
+           "DDP: 25 MiB buckets, gradient_as_bucket_view=False (a flat copy of the gradients); "
+           "FSDP2: each decoder layer a unit, embeddings/norm/head in the root unit, two units gathered at a time; "
+           "DeepSpeed: default buckets (reduce 5e8, prefetch 5e7 elements), fp32 master partition, "
+           "overlap_comm off for ZeRO-1/2",
+           f"step time: FLOPs (6N + 12*L*H*S per token) at {s.mfu:.0%} of {s.peak_flops / 1e12:.0f} TFLOP/s"
+           + (" (measured matmul rate)" if "doctor" in " ".join(s.notes) and s.accelerator == "cpu" else "")
+           + "; communication overlapped with compute where the strategy does it",
+           ]
+    if s.accelerator == "cuda":
+        out.append(f"allowance per GPU: CUDA context {hardware_ctx():.2f} GiB + 7% allocator fragmentation")
+    else:
+        out.append("CPU: 'device memory' is host RAM divided by the ranks of the node; no context allowance")
+    if not j.packing:
+        out.append("tokens/s counts sequence slots; padding is not subtracted (use --packing for full sequences)")
+    return out
+
+
+def hardware_ctx() -> float:
+    from shardwise.plan.memory import CUDA_CONTEXT_GIB
+
+    return CUDA_CONTEXT_GIB
+
+
+# ----------------------------------------------------------------------------- advice
+
+
+def _variant(plan: Plan, name: str, job: Job | None = None, setup: Setup | None = None) -> StrategyPlan:
+    job = job or plan.job
+    setup = setup or plan.setup
+    base = plan.for_strategy(name).opts if any(s.strategy == name for s in plan.strategies) else opts_for(name)
+    if name == "hybrid" and setup.nodes <= 1:
+        base = dataclasses.replace(base, hybrid=False)
+    return plan_strategy(plan.spec, job, setup, name, base)
+
+
+def fit_advice(plan: Plan, strategy_name: str) -> str:
+    """One line: the estimate for a strategy and, when it does not fit, the cheapest change that would."""
+    sp = plan.for_strategy(strategy_name)
+    m = sp.memory
+    head = (f"{strategy_name}: ~{m.total / GiB:.1f} GiB per rank of {plan.setup.device_mem_gib:.1f} GiB "
+            f"(weights {m.params / GiB:.1f}, grads {m.grads / GiB:.1f}, optimizer {m.optimizer / GiB:.1f}, "
+            f"activations {m.activations / GiB:.1f}, buffers {m.buffers / GiB:.1f})")
+    if sp.fits:
+        return head + f"; fits with {sp.headroom_gib:.1f} GiB headroom"
+    j = plan.job
+    cands: list[tuple[int, str, StrategyPlan]] = []
+
+    def add(rank: int, text: str, job: Job | None = None, name: str | None = None, setup: Setup | None = None):
+        cands.append((rank, text, _variant(plan, name or strategy_name, job, setup)))
+
+    mb = j.micro_batch
+    while mb > 1:
+        mb //= 2
+        ga = j.grad_accum * (j.micro_batch // mb)
+        add(0, f"--micro-batch-size {mb} --grad-accum {ga} (same global batch)",
+            dataclasses.replace(j, micro_batch=mb, grad_accum=ga))
+    if not j.checkpointing:
+        add(0, "--gradient-checkpointing", dataclasses.replace(j, checkpointing=True))
+    for name in preset_names(plan.setup):
+        if name != strategy_name and "offload" not in name:
+            add(0, f"--strategy {name}", name=name)
+            if not j.checkpointing:
+                add(0, f"--strategy {name} --gradient-checkpointing", dataclasses.replace(j, checkpointing=True), name)
+    for name in ("fsdp-offload", "zero3-offload"):
+        if name != strategy_name:
+            add(1, f"--strategy {name}", name=name)
+    s = plan.setup
+    sharded = strategy_name if sp.base in ("fsdp", "deepspeed") else "fsdp"
+    for mult in (2, 4, 8):
+        if s.accelerator == "cuda":
+            more = dataclasses.replace(s, nodes=s.nodes * mult)
+            add(2, f"{more.world} GPUs ({more.nodes} nodes) with --strategy {sharded}",
+                dataclasses.replace(j, world=more.world, nodes=more.nodes), sharded, more)
+    if j.tuner == "full":
+        add(3, "--tuner lora", dataclasses.replace(j, tuner="lora"))
+        add(3, "--tuner qlora", dataclasses.replace(j, tuner="qlora"))
+    elif j.tuner == "lora":
+        add(3, "--tuner qlora", dataclasses.replace(j, tuner="qlora"))
+    ok = [c for c in cands if c[2].fits]
+    if not ok:
+        return head + "; no single change found that fits: use a smaller model, more or larger GPUs"
+    rank = min(c[0] for c in ok)
+    _, text, best = max((c for c in ok if c[0] == rank), key=lambda c: c[2].tokens_per_s)
+    return (head + f"; does not fit. Cheapest change that fits: {text} "
+            f"(~{best.memory.total / GiB:.1f} GiB, ~{best.tokens_per_s:,.0f} tokens/s)")

@@ -1,0 +1,109 @@
+"""Turn a Config (and optional hardware facts from flags) into a planner Job and Setup."""
+
+from __future__ import annotations
+
+from shardwise import hardware
+from shardwise.errors import ShardwiseError
+from shardwise.plan.decide import CPU_MFU, CPU_PEAK_FLOPS, DEFAULT_MFU, Setup
+from shardwise.plan.memory import Job
+
+DEFAULT_GPU = "H100"  # assumed when GPUs are given by count only
+
+
+def compute_dtype(mixed_precision: str, accelerator: str) -> str:
+    if mixed_precision == "auto":
+        return "bf16" if accelerator == "cuda" else "fp32"
+    return {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}[mixed_precision]
+
+
+def job_from_config(cfg, setup: Setup) -> Job:
+    return Job(world=setup.world, nodes=setup.nodes, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
+               grad_accum=cfg.grad_accum, tuner=cfg.tuner, lora_r=cfg.lora.r, lora_targets=cfg.lora.targets,
+               lora_dropout=cfg.lora.dropout, compute=compute_dtype(cfg.mixed_precision, setup.accelerator),
+               param_dtype=cfg.param_dtype, checkpointing=cfg.gradient_checkpointing, packing=cfg.packing,
+               device_mem_gib=setup.device_mem_gib, host_mem_gib=setup.host_mem_gib, accelerator=setup.accelerator)
+
+
+def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, nodes: int = 1,
+               gpu_memory: float | None = None, gpu_type: str | None = None, intra_gbps: float | None = None,
+               inter_gbps: float | None = None, mfu: float | None = None, ranks_per_node: int | None = None,
+               use_doctor: bool = True) -> Setup:
+    """Hardware for a plan: what is given wins, then what is measured (doctor.json), then detected, then assumed."""
+    notes: list[str] = []
+    if gpus is not None and gpus < 1:
+        raise ShardwiseError(f"--gpus must be >= 1 (GPUs per node), got {gpus}")
+    if nodes < 1:
+        raise ShardwiseError(f"--nodes must be >= 1, got {nodes}")
+    if gpu_memory is not None and not 0 < gpu_memory <= 4096:
+        raise ShardwiseError(f"--gpu-memory must be in GiB per GPU, between 0 and 4096, got {gpu_memory}")
+    for flag, v in (("--intra-node-gbps", intra_gbps), ("--inter-node-gbps", inter_gbps)):
+        if v is not None and v <= 0:
+            raise ShardwiseError(f"{flag} must be > 0 (Gb/s), got {v}")
+    if mfu is not None and not 0 < mfu <= 1:
+        raise ShardwiseError(f"--mfu must be a fraction in (0, 1], got {mfu}")
+    if hw is None:
+        if gpus is not None and gpu_memory is not None:
+            hw = hardware.Hardware("cuda", gpu_type or DEFAULT_GPU, gpus, gpu_memory, 0.0)
+        else:
+            hw = hardware.detect_light()
+            notes.append(f"detected: {hw.device_count or 'no'} GPU(s) {hw.device_name if hw.device_count else ''}"
+                         f"; host RAM {hw.host_memory_gib:.0f} GiB".replace("  ", " "))
+    if gpus is not None or gpu_memory is not None:  # GPUs given (or partly given) by flags
+        accel = "cuda"
+        name = gpu_type or (hw.device_name if hw.accelerator == "cuda" else DEFAULT_GPU)
+        count = gpus if gpus is not None else (hw.device_count or 1)
+        mem = gpu_memory if gpu_memory is not None else (hw.memory_gib if hw.accelerator == "cuda" else 80.0)
+        if gpu_memory is None:
+            notes.append(f"GPU memory not given: assumed {mem:.0f} GiB (--gpu-memory)")
+        if gpu_type is None and hw.accelerator != "cuda":
+            notes.append(f"GPU type not given: assumed {name} for peak FLOP/s and links (--gpu-type)")
+        host = hw.host_memory_gib if hw.accelerator == "cuda" and hw.host_memory_gib else 0.0
+        if not host:
+            host = max(2 * mem * count, 256.0)
+            notes.append(f"host RAM assumed {host:.0f} GiB per node (used for offload)")
+    elif hw.accelerator == "cuda":
+        accel, name, count, mem, host = "cuda", gpu_type or hw.device_name, hw.device_count, hw.memory_gib, hw.host_memory_gib
+    else:
+        accel, name = "cpu", "cpu"
+        count = ranks_per_node or 2
+        host = hw.host_memory_gib
+        mem = host / count
+        notes.append(f"CPU only: {count} ranks share {host:.0f} GiB of host RAM ({mem:.1f} GiB each)")
+    count = ranks_per_node or count
+    doctor = hardware.load_doctor() if use_doctor else None
+    measured_bw = None
+    peak = hardware.peak_flops(name, "bf16") if accel == "cuda" else None
+    if doctor and doctor.get("accelerator") == accel:
+        ar = (doctor.get("collectives") or {}).get("all_reduce") or []
+        if ar and intra_gbps is None and nodes == 1:
+            measured_bw = max(r["busbw_gbps"] for r in ar) / 8 * 1e9
+            notes.append(f"intra-node bus bandwidth measured by `shardwise doctor`: {measured_bw * 8 / 1e9:.1f} Gb/s "
+                         f"({doctor.get('world_size')} ranks, {doctor.get('backend')})")
+        if accel == "cpu" and doctor.get("matmul_gflops"):
+            peak = doctor["matmul_gflops"] * 1e9
+            notes.append(f"CPU matmul rate measured by `shardwise doctor`: {peak / 1e9:.0f} GFLOP/s per rank")
+    if peak is None:
+        if accel == "cpu":
+            peak = CPU_PEAK_FLOPS
+            notes.append(f"CPU matmul rate assumed {peak / 1e9:.0f} GFLOP/s per rank (run `shardwise doctor` to measure)")
+        else:
+            peak = hardware.peak_flops(DEFAULT_GPU, "bf16")
+            notes.append(f"peak FLOP/s of '{name}' unknown: assumed {DEFAULT_GPU} ({peak / 1e12:.0f} TFLOP/s)")
+    if intra_gbps is not None:
+        intra, intra_label = intra_gbps, f"given: {intra_gbps:g} Gb/s"
+    else:
+        key = hardware.default_intra_link(name if accel == "cuda" else "cpu", getattr(hw, "nvlink", None))
+        intra, intra_label = hardware.LINKS_GBPS[key]
+        if measured_bw is None:
+            notes.append(f"intra-node link assumed: {intra_label} (--intra-node-gbps to change)")
+    if inter_gbps is not None:
+        inter, inter_label = inter_gbps, f"given: {inter_gbps:g} Gb/s per node"
+    else:
+        inter, inter_label = hardware.LINKS_GBPS["net100"]
+        if nodes > 1:
+            notes.append(f"inter-node link assumed: {inter_label} (--inter-node-gbps 25/100/400/3200 to change)")
+    if mfu is None:
+        mfu = CPU_MFU if accel == "cpu" else DEFAULT_MFU
+    return Setup(gpus_per_node=count, nodes=nodes, accelerator=accel, device_name=name, device_mem_gib=mem,
+                 host_mem_gib=host, intra_gbps=intra, intra_label=intra_label, inter_gbps=inter,
+                 inter_label=inter_label, peak_flops=peak, mfu=mfu, notes=notes, measured_busbw=measured_bw)

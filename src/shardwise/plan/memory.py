@@ -1,0 +1,312 @@
+"""Per-rank memory of one training step, by strategy. Pure arithmetic on a ModelSpec.
+
+All sizes are bytes per rank. The formulas are written out in docs/planner.md; the names
+here follow it: P parameters (P_t trainable), N ranks that share a shard, c compute-dtype
+bytes, w storage bytes of trainable weights, r bytes of the residual stream, T = B*S tokens
+per micro-batch per rank, V vocab, h hidden, i intermediate.
+
+The peak is the larger of two moments of a step (gradients are freed by zero_grad and
+activations are freed by backward, so they are not alive in full at the same time):
+  A  end of forward / loss backward: states + all saved activations + logits and their
+     fp32 loss tensors + gathered parameters (+ gradients when accumulating);
+  B  end of backward / optimizer step: states + all gradients + the last block's
+     activations and their gradients + reduce buffers + optimizer temporaries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shardwise.plan.model_spec import ModelSpec
+
+GiB = 2**30
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP bucket_cap_mb default
+DS_REDUCE_BUCKET = 5e8  # DeepSpeed reduce_bucket_size default (elements)
+DS_PREFETCH_BUCKET = 5e7  # DeepSpeed stage3_prefetch_bucket_size default (elements)
+QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # NF4 + double-quantised absmax per 64-block
+CUDA_CONTEXT_GIB = 0.75  # CUDA context + cuBLAS/NCCL workspaces, outside the allocator's count
+FRAGMENTATION = 0.07  # caching allocator: reserved exceeds allocated by a few percent
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one step does, per rank, and where it runs."""
+
+    world: int = 1
+    nodes: int = 1
+    micro_batch: int = 1
+    seq_len: int = 2048
+    grad_accum: int = 1
+    tuner: str = "full"  # full | lora | qlora
+    lora_r: int = 16
+    lora_targets: str = "all-linear"
+    lora_dropout: float = 0.05
+    compute: str = "bf16"  # fp32 | bf16 | fp16
+    param_dtype: str = "fp32"  # fp32 | bf16
+    checkpointing: bool = False
+    packing: bool = False
+    device_mem_gib: float = 80.0
+    host_mem_gib: float = 512.0  # per node
+    accelerator: str = "cuda"  # cuda | cpu
+    hold_outputs: bool = True  # the loop keeps model outputs (logits) alive until backward
+
+    @property
+    def gpus_per_node(self) -> int:
+        return max(1, self.world // max(1, self.nodes))
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def c(self) -> int:
+        return 2 if self.param_dtype == "bf16" else DTYPE_BYTES[self.compute]
+
+    @property
+    def w(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
+
+
+@dataclass(frozen=True)
+class Opts:
+    """The options of one strategy preset that change memory or communication."""
+
+    base: str  # single | ddp | fsdp | deepspeed
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    hybrid: bool = False
+    shard_group_size: int = 0
+    wrap: str = "block"
+    prefetch: bool = True
+    stage: int = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    ddp_bucket_view: bool = False  # DDP(gradient_as_bucket_view=...)
+
+
+@dataclass
+class Memory:
+    """Bytes per rank on the device; `host` is what offload keeps in host RAM per rank."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    peak_tensors: float  # max over the step of live tensor bytes
+    allowance: float  # context + fragmentation
+    host: float
+    phase: str  # which moment sets the peak
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.peak_tensors + self.allowance
+
+    def gib(self) -> dict:
+        d = {k: getattr(self, k) / GiB for k in ("params", "grads", "optimizer", "activations", "buffers")}
+        d.update(peak_tensors=self.peak_tensors / GiB, allowance=self.allowance / GiB, total=self.total / GiB,
+                 host_per_rank=self.host / GiB)
+        return {k: round(v, 3) for k, v in d.items()}
+
+
+# ----------------------------------------------------------------------------- units
+
+
+def shard_ranks(job: Job, o: Opts) -> int:
+    """How many ranks share one copy of the sharded state."""
+    if o.base == "fsdp":
+        if o.hybrid:
+            return o.shard_group_size or job.gpus_per_node
+        return job.world
+    if o.base == "deepspeed":
+        return job.world
+    return 1
+
+
+def unit_params(spec: ModelSpec, o: Opts) -> tuple[float, int]:
+    """(parameters of one FSDP unit, number of block units) under the wrap policy."""
+    P_l = spec.layer_params
+    if o.wrap.startswith("size:"):
+        n = int(o.wrap[5:])
+        if n >= P_l:
+            per = min(spec.num_layers, math.ceil(n / P_l))
+            return per * P_l, math.ceil(spec.num_layers / per)
+        pieces = min(len(spec.linear_shapes()), max(1, P_l // max(n, 1)))
+        return P_l / pieces, spec.num_layers * pieces
+    return P_l, spec.num_layers
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def residual_bytes(job: Job, o: Opts) -> int:
+    """dtype of the residual stream: fp32 under autocast with fp32 weights (DDP/single), else compute."""
+    if job.tuner != "full" or o.base in ("fsdp", "deepspeed"):
+        return job.c
+    return job.w if job.w > job.c else job.c
+
+
+def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
+    """Saved-for-backward bytes of one decoder block, without checkpointing (HF Llama, SDPA)."""
+    T, h, i, c = job.tokens, spec.hidden_size, spec.intermediate_size, job.c
+    r = residual_bytes(job, o)
+    autocast = r != c  # inputs of linears are cast per consumer; nothing shares them
+    gqa_native = not job.packing and spec.head_dim <= 256  # transformers uses enable_gqa when there is no mask
+    kv = spec.kv_dim if gqa_native else spec.q_dim
+    nrm = spec.norms_per_layer
+    full = job.tuner == "full"
+    d = {}
+    # RMSNorm: fp32 copy of the input (saved by pow/mul) + normalised value (saved by weight*x when the weight trains)
+    d["norms"] = nrm * T * h * (4 + (r if full else 0))
+    # inputs of the projections: q/k/v share the first norm's output, gate/up the second's (3+2 casts under autocast)
+    lin_in = {"qkv": T * h * (3 * c if autocast else r), "o": T * spec.q_dim * c,
+              "gate_up": T * h * (2 * c if autocast else r), "down": T * i * c}
+    # attention: rotated q, k, v (repeated to all heads when a mask is used), SDPA output, its contiguous copy
+    # (the o_proj input, counted above) and the fp32 log-sum-exp
+    d["attention"] = T * c * (spec.q_dim + 2 * kv + spec.q_dim) + 4 * job.micro_batch * spec.num_heads * job.seq_len
+    # gated MLP: gate (silu input), up, silu(gate) (mul inputs); the product is the down_proj input
+    d["mlp"] = 3 * T * i * c
+    if spec.family == "gemma2":  # eager attention for softcapping: scores through tanh and softmax, O(S^2)
+        d["attention"] += 2 * c * job.micro_batch * spec.num_heads * job.seq_len ** 2
+    if full:
+        d["linear_inputs"] = sum(lin_in.values())
+    else:
+        width = spec.lora_input_width(job.lora_targets)
+        if job.lora_dropout > 0:  # each adapter keeps its own dropped-out input (c) and mask (1 byte)
+            d["lora_inputs"] = T * width * (c + 1)
+        else:
+            d["lora_inputs"] = sum(lin_in.values())
+        d["lora_inputs"] += 7 * T * job.lora_r * c  # lora_A outputs, saved by lora_B
+    return d
+
+
+def head_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
+    """Outside the blocks: inputs, final norm, logits and the fp32 loss tensors."""
+    T, h, V, c = job.tokens, spec.hidden_size, spec.vocab_size, job.c
+    r = residual_bytes(job, o)
+    full = job.tuner == "full"
+    d = {"inputs": 16 * T + 2 * r * T * spec.head_dim,  # ids + labels (int64), rotary cos/sin
+         "final_norm": T * h * (4 + (r if full else 0) + (c if full else 0))}
+    # logits in compute dtype (kept by the model output), log_softmax output in fp32 (saved), and during the
+    # loss backward its incoming gradient and its result, both fp32: c*T*V + 3 * 4*T*V at the peak
+    d["logits"] = (c * T * V if job.hold_outputs or c == 4 else 0) + 12 * T * V
+    if spec.family == "gemma2":  # final logit softcapping keeps two more T*V tensors
+        d["logits"] += 2 * c * T * V
+    if job.packing:  # block-diagonal attention mask, bool, shared by the layers
+        d["mask"] = job.micro_batch * job.seq_len ** 2
+    return d
+
+
+def activations(spec: ModelSpec, job: Job, o: Opts) -> tuple[float, float, dict]:
+    """(bytes alive at the end of forward, bytes of one block's activations, detail)."""
+    per_layer = sum(layer_activations(spec, job, o).values())
+    head = head_activations(spec, job, o)
+    if job.checkpointing:  # only each block's input is kept; one block is recomputed at a time in backward
+        kept = spec.num_layers * job.tokens * spec.hidden_size * residual_bytes(job, o)
+    else:
+        kept = spec.num_layers * per_layer
+    detail = {"per_layer": per_layer, "layers_kept": kept, **{f"head.{k}": v for k, v in head.items()}}
+    return kept + sum(head.values()), per_layer, detail
+
+
+# ----------------------------------------------------------------------------- states and buffers
+
+
+def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
+    """Per-rank memory of one steady-state step (optimizer states exist; grads set to None by zero_grad)."""
+    P = spec.total_params
+    c, w = job.c, job.w
+    N = shard_ranks(job, o)
+    full = job.tuner == "full"
+    if full:
+        P_t, frozen, tw = P, 0.0, w
+    else:
+        P_t, tw = spec.lora_params(job.lora_r, job.lora_targets), w
+        base_linear = spec.num_layers * spec.layer_linear_params
+        if job.tuner == "qlora":
+            frozen = base_linear * QLORA_BYTES_PER_PARAM + (P - base_linear) * c
+        else:
+            frozen = P * c
+    U, _ = unit_params(spec, o)
+    rd = 4 if tw == 4 else tw  # reduce dtype: fp32 gradients are reduced in fp32
+    host = 0.0
+    extraA = {}  # buffers alive at moment A
+    extraB = {}  # buffers alive at moment B
+    persist = {}  # buffers alive all step
+
+    if o.base in ("single", "ddp"):
+        params, grads, opt = frozen + tw * P_t, tw * P_t, 2 * tw * P_t
+        if o.base == "ddp" and not o.ddp_bucket_view:
+            persist["ddp_buckets"] = tw * P_t  # flat bucket copy of the gradients
+        if full and w > c:  # autocast keeps a compute-dtype copy of each linear weight for backward
+            extraA["autocast_weights"] = c * spec.linear_params
+    elif o.base == "fsdp":
+        params, grads, opt = (frozen + tw * P_t) / N, tw * P_t / N, 2 * tw * P_t / N
+        gb = QLORA_BYTES_PER_PARAM if job.tuner == "qlora" else c  # gathered bytes per block parameter
+        root = spec.root_params * c  # embeddings, final norm, head: the root unit, gathered through the step
+        if o.reshard_after_forward:
+            extraA["gathered_root"] = root
+            extraA["gathered_units"] = 2 * gb * U  # current + prefetched unit
+        else:  # every unit stays gathered from its forward to its backward
+            extraA["gathered_all"] = root + gb * (P - spec.root_params)
+        extraB["gathered"] = root + 2 * gb * U
+        g_unit = max(U, spec.root_params) if full else (P_t / max(spec.num_layers, 1))
+        extraB["unsharded_grads+reduce_scatter"] = (c + rd) * g_unit
+        if o.cpu_offload:
+            host = params + grads + opt
+            params = grads = opt = 0.0
+    elif o.base == "deepspeed":
+        bucket = min(DS_REDUCE_BUCKET, P_t) * c
+        master = 4 * P_t / N
+        opt = 8 * P_t / N + master
+        if full:
+            params = c * P / (N if o.stage == 3 else 1)
+        else:
+            params = (frozen + c * P_t) / (N if o.stage == 3 else 1)
+        grads = c * P_t / (1 if o.stage == 1 else N)
+        persist["reduce_bucket"] = bucket
+        extraB["fp32_grad_partition"] = 4 * P_t / N
+        if o.stage == 3:
+            gathered = c * (max(U, spec.embed_params) + min(DS_PREFETCH_BUCKET, U))
+            extraA["gathered"] = gathered
+            extraB["gathered"] = gathered
+        if o.offload_optimizer:
+            host += opt + extraB.pop("fp32_grad_partition")
+            opt = 0.0
+        if o.offload_params and o.stage == 3:
+            host += params
+            params = 0.0
+    else:
+        raise ValueError(o.base)
+
+    if job.tuner == "qlora":  # bitsandbytes dequantises one weight at a time for the matmul
+        extraB["dequant"] = c * spec.hidden_size * spec.intermediate_size
+        extraA["dequant"] = c * spec.hidden_size * spec.intermediate_size
+
+    act_end, per_layer, act_detail = activations(spec, job, o)
+    accum_grads = grads if job.grad_accum > 1 else 0.0
+    states = params + opt + sum(persist.values())
+    moment_a = states + act_end + sum(extraA.values()) + accum_grads
+    # end of backward: all grads, the first block's activations and their gradients (or the recomputed block)
+    workspace = 2 * per_layer
+    step_tmp = 0.0
+    if o.base in ("single", "ddp", "fsdp") and not (o.base == "fsdp" and o.cpu_offload):
+        # torch AdamW: fused/foreach on GPU need no full-size temporaries; the CPU for-loop needs one param's worth
+        step_tmp = 0.0 if job.accelerator == "cuda" else 3 * tw * max(spec.embed_params, U) / (N if o.base == "fsdp" else 1)
+    moment_b = states + grads + workspace + sum(extraB.values()) + step_tmp
+    peak = max(moment_a, moment_b)
+    phase = "end of forward (activations + logits)" if moment_a >= moment_b else "end of backward (gradients)"
+    if job.accelerator == "cuda":
+        allowance = CUDA_CONTEXT_GIB * GiB + FRAGMENTATION * peak
+    else:
+        allowance = 0.0
+    buffers = max(sum(extraA.values()), sum(extraB.values())) + sum(persist.values())
+    detail = {**{f"buffer.{k}": v for k, v in {**persist, **extraA}.items()},
+              **{f"buffer_bwd.{k}": v for k, v in extraB.items()},
+              **{f"act.{k}": v for k, v in act_detail.items()},
+              "moment_a": moment_a, "moment_b": moment_b, "trainable_params": P_t, "shard_ranks": N}
+    return Memory(params=params, grads=grads, optimizer=opt, activations=act_end, buffers=buffers,
+                  peak_tensors=peak, allowance=allowance, host=host, phase=phase, detail=detail)
