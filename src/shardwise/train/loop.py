@@ -130,7 +130,7 @@ def run(job: Job) -> dict:
     window, loss_acc = Window(), torch.zeros((), device=env.device)
     seq_acc = 0
     t_start = time.time()
-    last_rec = {}
+    last_rec, first_loss = {}, None
     model.train()
     while step < total:
         batch, pos = sampler.next(pos)
@@ -156,6 +156,7 @@ def run(job: Job) -> dict:
                                       seq_acc / window.steps)
                 rec["mfu"] = fpt * tps / (peak * world)
             rep.log(rec)
+            first_loss = rec["loss"] if first_loss is None else first_loss
             last_rec = rec
             window, loss_acc, seq_acc = Window(), torch.zeros((), device=env.device), 0
         if cfg.save_every and step % cfg.save_every == 0 and step < total:
@@ -167,16 +168,19 @@ def run(job: Job) -> dict:
     if cfg.save_final:
         final_dir = save_final(cfg, env, strategy, model, tokenizer, out)
     wall = time.time() - t_start
-    summary = {"strategy": cfg.strategy, "world_size": world, "steps": step, "final_loss": last_rec.get("loss"),
+    summary = {"strategy": cfg.strategy, "world_size": world, "steps": step, "first_loss": first_loss,
+               "final_loss": last_rec.get("loss"),
                "mean_tokens_per_s": tokens_seen / wall if wall > 0 else None,
                "peak_mem_gib": last_rec.get("peak_mem_gib"), "wall_time_s": wall, "params": n_params,
                "trainable_params": n_trainable, "final_model": final_dir}
     if env.is_main:
         _write_json(os.path.join(out, "summary.json"), summary)
-    rep.say(f"shardwise: done: {step} steps, final loss {summary['final_loss']:.4f}, outputs in {out}"
-            if summary["final_loss"] is not None else f"shardwise: done, outputs in {out}")
+    rep.say(f"shardwise: done: {step} steps, loss {first_loss:.4f} (first logged) -> {summary['final_loss']:.4f} (last)"
+            if first_loss is not None else f"shardwise: done: {step} steps")
     rep.close()
     sdist.barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return summary
 
 

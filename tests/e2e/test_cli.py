@@ -1,0 +1,73 @@
+"""The CLI as a user meets it: the demo, and one clear line for each bad input."""
+
+import json
+import os
+
+import pytest
+
+from tests.helpers import chat_records, read_metrics, run_cli, write_jsonl
+
+
+def test_demo_command_trains_and_the_loss_falls(tmp_path):
+    """`shardwise train` with no arguments: tiny model, demo data, 2 processes on CPU."""
+    p = run_cli("train", cwd=str(tmp_path))
+    runs = os.listdir(tmp_path / "runs")
+    assert len(runs) == 1 and runs[0].startswith("ddp-")
+    out = tmp_path / "runs" / runs[0]
+    m = read_metrics(str(out))
+    assert m[0]["loss"] > 2 * m[-1]["loss"]  # visibly learns
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == m[-1]["step"]
+    for key in ("step", "loss", "lr", "tokens_per_s", "step_time_s", "peak_mem_gib"):
+        assert key in m[-1]
+    assert (out / "final" / "model.safetensors").is_file() and (out / "config.yaml").is_file()
+    assert os.listdir(out / "tensorboard")
+    assert "loss" in p.stdout and str(out) in p.stdout
+    # the written config repeats the run
+    again = run_cli("train", str(out / "config.yaml"), "--max-steps", "3", "--output-dir", str(tmp_path / "again"))
+    assert read_metrics(str(tmp_path / "again"))[-1]["step"] == 3
+    assert again.returncode == 0
+
+
+def one_line_error(p, pattern):
+    import re
+
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardwise: error: "), p.stderr
+    assert re.search(pattern, lines[0]), lines[0]
+    assert "Traceback" not in p.stderr + p.stdout
+
+
+@pytest.mark.parametrize("records, pattern", [
+    ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, "{nope"],
+     r"chat\.jsonl:2: invalid JSON"),
+    ([{"messages": [{"role": "wizard", "content": "a"}]}], r"chat\.jsonl:1: message 1 has unknown role 'wizard'"),
+])
+def test_bad_data_is_one_line_and_writes_nothing(tmp_path, records, pattern):
+    data = write_jsonl(str(tmp_path / "chat.jsonl"), records)
+    out = tmp_path / "out"
+    p = run_cli("train", "--data", data, "--output-dir", str(out), check=False)
+    one_line_error(p, pattern)
+    assert not out.exists()
+
+
+def test_bad_flags_and_files(tmp_path):
+    one_line_error(run_cli("train", "--strategy", "fsdp9", check=False), r"unknown strategy 'fsdp9'; known: single")
+    one_line_error(run_cli("train", str(tmp_path / "none.yaml"), check=False), r"none\.yaml: config file not found")
+    one_line_error(run_cli("train", "--model", str(tmp_path), check=False), r"no config.json in it")
+    one_line_error(run_cli("train", "--seq-len", "100000", "--output-dir", str(tmp_path / "o"), check=False),
+                   r"seq_len 100000 is larger than the model supports \(max_position_embeddings 2048\)")
+    assert not (tmp_path / "o").exists()
+
+
+def test_output_dir_holding_another_run_is_refused(tmp_path):
+    data = write_jsonl(str(tmp_path / "d.jsonl"), chat_records(16))
+    out = tmp_path / "out"
+    args = ("train", "--data", data, "--output-dir", str(out), "--max-steps", "2", "--strategy", "single",
+            "--nproc-per-node", "1", "--micro-batch-size", "2", "--no-save-final")
+    run_cli(*args)
+    before = (out / "metrics.jsonl").read_text()
+    one_line_error(run_cli(*args, check=False), r"holds another run; pass --resume auto to continue it, --overwrite")
+    assert (out / "metrics.jsonl").read_text() == before
+    run_cli(*args, "--overwrite")
