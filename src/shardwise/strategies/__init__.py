@@ -6,6 +6,7 @@ Adding a strategy = one file + one line in STRATEGIES (and its presets in preset
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from shardwise import presets
 from shardwise.errors import ShardwiseError
@@ -18,12 +19,22 @@ STRATEGIES = {
     "deepspeed": "shardwise.strategies.deepspeed:DeepSpeedStrategy",
 }
 
+# base strategy -> (module it needs, how to install it): checked before importing, so a
+# missing optional backend is one line in the launcher, not a traceback in every worker.
+REQUIRES = {
+    "deepspeed": ("deepspeed", "pip install 'shardwise[deepspeed]'"),
+}
+
 
 def get(name: str):
     """The strategy class for a preset or strategy name."""
     if name not in presets.PRESETS:
         raise ShardwiseError(f"unknown strategy '{name}'; known: {', '.join(presets.known_names())}")
     base = presets.base_strategy(name)
+    if base in REQUIRES:
+        need, how = REQUIRES[base]
+        if importlib.util.find_spec(need) is None:
+            raise ShardwiseError(f"strategy '{name}' needs {need}, which is not installed; install it with: {how}")
     module, cls = STRATEGIES[base].split(":")
     try:
         mod = importlib.import_module(module)

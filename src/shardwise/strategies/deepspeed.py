@@ -1,0 +1,135 @@
+"""`zero1`, `zero2`, `zero3`: DeepSpeed ZeRO. Stage 1 shards the optimizer states (and fp32
+master weights), stage 2 also the gradients, stage 3 also the parameters; offload moves the
+optimizer states and step (and, at stage 3, the parameters) to the CPU.
+
+The DeepSpeed config is generated from ours (one source of truth: micro batch, gradient
+accumulation, clipping, precision, stage, offload); keys in a user's `deepspeed.config`
+JSON override it. The optimizer is ours (torch AdamW, the same groups as every strategy),
+handed to DeepSpeed as a client optimizer, so the loop sets its learning rate through
+`param_groups` as everywhere else. DeepSpeed averages gradients over ranks like DDP/FSDP.
+
+`deepspeed` is imported only inside methods: selecting `zero*` without it installed fails
+in the registry with an install hint, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import torch
+
+from shardwise.errors import ShardwiseError
+from shardwise.strategies import ds_state
+from shardwise.strategies.base import Strategy
+
+
+def ds_config(cfg, world: int, cuda: bool) -> dict:
+    """The DeepSpeed JSON for this run, from our config; the user's file overrides keys."""
+    ds = cfg.deepspeed
+    zero: dict = {"stage": ds.stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+    if ds.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": cuda}
+    out = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world,
+        "gradient_clipping": cfg.max_grad_norm,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # our torch AdamW also runs the offloaded step
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.mixed_precision == "bf16":
+        out["bf16"] = {"enabled": True}
+        if cfg.param_dtype == "bf16":  # pure bf16: no fp32 master copy or fp32 states
+            out["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+        else:
+            out["communication_data_type"] = "fp32"  # reduce in fp32, as FSDP does
+    elif cfg.mixed_precision == "fp16":
+        out["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+        out["communication_data_type"] = "fp32"
+    if ds.config:
+        try:
+            with open(ds.config) as fh:
+                user = json.load(fh)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ShardwiseError(f"deepspeed.config {ds.config}: cannot read it as JSON ({e})")
+        merge(out, user)
+    return out
+
+
+def merge(base: dict, over: dict) -> dict:
+    """Recursive dict update: `over` wins, sections are merged key by key."""
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            merge(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+class DeepSpeedStrategy(Strategy):
+    name = "deepspeed"
+
+    def __init__(self, cfg, env):
+        super().__init__(cfg, env)
+        self.scaler = None  # DeepSpeed scales fp16 losses itself
+        self.engine = None
+        self.config = ds_config(cfg, env.world_size, env.device.type == "cuda")
+
+    def setup(self, model: torch.nn.Module):
+        import deepspeed
+
+        opt = self.build_optimizer(model)
+        self.groups = [list(g["params"]) for g in opt.param_groups]  # before DeepSpeed flattens them
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=self.config,
+                                                       dist_init_required=False)
+        self.engine = engine
+        return engine, optimizer
+
+    def build_optimizer(self, model):
+        opt = super().build_optimizer(model)
+        if self.cfg.deepspeed.offload_optimizer:  # the step runs on CPU tensors: no CUDA fused kernel
+            for g in opt.param_groups:
+                g["fused"], g["foreach"] = None, True
+            opt.defaults.update(fused=None, foreach=True)
+        return opt
+
+    def autocast(self):
+        return contextlib.nullcontext()  # DeepSpeed runs the whole module in its bf16/fp16
+
+    def sync(self, model, enabled: bool):
+        model.set_gradient_accumulation_boundary(enabled)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # the loop has already normalised the loss for accumulation and world size
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self, model, optimizer) -> torch.Tensor:
+        """Clip (DeepSpeed's gradient_clipping), step, zero; returns the pre-clip global norm."""
+        model.step()
+        norm = model.get_global_grad_norm()
+        return torch.tensor(float("nan") if norm is None else float(norm))
+
+    # -- state: the same portable, name-keyed form as the other strategies ----------------
+    def state_dict(self, model, optimizer) -> dict:
+        return ds_state.state_dict(self, model)
+
+    def load_state_dict(self, model, optimizer, state: dict) -> None:
+        ds_state.load_state_dict(self, model, state)
+
+    def full_model_state_dict(self, model) -> dict:
+        return ds_state.full_model_state_dict(self, model)
+
+    def unwrap(self, model):
+        return model.module
+
+    def describe(self) -> str:
+        ds = self.cfg.deepspeed
+        off = [n for n, on in (("optimizer", ds.offload_optimizer), ("params", ds.offload_params)) if on]
+        return f"deepspeed ZeRO-{ds.stage}" + (f" (offload {', '.join(off)})" if off else "")

@@ -1,0 +1,141 @@
+"""`fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`). Parameters, gradients and optimizer
+states are sharded over the ranks (dim 0 of every tensor, as DTensors); each unit's
+parameters are all-gathered before its forward and backward, and its gradients
+reduce-scattered after backward.
+
+The parallelize step is a short composition, as in torchtitan:
+
+    mesh  -> units (wrap policy) -> fully_shard(each unit) -> fully_shard(root) -> prefetch
+
+Mixed precision is FSDP's MixedPrecisionPolicy (no autocast): parameters are cast to the
+compute dtype when gathered, gradients reduced in fp32 and kept in the storage dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from shardwise.errors import ShardwiseError
+from shardwise.strategies.base import Strategy
+
+log = logging.getLogger(__name__)
+
+
+def build_mesh(device_type: str, world: int, hybrid: bool, shard_group_size: int):
+    """1-D mesh over all ranks, or a 2-D (replicate, shard) mesh for HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not hybrid:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    if shard_group_size < 1 or world % shard_group_size:
+        raise ShardwiseError(f"fsdp.shard_group_size {shard_group_size} must divide the world size {world}")
+    return init_device_mesh(device_type, (world // shard_group_size, shard_group_size),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def tied_params(model: nn.Module) -> set[int]:
+    """ids of parameters reachable under more than one name (e.g. tied embeddings)."""
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, n in seen.items() if n > 1}
+
+
+def block_units(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers: modules whose class HF lists as never-split (`_no_split_modules`),
+    else the children of the longest ModuleList. Embeddings, final norm and head stay with
+    the root unit: sharding them as tiny units would add small all-gathers for no saving."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if blocks:
+        return blocks
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ShardwiseError("fsdp.wrap block: cannot find the model's decoder layers; use --fsdp-wrap size:N")
+    return list(max(lists, key=len))
+
+
+def size_units(model: nn.Module, min_params: int) -> list[nn.Module]:
+    """Post-order: a module becomes a unit once it holds >= min_params parameters not already
+    in a unit below it. Modules holding a tied parameter are never units (the tie spans
+    modules, so the root keeps it)."""
+    tied = tied_params(model)
+    units: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> tuple[int, bool]:
+        own = list(m.parameters(recurse=False))
+        total, has_tied = sum(p.numel() for p in own), any(id(p) in tied for p in own)
+        for c in m.children():
+            n, t = visit(c)
+            total, has_tied = total + n, has_tied or t
+        if m is not model and not has_tied and total >= min_params:
+            units.append(m)
+            return 0, False
+        return total, has_tied
+
+    visit(model)
+    return units
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+
+    def __init__(self, cfg, env):
+        super().__init__(cfg, env)
+        if self.scaler is not None:  # fp16: found-inf must be agreed on across shards
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(env.device.type)
+        self.mesh = None
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """Compute in the mixed-precision dtype, reduce gradients in fp32, store as loaded."""
+        param = self.compute_dtype if self.compute_dtype != self.param_dtype else None
+        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=torch.float32)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        f = self.cfg.fsdp
+        if self.env.device.type == "cuda" or not f.cpu_offload:
+            model = model.to(self.env.device)
+        sgs = f.shard_group_size or self.env.local_world_size
+        self.mesh = build_mesh(self.env.device.type, self.env.world_size, f.hybrid, sgs)
+        units = block_units(model) if f.wrap == "block" else size_units(model, int(f.wrap[5:]))
+        kw = dict(mesh=self.mesh, mp_policy=self.mp_policy(),
+                  offload_policy=CPUOffloadPolicy() if f.cpu_offload else OffloadPolicy())
+        for i, unit in enumerate(units):
+            # the last unit is gathered again first thing in backward: keep it
+            reshard = f.reshard_after_forward and i < len(units) - 1
+            fully_shard(unit, reshard_after_forward=reshard, **kw)
+        fully_shard(model, reshard_after_forward=f.reshard_after_forward, **kw)
+        if f.prefetch and f.wrap == "block" and len(units) > 1:  # blocks run in list order
+            for a, b in zip(units, units[1:]):
+                a.set_modules_to_forward_prefetch([b])
+                b.set_modules_to_backward_prefetch([a])
+        if self.env.is_main:
+            log.info("fsdp: %d units + root on mesh %s", len(units), tuple(self.mesh.shape))
+        self.n_units = len(units)
+        return model
+
+    def sync(self, model, enabled: bool):
+        @contextlib.contextmanager
+        def ctx():
+            model.set_requires_gradient_sync(enabled)
+            yield
+
+        return ctx()
+
+    def autocast(self):
+        return contextlib.nullcontext()  # MixedPrecisionPolicy casts
+
+    def describe(self) -> str:
+        f = self.cfg.fsdp
+        return (f"fsdp ({'full shard' if f.reshard_after_forward else 'shard grad op'}, "
+                f"{self.n_units} units + root, mesh {tuple(self.mesh.shape)}"
+                + (", cpu offload" if f.cpu_offload else "") + ")")
