@@ -49,6 +49,7 @@ class Strategy:
         self.compute_dtype = DTYPES[cfg.mixed_precision]
         self.param_dtype = DTYPES[cfg.param_dtype]
         self.scaler = None
+        self.nonfinite_steps = 0  # updates skipped because the gradients were not finite
         if cfg.mixed_precision == "fp16":
             self.scaler = torch.amp.GradScaler(env.device.type)
 
@@ -97,10 +98,18 @@ class Strategy:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def step(self, model: torch.nn.Module, optimizer) -> torch.Tensor:
-        """Unscale (fp16), clip, step, zero the gradients; returns the pre-clip global norm."""
+        """Unscale (fp16), clip, step, zero the gradients; returns the pre-clip global norm.
+
+        A non-finite global norm (NaN/inf loss or gradients) skips the update and counts it
+        in `nonfinite_steps` (the loop applies --on-nan); under fp16 the grad scaler does
+        this itself. The check costs one host sync per step."""
         if self.scaler:
             self.scaler.unscale_(optimizer)
         norm = self.clip_grad_norm(model, optimizer)
+        if self.scaler is None and not bool(torch.isfinite(norm)):
+            optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_steps += 1
+            return norm
         if self.scaler:
             self.scaler.step(optimizer)
             self.scaler.update()
