@@ -74,7 +74,7 @@ def collectives(spec: ModelSpec, job: Job, o: Opts, shard_n: int) -> list[Coll]:
     full = job.tuner == "full"
     P_t = P if full else spec.lora_params(job.lora_r, job.lora_targets)
     c, w = job.c, job.w
-    rd = 4 if w == 4 else w
+    rd = 4  # FSDP2 reduces in fp32 (strategies/fsdp.py)
     ga = job.grad_accum
     flat = "flat" if job.nodes > 1 else "intra"
     gb = QLORA_BYTES_PER_PARAM if job.tuner == "qlora" else c
@@ -90,12 +90,13 @@ def collectives(spec: ModelSpec, job: Job, o: Opts, shard_n: int) -> list[Coll]:
         out.append(Coll("all_gather", gathered, shard_n, where, ga, "fwd"))
         if o.reshard_after_forward:
             out.append(Coll("all_gather", gb * blocks, shard_n, where, ga, "bwd"))
-        out.append(Coll("reduce_scatter", rd * P_t, shard_n, where, ga, "bwd"))
+        # gradients are reduced on the last micro-batch only (set_requires_gradient_sync(False) before it)
+        out.append(Coll("reduce_scatter", rd * P_t, shard_n, where, 1, "bwd"))
         if o.hybrid and job.world > shard_n:
-            out.append(Coll("all_reduce", rd * P_t / shard_n, job.world // shard_n, "inter", ga, "bwd"))
+            out.append(Coll("all_reduce", rd * P_t / shard_n, job.world // shard_n, "inter", 1, "bwd"))
         if o.cpu_offload:
             out.append(Coll("h2d", w * P / shard_n * (2 if o.reshard_after_forward else 1), 1, "host", ga, "fwd"))
-            out.append(Coll("d2h", rd * P_t / shard_n, 1, "host", ga, "bwd"))
+            out.append(Coll("d2h", rd * P_t / shard_n, 1, "host", 1, "bwd"))
     elif o.base == "deepspeed" and job.world > 1:
         n = job.world
         if o.stage == 3:
@@ -157,11 +158,13 @@ def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, co
             t = coll_time(cl, links)
             exposed += max(0.0, t - t_bwd) + min(t, t * 25 * 2**20 / max(cl.bytes, 1.0))
     elif o.base == "fsdp" or (o.base == "deepspeed" and o.stage == 3):
+        units = max(unit_params(spec, o)[1], 1)
         for phase, t_comp in (("fwd", t_fwd), ("bwd", t_bwd)):
             ph = [cl for cl in net if cl.phase == phase]
-            t = sum(coll_time(cl, links) / cl.per_step * ga for cl in ph) / ga if ph else 0.0
-            units = max(unit_params(spec, o)[1], 1)
-            exposed += ga * (max(0.0, t - overlap * t_comp) + t / units)  # the first gather cannot overlap
+            every = sum(coll_time(cl, links) for cl in ph if cl.per_step == ga)  # each micro-batch
+            once = sum(coll_time(cl, links) * cl.per_step for cl in ph if cl.per_step != ga)  # the last one
+            exposed += (ga - 1) * max(0.0, every - overlap * t_comp) + max(0.0, every + once - overlap * t_comp)
+            exposed += ga * every / units  # the first unit's gather has nothing to hide behind
     else:  # ZeRO-1/2: overlap_comm is off by default in DeepSpeed
         exposed += sum(coll_time(cl, links) * cl.per_step for cl in net)
     for cl in colls:

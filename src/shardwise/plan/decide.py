@@ -263,7 +263,7 @@ def decision_tree(plan: Plan) -> dict:
     P = plan.spec.total_params
     mem_gb = plan.setup.device_mem_gib * GiB / 1e9
     big_mem = mem_gb >= 79  # "80 GB" cards report ~79.6-85 GB
-    if P <= 7.5e9:  # the article's "7B" class includes 7.2-7.6B models
+    if P < 8e9:  # the article's "7B" class: Mistral 7.2B and Qwen2.5-7B 7.6B are in it, Llama 3.1 8B is not
         if big_mem:
             says, path = "ddp", "model <= 7B and >= 80 GB per GPU -> DDP"
         else:

@@ -83,7 +83,7 @@ class Opts:
     stage: int = 2
     offload_optimizer: bool = False
     offload_params: bool = False
-    ddp_bucket_view: bool = False  # DDP(gradient_as_bucket_view=...)
+    ddp_bucket_view: bool = True  # DDP(gradient_as_bucket_view=...), as strategies/ddp.py builds it
 
 
 @dataclass
@@ -229,19 +229,23 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
         if job.tuner == "qlora":
             frozen = base_linear * QLORA_BYTES_PER_PARAM + (P - base_linear) * c
         else:
-            frozen = P * c
+            frozen = P * w  # the base is loaded in param_dtype and frozen
     U, _ = unit_params(spec, o)
-    rd = 4 if tw == 4 else tw  # reduce dtype: fp32 gradients are reduced in fp32
+    rd = 4  # FSDP2 MixedPrecisionPolicy(reduce_dtype=fp32), as strategies/fsdp.py sets it
     host = 0.0
     extraA = {}  # buffers alive at moment A
     extraB = {}  # buffers alive at moment B
     persist = {}  # buffers alive all step
 
+    grads_persist = False
     if o.base in ("single", "ddp"):
         params, grads, opt = frozen + tw * P_t, tw * P_t, 2 * tw * P_t
-        if o.base == "ddp" and not o.ddp_bucket_view:
-            persist["ddp_buckets"] = tw * P_t  # flat bucket copy of the gradients
-        if full and w > c:  # autocast keeps a compute-dtype copy of each linear weight for backward
+        if o.base == "ddp":
+            if o.ddp_bucket_view:  # gradients are views of DDP's buckets: allocated once, never freed
+                grads_persist = True
+            else:
+                persist["ddp_buckets"] = tw * P_t  # a flat bucket copy besides the gradients
+        if w > c:  # autocast keeps a compute-dtype copy of each linear weight for backward
             extraA["autocast_weights"] = c * spec.linear_params
     elif o.base == "fsdp":
         params, grads, opt = (frozen + tw * P_t) / N, tw * P_t / N, 2 * tw * P_t / N
@@ -255,6 +259,9 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
         extraB["gathered"] = root + 2 * gb * U
         g_unit = max(U, spec.root_params) if full else (P_t / max(spec.num_layers, 1))
         extraB["unsharded_grads+reduce_scatter"] = (c + rd) * g_unit
+        if job.grad_accum > 1:  # no-sync micro-batches keep unsharded gradients, accumulated in the reduce dtype
+            extraA["unsharded_accumulated_grads"] = rd * P_t
+            extraB["unsharded_accumulated_grads"] = rd * P_t
         if o.cpu_offload:
             host = params + grads + opt
             params = grads = opt = 0.0
@@ -287,16 +294,16 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
         extraA["dequant"] = c * spec.hidden_size * spec.intermediate_size
 
     act_end, per_layer, act_detail = activations(spec, job, o)
-    accum_grads = grads if job.grad_accum > 1 else 0.0
-    states = params + opt + sum(persist.values())
+    accum_grads = grads if job.grad_accum > 1 and not grads_persist else 0.0
+    states = params + opt + sum(persist.values()) + (grads if grads_persist else 0.0)
     moment_a = states + act_end + sum(extraA.values()) + accum_grads
     # end of backward: all grads, the first block's activations and their gradients (or the recomputed block)
     workspace = 2 * per_layer
     step_tmp = 0.0
     if o.base in ("single", "ddp", "fsdp") and not (o.base == "fsdp" and o.cpu_offload):
-        # torch AdamW: fused/foreach on GPU need no full-size temporaries; the CPU for-loop needs one param's worth
-        step_tmp = 0.0 if job.accelerator == "cuda" else 3 * tw * max(spec.embed_params, U) / (N if o.base == "fsdp" else 1)
-    moment_b = states + grads + workspace + sum(extraB.values()) + step_tmp
+        # torch AdamW: fused on GPU needs no full-size temporaries; foreach (CPU) makes one sqrt(v) list
+        step_tmp = 0.0 if job.accelerator == "cuda" else tw * P_t / (N if o.base == "fsdp" else 1)
+    moment_b = states + (0.0 if grads_persist else grads) + workspace + sum(extraB.values()) + step_tmp
     peak = max(moment_a, moment_b)
     phase = "end of forward (activations + logits)" if moment_a >= moment_b else "end of backward (gradients)"
     if job.accelerator == "cuda":

@@ -218,7 +218,7 @@ def resolve_model(text: str) -> ModelSpec:
     preset = find_preset(text)
     if preset is not None:
         return preset
-    if _COUNT.match(text):
+    if _COUNT.match(text) or text[0].isdigit():
         return from_count(text)
     if "/" in text or text.startswith("."):
         raise ShardwiseError(f"--model '{text}': no such directory; give a local Hugging Face model directory "

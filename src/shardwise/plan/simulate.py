@@ -1,0 +1,265 @@
+"""`plan --simulate`: exact per-rank memory of one training step, without the memory.
+
+The real Hugging Face model is built from its config under PyTorch fake tensors
+(`FakeTensorMode`: shapes and dtypes, no storage), wrapped as the engine wraps it, and run
+for two optimizer steps on CPU as rank 0 of a fake process group of N ranks
+(`FakeStore` + `init_process_group("fake")`: collectives return at once). `LiveBytes`, a
+TorchDispatchMode, adds up the bytes of every live tensor storage (fake or real) and keeps
+the peak of the second (steady-state) step. The same tracker measures real runs in
+benchmarks/plan_accuracy.py.
+
+What is simulated: ddp and the fsdp presets (fsdp, fsdp-grad-op, hybrid as its shard
+group) with full fine-tuning. DDP itself cannot be built on fake tensors (it checks
+parameter shapes across ranks through real storage), so it is simulated as what it keeps:
+the local model with gradients that persist between steps, as DDP's
+gradient_as_bucket_view buckets do. Not simulated: DeepSpeed, CPU offload, LoRA/QLoRA,
+packing (its mask is built from the data). Kernels are the CPU ones (autocast's CPU op
+lists, the CPU SDPA kernel): a few MiB from what CUDA would allocate; no CUDA context or
+allocator rounding (the analytic allowance covers those).
+
+Imports torch and transformers; never imported on the analytic path.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import replace
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from shardwise.plan.memory import GiB, Job, Opts
+from shardwise.plan.model_spec import ModelSpec
+
+SIMULATED_BASES = ("ddp", "fsdp", "single")
+
+
+def _storages(t: torch.Tensor) -> list:
+    """The storages under a tensor, looking through wrapper subclasses such as DTensor."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        out = []
+        for a in attrs:
+            inner = getattr(t, a)
+            if isinstance(inner, torch.Tensor):
+                out += _storages(inner)
+        return out
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError):
+        return []
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of live tensor storages (outputs of every op, plus what `track` is given)."""
+
+    def __init__(self):
+        super().__init__()
+        self._sizes = WeakIdKeyDictionary()
+        self._refs = []
+        self.current = 0
+        self.peak = 0
+        self._orig_resize = torch.UntypedStorage.resize_
+
+    def _add(self, st) -> None:
+        if st in self._sizes:
+            return
+        n = st.nbytes()
+        box = [n]
+        self._sizes[st] = box
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+        def gone(_ref, box=box):
+            self.current -= box[0]
+
+        self._refs.append(weakref.ref(st, gone))
+
+    def track(self, *objs) -> None:
+        """Count tensors that exist already (parameters, optimizer state, inputs)."""
+        flat, _ = tree_flatten(list(objs))
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                for st in _storages(t):
+                    self._add(st)
+
+    def track_module(self, module: torch.nn.Module, optimizer=None) -> None:
+        self.track([p for p in module.parameters()], [b for b in module.buffers()],
+                   [p.grad for p in module.parameters() if p.grad is not None])
+        if optimizer is not None:
+            self.track([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat, _ = tree_flatten(out)
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                for st in _storages(t):
+                    self._add(st)
+        return out
+
+    def __enter__(self):
+        orig, me = self._orig_resize, self
+
+        def resize_(st, size):
+            before = st.nbytes()
+            orig(st, size)
+            box = me._sizes.get(st)
+            if box is None:
+                me._add(st)
+            else:
+                box[0] = st.nbytes()
+                me.current += st.nbytes() - before
+                me.peak = max(me.peak, me.current)
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*args)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def train_steps(model, optimizer, batches, tracker: LiveBytes, autocast_dtype=None, no_sync=None, steps: int = 2,
+                persistent_grads: bool = False) -> int:
+    """Run `steps` optimizer steps of len(batches) micro-batches; the peak of the last step, in bytes."""
+    import torch.nn.functional as F
+
+    for step in range(steps):
+        if step == steps - 1:
+            tracker.reset_peak()
+        for i, (ids, tg) in enumerate(batches):
+            last = i == len(batches) - 1
+            if no_sync is not None:
+                no_sync(not last)
+            with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                logits = model(input_ids=ids).logits
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tg.view(-1), reduction="sum")
+            loss.backward()
+            del loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=not persistent_grads)
+        del logits
+    return tracker.peak
+
+
+def build_model(spec: ModelSpec, dtype: torch.dtype, checkpointing: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = spec.to_hf_config()
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    model.config.use_cache = False
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def wrap_fsdp(model, mesh, opts: Opts, compute: torch.dtype, param: torch.dtype):
+    """As strategies/fsdp.py does it: each decoder layer a unit (the last kept gathered), then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=compute if compute != param else None, reduce_dtype=torch.float32)
+    layers = list(model.model.layers)
+    for i, layer in enumerate(layers):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=opts.reshard_after_forward and i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=opts.reshard_after_forward)
+    if opts.prefetch and len(layers) > 1:
+        for a, b in zip(layers, layers[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
+    return model
+
+
+def simulate(spec: ModelSpec, job: Job, opts: Opts, shard_ranks: int | None = None, steps: int = 2) -> dict:
+    """Peak live tensor bytes of rank 0 in one steady-state step, under fake tensors and a fake process group."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if opts.base not in SIMULATED_BASES or opts.cpu_offload or job.tuner != "full" or job.packing:
+        raise ValueError(f"cannot simulate {opts.base} (offload={opts.cpu_offload}, tuner={job.tuner}, packing={job.packing})")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    param = dtypes[job.param_dtype]
+    compute = dtypes["bf16" if job.c == 2 and job.compute != "fp16" else ("fp16" if job.c == 2 else "fp32")]
+    t0 = time.time()
+    world = shard_ranks or job.world
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = None
+        if opts.base == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world,))  # outside fake mode: the mesh holds real rank ids
+        tracker = LiveBytes()
+        with FakeTensorMode():
+            model = build_model(spec, param, job.checkpointing)
+            autocast_dtype, no_sync, persistent = None, None, False
+            if opts.base == "fsdp":
+                model = wrap_fsdp(model, mesh, opts, compute, param)
+                no_sync = lambda skip: model.set_requires_gradient_sync(not skip)  # noqa: E731
+            else:
+                if compute != param and param == torch.float32:
+                    autocast_dtype = compute
+                if opts.base == "ddp":  # DDP(gradient_as_bucket_view=True): grads live in buckets all the time
+                    for p in model.parameters():
+                        p.grad = torch.zeros_like(p)
+                    persistent = True
+            decay = [p for p in model.parameters() if p.ndim >= 2]
+            rest = [p for p in model.parameters() if p.ndim < 2]
+            optimizer = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-4,
+                                          foreach=True)
+            batches = [(torch.randint(0, spec.vocab_size, (job.micro_batch, job.seq_len)),
+                        torch.randint(0, spec.vocab_size, (job.micro_batch, job.seq_len)))
+                       for _ in range(min(job.grad_accum, 2))]
+            with tracker:
+                tracker.track_module(model, optimizer)
+                tracker.track(batches)
+                peak = train_steps(model, optimizer, batches, tracker, autocast_dtype, no_sync, steps, persistent)
+    finally:
+        dist.destroy_process_group()
+    return {"peak_bytes": peak, "seconds": time.time() - t0, "ranks": world}
+
+
+def simulate_plan(plan) -> dict:
+    """Simulate the plan's ddp and fsdp-family strategies; compare with the analytic tensor peak."""
+    results, errors = [], []
+    names = [s.strategy for s in plan.strategies
+             if s.base in SIMULATED_BASES and not s.opts.cpu_offload]
+    job = plan.job
+    if job.tuner != "full" or job.packing:
+        return {"results": [], "errors": ["simulation covers full fine-tuning without packing only"]}
+    for name in names:
+        sp = plan.for_strategy(name)
+        from shardwise.plan.memory import shard_ranks
+
+        n = shard_ranks(job, sp.opts) if sp.base == "fsdp" else job.world
+        try:
+            r = simulate(plan.spec, job, sp.opts, shard_ranks=n)
+        except Exception as e:  # report, keep the analytic plan
+            errors.append(f"{name}: simulation failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            continue
+        ana = sp.memory.peak_tensors
+        results.append({"strategy": name, "peak_gib": r["peak_bytes"] / GiB, "analytic_gib": ana / GiB,
+                        "diff_pct": 100 * (ana - r["peak_bytes"]) / max(r["peak_bytes"], 1),
+                        "seconds": r["seconds"], "ranks": r["ranks"]})
+    return {"results": results, "errors": errors,
+            "note": "peak live tensor bytes of rank 0 in the second step; compare with the analytic peak before the "
+                    "CUDA context / fragmentation allowance"}
+
+
+def job_for(job: Job, **kw) -> Job:
+    return replace(job, **kw)

@@ -1,0 +1,458 @@
+"""The analytic planner: model shapes, memory terms, recommendation, CLI, JSON, errors, lint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from shardwise.errors import ShardwiseError
+from shardwise.hardware import Hardware
+from shardwise.plan import fit_advice, plan_model, plan_run, resolve_model
+from shardwise.plan import command as plan_cmd
+from shardwise.plan.inputs import make_setup
+from shardwise.plan.memory import GiB, Job, Opts, estimate
+from shardwise.plan.model_presets import MODEL_PRESETS
+
+
+@pytest.fixture(autouse=True)
+def _no_doctor_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def parse(*argv):
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    plan_cmd.add_parser(sub)
+    return p.parse_args(["plan", *argv])
+
+
+def run_json(capsys, *argv) -> dict:
+    assert plan_cmd.run(parse(*argv, "--json")) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def gpu_plan(model="llama-3.1-8b", gpus=8, mem=80.0, nodes=1, **job):
+    setup = make_setup(gpus=gpus, gpu_memory=mem, nodes=nodes, use_doctor=False)
+    kw = dict(world=setup.world, nodes=nodes, micro_batch=1, seq_len=2048, device_mem_gib=mem)
+    kw.update(job)
+    return plan_model(resolve_model(model), Job(**kw), setup)
+
+
+# ----------------------------------------------------------------------------- model shapes
+
+# Parameter counts published on the model cards / papers (not derived from our table).
+PUBLISHED = {"llama-3.1-8b": 8.03e9, "qwen2.5-7b": 7.62e9, "llama-3.2-1b": 1.24e9, "llama-3.2-3b": 3.21e9,
+             "llama-3.1-70b": 70.6e9, "qwen2.5-0.5b": 0.49e9, "qwen2.5-72b": 72.7e9, "qwen2.5-14b": 14.7e9,
+             "qwen3-8b": 8.2e9, "mistral-7b": 7.25e9, "gemma-2-9b": 9.24e9, "gemma-2-2b": 2.61e9,
+             "gemma-2-27b": 27.2e9}
+
+
+@pytest.mark.parametrize("name,count", sorted(PUBLISHED.items()))
+def test_presets_match_published_parameter_counts(name, count):
+    assert abs(MODEL_PRESETS[name].total_params / count - 1) < 0.01
+
+
+def test_every_preset_names_its_source_repo():
+    for name, spec in MODEL_PRESETS.items():
+        assert "/" in spec.source and "config.json" in spec.source, name
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 48}), ("mistral", {}),
+    ("gemma2", {"head_dim": 32, "tie_word_embeddings": True}),
+])
+def test_parameter_count_equals_transformers_model(tmp_path, model_type, extra):
+    """Count what transformers builds (on the meta device) for a small config of each family."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = dict(vocab_size=1000, hidden_size=128, intermediate_size=320, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    d.update(extra)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **d))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **d}))
+    spec = resolve_model(str(tmp_path))
+    assert spec.total_params == sum(p.numel() for p in model.parameters())
+
+
+def test_tiny_model_comes_from_the_engine_config():
+    from shardwise.models.tiny import TINY_CONFIG
+
+    spec = resolve_model("tiny")
+    assert (spec.hidden_size, spec.num_layers, spec.vocab_size, spec.num_kv_heads) == (
+        TINY_CONFIG["hidden_size"], TINY_CONFIG["num_hidden_layers"], TINY_CONFIG["vocab_size"],
+        TINY_CONFIG["num_key_value_heads"])
+
+
+@pytest.mark.parametrize("text,target", [("7B", 7e9), ("350M", 350e6), ("70b", 70e9), ("1.5B", 1.5e9)])
+def test_bare_parameter_count_gives_a_model_of_about_that_size(text, target):
+    assert abs(resolve_model(text).total_params / target - 1) < 0.08
+
+
+def test_preset_found_by_hf_repo_id():
+    assert resolve_model("meta-llama/Llama-3.1-8B").name == "llama-3.1-8b"
+
+
+# ----------------------------------------------------------------------------- memory model
+
+
+def test_fp32_master_ddp_keeps_sixteen_bytes_per_parameter():
+    p = gpu_plan("qwen2.5-7b", mem=1000)
+    m, P = p.for_strategy("ddp").memory, p.spec.total_params
+    assert (m.params, m.grads, m.optimizer) == (4 * P, 4 * P, 8 * P)
+
+
+def test_pure_bf16_halves_the_states():
+    mixed = gpu_plan("qwen2.5-7b").for_strategy("fsdp").memory
+    pure = gpu_plan("qwen2.5-7b", param_dtype="bf16").for_strategy("fsdp").memory
+    for k in ("params", "grads", "optimizer"):
+        assert getattr(pure, k) == pytest.approx(getattr(mixed, k) / 2)
+
+
+def test_full_shard_divides_states_by_world_and_zero_stages_shard_progressively():
+    p8, p16 = gpu_plan(gpus=8), gpu_plan(gpus=16)
+    a, b = p8.for_strategy("fsdp").memory, p16.for_strategy("fsdp").memory
+    assert a.optimizer == pytest.approx(2 * b.optimizer) and a.params == pytest.approx(2 * b.params)
+    z1, z2, z3 = (p8.for_strategy(n).memory for n in ("zero1", "zero2", "zero3"))
+    assert z1.grads > z2.grads and z2.params > z3.params and z1.optimizer == z3.optimizer
+
+
+def test_checkpointing_cuts_activations_to_block_inputs():
+    off = gpu_plan(seq_len=4096).for_strategy("fsdp").memory
+    on = gpu_plan(seq_len=4096, checkpointing=True).for_strategy("fsdp").memory
+    spec = resolve_model("llama-3.1-8b")
+    assert on.activations < off.activations / 3
+    # the block inputs (B*S*H in bf16 per layer) are kept
+    assert on.activations > spec.num_layers * 4096 * spec.hidden_size * 2
+
+
+def test_activations_grow_linearly_with_tokens():
+    a = gpu_plan(seq_len=1024).for_strategy("fsdp").memory.activations
+    b = gpu_plan(seq_len=1024, micro_batch=2).for_strategy("fsdp").memory.activations
+    c = gpu_plan(seq_len=2048).for_strategy("fsdp").memory.activations
+    assert b == pytest.approx(2 * a, rel=1e-3) and c == pytest.approx(2 * a, rel=1e-3)
+
+
+def test_logits_and_fp32_loss_are_counted():
+    spec = resolve_model("llama-3.2-1b")  # 128k vocab: logits dominate a small model
+    m = gpu_plan("llama-3.2-1b", seq_len=4096, micro_batch=4).for_strategy("fsdp").memory
+    T = 4 * 4096
+    assert m.activations > 12 * T * spec.vocab_size  # fp32 log-softmax + its gradients
+
+
+def test_lora_trains_few_parameters_and_qlora_shrinks_the_base():
+    full = gpu_plan("llama-3.1-8b").for_strategy("ddp").memory
+    lora = gpu_plan("llama-3.1-8b", tuner="lora", lora_r=16).for_strategy("ddp").memory
+    qlora = gpu_plan("llama-3.1-8b", tuner="qlora", lora_r=16).for_strategy("ddp").memory
+    assert lora.optimizer < full.optimizer / 100
+    assert qlora.params < lora.params / 3
+    assert lora.detail["trainable_params"] == pytest.approx(42e6, rel=0.02)  # 8B, r=16, all linear layers
+
+
+def test_cpu_offload_moves_states_to_host():
+    p = gpu_plan()
+    off, on = p.for_strategy("fsdp").memory, p.for_strategy("fsdp-offload").memory
+    assert on.params == on.grads == on.optimizer == 0 and on.host > 0 and on.total < off.total
+
+
+def test_grad_accumulation_keeps_fsdp_unsharded_gradients():
+    one = gpu_plan(grad_accum=1).for_strategy("fsdp").memory
+    acc = gpu_plan(grad_accum=4).for_strategy("fsdp").memory
+    P = resolve_model("llama-3.1-8b").total_params
+    assert acc.peak_tensors - one.peak_tensors >= 4 * P * 0.99  # fp32 accumulated full gradients
+
+
+def test_total_is_peak_plus_allowance_and_fits_compares_with_memory():
+    p = gpu_plan()
+    for sp in p.strategies:
+        m = sp.memory
+        assert m.total == pytest.approx(m.peak_tensors + m.allowance)
+        assert m.peak_tensors <= m.params + m.grads + m.optimizer + m.activations + m.buffers + 1
+        assert sp.fits == (m.total / GiB <= 80.0 and "host RAM is too small" not in " ".join(sp.notes))
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def test_small_model_on_big_gpus_recommends_ddp_like_the_article():
+    p = gpu_plan("llama-3.2-1b", gpus=8, mem=141, micro_batch=8)
+    assert p.recommended == "ddp" and p.tree["says"] == "ddp" and p.tree["agree"]
+
+
+def test_8b_full_finetune_does_not_fit_ddp_on_80gb():
+    p = gpu_plan("llama-3.1-8b")
+    assert not p.for_strategy("ddp").fits
+    assert p.for_strategy(p.recommended).fits and p.recommended != "ddp"
+    assert any("ddp does not fit" in r for r in p.reasons)
+
+
+def test_seven_b_differs_from_the_tree_and_says_why():
+    p = gpu_plan("qwen2.5-7b", gpus=8, mem=80)
+    assert p.tree["says"] == "ddp" and not p.tree["agree"]
+    assert any("bytes/param" in w for w in p.tree["why"])
+
+
+def test_slow_network_prefers_hybrid_over_flat_fsdp():
+    setup = make_setup(gpus=8, gpu_memory=80, nodes=4, inter_gbps=25, use_doctor=False)
+    job = Job(world=32, nodes=4, micro_batch=1, seq_len=4096, device_mem_gib=80)
+    p = plan_model(resolve_model("llama-3.1-8b"), job, setup)
+    assert p.for_strategy("hybrid").tokens_per_s > 1.5 * p.for_strategy("fsdp").tokens_per_s
+    assert p.recommended == "hybrid"
+
+
+def test_single_only_on_one_gpu_and_hybrid_only_across_nodes():
+    assert {s.strategy for s in gpu_plan(gpus=1).strategies} >= {"single"}
+    names = {s.strategy for s in gpu_plan(gpus=8).strategies}
+    assert "single" not in names and "hybrid" not in names
+    assert "hybrid" in {s.strategy for s in gpu_plan(gpus=8, nodes=2, world=16).strategies}
+
+
+def test_fit_advice_names_a_change_that_fits():
+    p = gpu_plan("llama-3.1-8b", seq_len=4096, micro_batch=4)
+    line = fit_advice(p, "ddp")
+    assert "\n" not in line and "does not fit" in line and "Cheapest change that fits:" in line
+    ok = gpu_plan("llama-3.1-8b", seq_len=2048, micro_batch=1)
+    assert "fits with" in fit_advice(ok, ok.recommended)
+
+
+def test_fit_advice_suggests_checkpointing_when_activations_are_the_problem():
+    p = gpu_plan("llama-3.2-1b", gpus=8, mem=40, seq_len=8192, micro_batch=8)
+    assert not p.for_strategy("fsdp").fits
+    line = fit_advice(p, "fsdp")
+    assert "--gradient-checkpointing" in line or "--micro-batch-size" in line
+
+
+def test_more_bandwidth_never_makes_a_step_slower():
+    slow = make_setup(gpus=8, gpu_memory=80, intra_gbps=100, use_doctor=False)
+    fast = make_setup(gpus=8, gpu_memory=80, intra_gbps=3600, use_doctor=False)
+    job = Job(world=8, micro_batch=1, seq_len=2048, device_mem_gib=80)
+    spec = resolve_model("llama-3.1-8b")
+    a, b = plan_model(spec, job, slow), plan_model(spec, job, fast)
+    for s in a.strategies:
+        assert b.for_strategy(s.strategy).step_time_s <= s.step_time_s + 1e-12
+
+
+# ----------------------------------------------------------------------------- CLI, JSON
+
+
+def test_json_schema(capsys):
+    from shardwise.presets import PRESETS
+
+    d = run_json(capsys, "--model", "7B", "--gpus", "8", "--gpu-memory", "80", "--nodes", "2")
+    names = [s["strategy"] for s in d["strategies"]]
+    assert set(names) == set(PRESETS) - {"single"}
+    assert d["recommended"] in names and d["reasons"]
+    for s in d["strategies"]:
+        assert isinstance(s["fits"], bool)
+        assert set(s["mem_gib"]) >= {"params", "grads", "optimizer", "activations", "buffers", "total"}
+        for k in ("comm_gb_per_step", "step_time_s", "tokens_per_s"):
+            assert isinstance(s[k], (int, float)) and s[k] >= 0
+    assert d["hardware"]["world_size"] == 16 and d["decision_tree"]["says"]
+
+
+def test_text_output_names_recommendation_tree_and_assumptions(capsys):
+    assert plan_cmd.run(parse("--model", "llama-3.1-8b", "--gpus", "8", "--gpu-memory", "80")) == 0
+    out = capsys.readouterr().out
+    for s in ("recommended:", "article's decision tree", "assumptions:", "NVLink", "zero3-offload"):
+        assert s in out
+
+
+def test_shared_flags_mean_what_train_means(capsys):
+    d = run_json(capsys, "--model", "7B", "--gpus", "2", "--gpu-memory", "80", "--seq-len", "512",
+                 "--micro-batch-size", "3", "--grad-accum", "5", "--tuner", "lora", "--lora-r", "8",
+                 "--mixed-precision", "bf16", "--param-dtype", "bf16", "--gradient-checkpointing", "--packing")
+    j = d["job"]
+    assert (j["seq_len"], j["micro_batch"], j["grad_accum"], j["tuner"], j["lora_r"], j["param_dtype"],
+            j["checkpointing"], j["packing"]) == (512, 3, 5, "lora", 8, "bf16", True, True)
+
+
+def test_cpu_only_machine_splits_host_ram_between_ranks():
+    from shardwise.config import load_config
+
+    cfg = load_config(None, {"model": ("tiny", "flag"), "mixed_precision": ("auto", "flag")}).cfg
+    p = plan_run(cfg, hw=Hardware("cpu", "cpu", 0, 64.0, 64.0))
+    assert p.setup.world == 2 and p.setup.device_mem_gib == pytest.approx(32.0)
+    assert p.job.compute == "fp32" and p.for_strategy(p.recommended).fits
+    assert p.for_strategy("ddp").mem_gib["total"] > 0 and p.for_strategy("ddp").tokens_per_s > 0
+
+
+def test_plan_run_world_size_and_cuda_hardware():
+    from shardwise.config import load_config
+
+    cfg = load_config(None, {"model": ("llama-3.1-8b", "flag"), "strategy": ("fsdp", "flag"),
+                             "seq_len": (2048, "flag"), "micro_batch_size": (1, "flag")}).cfg
+    p = plan_run(cfg, hw=Hardware("cuda", "NVIDIA H100 80GB HBM3", 8, 79.6, 1000.0), world_size=8)
+    assert p.setup.world == 8 and p.configured == "fsdp" and p.job.compute == "bf16"
+    assert p.for_strategy("fsdp").fits and not p.for_strategy("ddp").fits
+
+
+def test_analytic_plan_imports_no_torch_and_is_fast():
+    code = textwrap.dedent("""
+        import sys, time, argparse
+        t = time.time()
+        from shardwise.plan import command
+        p = argparse.ArgumentParser(); sub = p.add_subparsers(); command.add_parser(sub)
+        a = p.parse_args(["plan", "--model", "llama-3.1-70b", "--gpus", "8", "--gpu-memory", "80", "--nodes", "2", "--json"])
+        import io, contextlib
+        with contextlib.redirect_stdout(io.StringIO()):
+            command.run(a)
+        assert "torch" not in sys.modules and "transformers" not in sys.modules, "heavy import"
+        print(time.time() - t)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip()) < 2.0
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "llama-9000"], "unknown preset"),
+    (["--model", "lama-3.1-8b"], "did you mean llama-3.1-8b"),
+    (["--model", "7X"], "not a directory, preset or parameter count"),
+    (["--model", "0.0001M"], "between 1M and 10T"),
+    (["--model", "./no/such/dir"], "no such directory"),
+    (["--model", "7B", "--gpus", "0", "--gpu-memory", "80"], "--gpus must be >= 1"),
+    (["--model", "7B", "--gpus", "-4", "--gpu-memory", "80"], "--gpus must be >= 1"),
+    (["--model", "7B", "--gpus", "eight", "--gpu-memory", "80"], "--gpus must be an integer"),
+    (["--model", "7B", "--gpus", "8", "--nodes", "0"], "--nodes must be >= 1"),
+    (["--model", "7B", "--gpus", "8", "--gpu-memory", "-80"], "--gpu-memory must be"),
+    (["--model", "7B", "--gpus", "8", "--gpu-memory", "80", "--inter-node-gbps", "0"], "--inter-node-gbps must be > 0"),
+    (["--model", "7B", "--gpus", "8", "--gpu-memory", "80", "--mfu", "41"], "--mfu must be a fraction"),
+    (["--model", "7B", "--gpus", "2", "--strategy", "single"], "strategy 'single' runs one process"),
+    (["--model", "7B", "--seq-len", "4"], "seq_len must be at least 8"),
+    (["--model", "7B", "--tuner", "dora"], "'tuner' must be one of"),
+])
+def test_user_errors_are_one_line(argv, needle):
+    with pytest.raises(ShardwiseError) as e:
+        plan_cmd.run(parse(*argv))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_model_directory_without_config_json(tmp_path):
+    with pytest.raises(ShardwiseError, match="no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_config_json_that_is_not_a_decoder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    with pytest.raises(ShardwiseError, match="lacks vocab_size"):
+        resolve_model(str(tmp_path))
+
+
+def test_unknown_strategy_name_in_for_strategy():
+    with pytest.raises(ShardwiseError, match="not planned"):
+        gpu_plan().for_strategy("hybrid")
+
+
+# ----------------------------------------------------------------------------- plan CONFIG.yaml + lint
+
+
+def write_model(tmp_path, **kw) -> str:
+    d = tmp_path / "model"
+    d.mkdir(exist_ok=True)
+    cfg = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 8192,
+           "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": False}
+    cfg.update(kw)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def plan_config(capsys, tmp_path, text: str, *argv) -> dict:
+    path = tmp_path / "run.yaml"
+    path.write_text(textwrap.dedent(text).format(model=write_model(tmp_path)))
+    return run_json(capsys, str(path), *argv)
+
+
+def checks(d) -> dict:
+    return {f["check"]: f for f in d["lint"]}
+
+
+def test_plan_config_plans_what_train_would_run(capsys, tmp_path):
+    d = plan_config(capsys, tmp_path, """
+        model: {model}
+        strategy: fsdp
+        seq_len: 1024
+        micro_batch_size: 2
+        fsdp:
+          wrap: size:1000
+        """, "--gpus", "4", "--gpu-memory", "80")
+    assert d["configured"] == "fsdp" and d["job"]["seq_len"] == 1024 and d["job"]["micro_batch"] == 2
+    f = checks(d)["tiny-wrap-units"]
+    assert "run.yaml:7" in f["message"] and "fsdp.wrap" in f["message"]
+
+
+def test_lint_offload_with_plenty_of_memory(capsys, tmp_path):
+    d = plan_config(capsys, tmp_path, """
+        model: {model}
+        strategy: fsdp-offload
+        seq_len: 512
+        micro_batch_size: 1
+        """, "--gpus", "8", "--gpu-memory", "80")
+    assert "use --strategy fsdp" in checks(d)["offload-not-needed"]["message"]
+
+
+def test_lint_fsdp_where_ddp_fits_on_a_slow_link(capsys, tmp_path):
+    argv = ("--gpus", "4", "--gpu-memory", "141", "--intra-node-gbps")
+    text = """
+        model: {model}
+        strategy: fsdp
+        seq_len: 512
+        micro_batch_size: 1
+        """
+    assert "fsdp-where-ddp-fits" in checks(plan_config(capsys, tmp_path, text, *argv, "64"))
+    assert "fsdp-where-ddp-fits" not in checks(plan_config(capsys, tmp_path, text, *argv, "3600"))
+
+
+def test_lint_no_hybrid_across_slow_nodes(capsys, tmp_path):
+    d = plan_config(capsys, tmp_path, """
+        model: {model}
+        strategy: fsdp
+        seq_len: 2048
+        micro_batch_size: 1
+        """, "--gpus", "8", "--gpu-memory", "80", "--nodes", "2", "--inter-node-gbps", "25")
+    assert "use --strategy hybrid" in checks(d)["no-hybrid-across-nodes"]["message"]
+
+
+def test_lint_checkpointing_off_when_activations_dominate(capsys, tmp_path):
+    d = plan_config(capsys, tmp_path, """
+        model: {model}
+        strategy: fsdp
+        seq_len: 8192
+        micro_batch_size: 8
+        """, "--gpus", "8", "--gpu-memory", "80")
+    f = checks(d)["checkpointing-off"]
+    assert f["severity"] == "warn" and "turning it on" in f["message"]
+
+
+def test_clean_config_has_no_warnings(capsys, tmp_path):
+    d = plan_config(capsys, tmp_path, """
+        model: {model}
+        strategy: ddp
+        seq_len: 1024
+        micro_batch_size: 1
+        """, "--gpus", "8", "--gpu-memory", "80")
+    assert [f for f in d["lint"] if f["severity"] == "warn"] == []
+
+
+def test_plan_picks_up_doctor_measurements(capsys, tmp_path, monkeypatch):
+    cache = tmp_path / "c"
+    cache.mkdir()
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(cache))
+    (cache / "doctor.json").write_text(json.dumps({
+        "accelerator": "cpu", "backend": "gloo", "world_size": 2, "matmul_gflops": 123.0,
+        "collectives": {"all_reduce": [{"bytes": 2**20, "algbw_gbps": 8.0, "busbw_gbps": 8.0}]}}))
+    from shardwise.config import load_config
+
+    cfg = load_config(None, {"model": ("tiny", "flag")}).cfg
+    p = plan_run(cfg, hw=Hardware("cpu", "cpu", 0, 16.0, 16.0))
+    assert p.setup.peak_flops == pytest.approx(123e9) and p.setup.measured_busbw == pytest.approx(1e9)
+    assert any("doctor" in n for n in p.setup.notes)
