@@ -104,6 +104,7 @@ class Config:
     resume: str = _f("none", "Resume from 'auto' (newest complete checkpoint in output_dir), 'none', or a checkpoint path.")
     overwrite: bool = _f(False, "Allow writing into an output_dir that holds another run (its contents are replaced).")
     save_final: bool = _f(True, "Save the final model as a Hugging Face directory under output_dir/final.")
+    merge_lora: bool = _f(False, "With tuner lora: also write the adapter merged into the base as a full Hugging Face model in output_dir/final/merged (final/ itself is the PEFT adapter directory).")
     # sections
     fsdp: FSDPConfig = field(default_factory=FSDPConfig, metadata={"help": "FSDP2 options."})
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig, metadata={"help": "DeepSpeed options."})
@@ -374,6 +375,15 @@ def validate(res: Resolved) -> None:
     if base == "deepspeed":
         need(not c.deepspeed.offload_params or c.deepspeed.stage == 3, "deepspeed.offload_params",
              "deepspeed.offload_params needs ZeRO stage 3; use --strategy zero3-offload")
+    if base == "fsdp" and c.fsdp.hybrid and c.fsdp.shard_group_size and c.nproc_per_node:
+        world = c.nproc_per_node * c.nnodes
+        need(world % c.fsdp.shard_group_size == 0, "fsdp.shard_group_size",
+             f"fsdp.shard_group_size {c.fsdp.shard_group_size} must divide the {world} ranks (nnodes x nproc_per_node)")
+    need(c.tuner != "qlora" or base in ("single", "ddp", "auto"), "tuner",
+         f"QLoRA's 4-bit base is not sharded by '{c.strategy}'; use --strategy ddp (or single) for QLoRA, "
+         "or --tuner lora with fsdp/zero*")
+    need(not c.merge_lora or c.tuner == "lora", "merge_lora",
+         "merge_lora needs --tuner lora (a full fine-tune is already a full model; a 4-bit QLoRA base is not merged)")
     if base == "single":
         need(c.nnodes == 1 and c.nproc_per_node in (0, 1), "strategy",
              "strategy 'single' runs one process; use --strategy ddp (or fsdp) for more than one")
