@@ -10,6 +10,8 @@ import dataclasses
 import json
 import math
 import os
+import shutil
+import signal
 import time
 from dataclasses import dataclass
 
@@ -21,11 +23,13 @@ from shardwise import strategies
 from shardwise.config import Config, from_dict
 from shardwise.data.batches import DataPosition, StepBatch, StepSampler
 from shardwise.data.encode import IGNORE, Encoded
+from shardwise.errors import ShardwiseError
 from shardwise.hardware import peak_flops
 from shardwise.models.load import load_model, load_tokenizer
 from shardwise.strategies.base import DTYPES
 from shardwise.train import checkpoint as ckpt
 from shardwise.train import dist as sdist
+from shardwise.train.faults import Faults
 from shardwise.train.metrics import Reporter, Window, flops_per_token, peak_memory_gib
 
 
@@ -38,6 +42,10 @@ class Job:
     data_file: str
     output_dir: str
     resume: str  # "none", "auto" or a checkpoint path
+
+
+class Preempted(Exception):
+    """SIGTERM/SIGINT arrived; a checkpoint was written (the launcher says how to resume)."""
 
 
 def lr_at(cfg: Config, step: int, total: int) -> float:
@@ -68,12 +76,57 @@ def build_model(cfg: Config, model_dir: str):
     return model
 
 
+class Control:
+    """Decisions every rank must take at the same step: stop (SIGTERM/SIGINT reached some
+    rank) and save (save_every_minutes elapsed on some rank's clock). Each rank's flags are
+    all-reduced asynchronously on a gloo group and read one step later, so the loop never
+    waits on the GPU for them."""
+
+    def __init__(self, world: int, save_every_minutes: float):
+        self.signal: int | None = None
+        self.interval = save_every_minutes * 60
+        self.last_save = time.monotonic()
+        self.group = dist.new_group(backend="gloo") if world > 1 else None
+        self.pending = None
+        self.buf = torch.zeros(2)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal = signum
+
+    def poll(self) -> tuple[bool, bool]:
+        """(stop, save) as agreed by all ranks."""
+        local = torch.tensor([float(self.signal is not None),
+                              float(self.interval > 0 and time.monotonic() - self.last_save >= self.interval)])
+        if self.group is None:
+            return bool(local[0]), bool(local[1])
+        agreed = (False, False)
+        if self.pending is not None:
+            self.pending.wait()
+            agreed = (bool(self.buf[0]), bool(self.buf[1]))
+        self.buf = local
+        self.pending = dist.all_reduce(self.buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return agreed
+
+    def saved(self) -> None:
+        self.last_save = time.monotonic()
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+
+
 def run(job: Job) -> dict:
     cfg = from_dict(job.config)
-    env = sdist.init_distributed()
+    env = sdist.init_distributed(cfg.collective_timeout)
     torch.manual_seed(cfg.seed)
     out = job.output_dir
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    faults = Faults(env.rank)
 
     tokenizer = load_tokenizer(job.model_dir, cfg.trust_remote_code)
     model = build_model(cfg, job.model_dir)
@@ -102,7 +155,11 @@ def run(job: Job) -> dict:
     notes = []
     if broadcasted:
         notes.append("ranks held different initial weights; rank 0's were broadcast to all")
+    if restarted:
+        notes.append(f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')} after a worker failure")
     if resume_from:
+        if env.is_main:
+            ckpt.remove_partial(out)
         meta = ckpt.read_meta(resume_from)
         state = strategy.state_dict(model, optimizer)
         ckpt.load(resume_from, state)
@@ -118,61 +175,69 @@ def run(job: Job) -> dict:
                         "so no row of the epoch is repeated or skipped; RNG streams restart"))
 
     rep = Reporter(out, env.is_main, total, step, append=resume_from is not None)
-    rep.say(f"shardwise: {cfg.strategy} on {env.world_size} rank(s) ({env.backend}, {env.device.type}), "
+    rep.say(f"shardwise: {strategy.describe()} on {env.world_size} rank(s) ({env.backend}, {env.device.type}), "
             f"{n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), {len(data)} sequences, "
             f"global batch {sampler.global_batch}, {total} steps")
     for n in notes:
         rep.say("shardwise: " + n)
 
-    peak = peak_flops(torch.cuda.get_device_name(env.device), cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32") \
-        if env.device.type == "cuda" else None
+    peak = None
+    if env.device.type == "cuda":
+        peak = peak_flops(torch.cuda.get_device_name(env.device),
+                          cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32")
     world = env.world_size
-    window, loss_acc = Window(), torch.zeros((), device=env.device)
-    seq_acc = 0
+    control = Control(world, cfg.save_every_minutes)
+    save = lambda: save_checkpoint(cfg, env, strategy, model, optimizer, out, step, pos, tokens_seen,  # noqa: E731
+                                   job.model_dir, tokenizer)
+    window, loss_acc, seq_acc = Window(), torch.zeros((), device=env.device), 0.0
     t_start = time.time()
-    last_rec, first_loss = {}, None
+    last_rec, first_loss, skipped, loss_n, tokens_run = {}, None, 0, 0, 0
     model.train()
-    while step < total:
-        batch, pos = sampler.next(pos)
-        for g in optimizer.param_groups:
-            g["lr"] = lr_at(cfg, step, total)
-        step_loss = train_step(model, strategy, batch, world, env.device)
-        grad_norm = strategy.step(model, optimizer)
-        step += 1
-        tokens_seen += batch.tokens
-        loss_acc += step_loss
-        window.add(batch.tokens)
-        seq_acc += batch.tokens / len(batch.rows)
-        if step % cfg.log_every == 0 or step == total:
-            sdist.all_reduce(loss_acc)
-            mem = torch.tensor([peak_memory_gib(env.device)], device=env.device)
-            sdist.all_reduce(mem, dist.ReduceOp.MAX)
-            step_time, tps = window.read()
-            rec = {"step": step, "loss": loss_acc.item() / window.steps, "lr": lr_at(cfg, step - 1, total),
-                   "grad_norm": float(grad_norm), "tokens_per_s": tps, "step_time_s": step_time,
-                   "peak_mem_gib": mem.item(), "epoch": pos.epoch, "tokens_seen": tokens_seen}
-            if peak:
-                fpt = flops_per_token(n_params, hf_config.num_hidden_layers, hf_config.hidden_size,
-                                      seq_acc / window.steps)
-                rec["mfu"] = fpt * tps / (peak * world)
-            rep.log(rec)
-            first_loss = rec["loss"] if first_loss is None else first_loss
-            last_rec = rec
-            window, loss_acc, seq_acc = Window(), torch.zeros((), device=env.device), 0
-        if cfg.save_every and step % cfg.save_every == 0 and step < total:
-            save_checkpoint(cfg, env, strategy, model, optimizer, out, step, pos, tokens_seen)
-    if cfg.save_every and not (ckpt.latest(out) or "").endswith(f"step_{step:08d}"):
-        save_checkpoint(cfg, env, strategy, model, optimizer, out, step, pos, tokens_seen)
+    try:
+        while step < total:
+            faults.before_step(step + 1)
+            batch, next_pos = sampler.next(pos)
+            for g in optimizer.param_groups:
+                g["lr"] = lr_at(cfg, step, total)
+            step_loss = train_step(model, strategy, batch, world, env.device, faults, step + 1)
+            grad_norm = strategy.step(model, optimizer)
+            step, pos = step + 1, next_pos
+            tokens_seen += batch.tokens
+            if strategy.nonfinite_steps > skipped:
+                skipped = strategy.nonfinite_steps
+                on_nonfinite(cfg, env, rep, step, batch, job, out)
+            else:
+                loss_acc += step_loss
+                loss_n += 1
+            tokens_run += batch.tokens
+            window.add(batch.tokens)
+            seq_acc += batch.tokens / len(batch.rows)
+            if step % cfg.log_every == 0 or step == total:
+                rec = log_record(env, cfg, window, loss_acc, loss_n, seq_acc, step, total, grad_norm, pos, tokens_seen,
+                                 skipped, peak, n_params, hf_config)
+                rep.log(rec)
+                first_loss = rec["loss"] if first_loss is None else first_loss
+                last_rec = rec
+                window, loss_acc, seq_acc, loss_n = Window(), torch.zeros((), device=env.device), 0.0, 0
+            stop, due = control.poll()
+            if stop:
+                path = save()
+                rep.say(f"shardwise: stopped by a signal after step {step}; checkpoint written to {path}")
+                raise Preempted(path)
+            if step < total and ((cfg.save_every and step % cfg.save_every == 0) or due):
+                save()
+                control.saved()
+        if cfg.save_every and not (ckpt.latest(out) or "").endswith(f"step_{step:08d}"):
+            save()
+    finally:
+        control.close()
 
-    final_dir = None
-    if cfg.save_final:
-        final_dir = save_final(cfg, env, strategy, model, tokenizer, out)
+    final_dir = save_final(cfg, env, strategy, model, tokenizer, out) if cfg.save_final else None
     wall = time.time() - t_start
     summary = {"strategy": cfg.strategy, "world_size": world, "steps": step, "first_loss": first_loss,
-               "final_loss": last_rec.get("loss"),
-               "mean_tokens_per_s": tokens_seen / wall if wall > 0 else None,
+               "final_loss": last_rec.get("loss"), "mean_tokens_per_s": tokens_run / wall if wall > 0 else None,
                "peak_mem_gib": last_rec.get("peak_mem_gib"), "wall_time_s": wall, "params": n_params,
-               "trainable_params": n_trainable, "final_model": final_dir}
+               "trainable_params": n_trainable, "skipped_nonfinite_steps": skipped, "final_model": final_dir}
     if env.is_main:
         _write_json(os.path.join(out, "summary.json"), summary)
     rep.say(f"shardwise: done: {step} steps, loss {first_loss:.4f} (first logged) -> {summary['final_loss']:.4f} (last)"
@@ -184,7 +249,7 @@ def run(job: Job) -> dict:
     return summary
 
 
-def train_step(model, strategy, batch: StepBatch, world: int, device) -> torch.Tensor:
+def train_step(model, strategy, batch: StepBatch, world: int, device, faults: Faults, step: int) -> torch.Tensor:
     """Forward/backward over the rank's micro-batches; returns this rank's share of the
     global mean loss (a tensor, so no host sync). Each micro-batch's summed loss is divided
     by the global batch's loss-token count and scaled by the world size, because every
@@ -199,30 +264,75 @@ def train_step(model, strategy, batch: StepBatch, world: int, device) -> torch.T
         tg = mb.targets.to(device, non_blocking=True)
         with strategy.sync(model, i == last), strategy.autocast():
             logits = model(input_ids=ids, position_ids=pos).logits
-            loss = loss_sum(logits, tg) * scale
+            loss = faults.poison_loss(step, loss_sum(logits, tg) * scale)
         strategy.backward(loss)
         total += loss.detach() / world
     return total
 
 
-def save_checkpoint(cfg, env, strategy, model, optimizer, out, step, pos, tokens_seen) -> str:
+def log_record(env, cfg, window, loss_acc, loss_n, seq_acc, step, total, grad_norm, pos, tokens_seen, skipped, peak,
+               n_params, hf_config) -> dict:
+    """The logged metrics; the only host syncs of the loop (besides the non-finite check)."""
+    sdist.all_reduce(loss_acc)
+    mem = torch.tensor([peak_memory_gib(env.device)], device=env.device)
+    sdist.all_reduce(mem, dist.ReduceOp.MAX)
+    step_time, tps = window.read()
+    rec = {"step": step, "loss": loss_acc.item() / loss_n if loss_n else float("nan"), "lr": lr_at(cfg, step - 1, total),
+           "grad_norm": float(grad_norm), "tokens_per_s": tps, "step_time_s": step_time,
+           "peak_mem_gib": mem.item(), "epoch": pos.epoch, "tokens_seen": tokens_seen}
+    if skipped:
+        rec["skipped_nonfinite_steps"] = skipped
+    if peak:
+        fpt = flops_per_token(n_params, hf_config.num_hidden_layers, hf_config.hidden_size, seq_acc / window.steps)
+        rec["mfu"] = fpt * tps / (peak * env.world_size)
+    return rec
+
+
+def on_nonfinite(cfg, env, rep, step, batch: StepBatch, job: Job, out: str) -> None:
+    """The update of `step` was skipped (non-finite gradients). Count it, or stop."""
+    sources = ckpt_sources(job.data_file, batch.rows)
+    last_good = ckpt.latest(out) or "none yet"
+    where = ", ".join(sources[:4]) + (" ..." if len(sources) > 4 else "")
+    if cfg.on_nan == "stop":
+        raise ShardwiseError(f"non-finite loss or gradients at step {step} (batch records: {where}); the update "
+                             f"was not applied; last good checkpoint: {last_good}; lower --lr, check these records, "
+                             "or pass --on-nan skip")
+    rep.say(f"shardwise: step {step}: non-finite loss or gradients, update skipped (batch records: {where})")
+
+
+def ckpt_sources(data_file: str, rows: list[int]) -> list[str]:
+    path = os.path.join(os.path.dirname(data_file), "sources.json")
+    try:
+        with open(path) as fh:
+            src = json.load(fh)
+        return [src[r] for r in rows]
+    except (OSError, IndexError, json.JSONDecodeError):
+        return [f"row {r}" for r in rows]
+
+
+def save_checkpoint(cfg, env, strategy, model, optimizer, out, step, pos, tokens_seen, model_dir, tokenizer) -> str:
     meta = {"step": step, "data_position": pos.to_dict(), "tokens_seen": tokens_seen,
             "world_size": env.world_size, "strategy": cfg.strategy, "config": dataclasses.asdict(cfg)}
-    return ckpt.save(out, step, strategy.state_dict(model, optimizer), meta, env.rank, cfg.keep_checkpoints)
+    return ckpt.save(out, step, strategy.state_dict(model, optimizer), meta, env.rank, cfg.keep_checkpoints,
+                     model_dir=model_dir)
 
 
 def save_final(cfg, env, strategy, model, tokenizer, out) -> str:
     """A Hugging Face directory (safetensors + config + tokenizer), written atomically."""
-    import shutil
-
     full = strategy.full_model_state_dict(model)
     final = os.path.join(out, "final")
     if env.is_main:
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         hf = strategy.unwrap(model)
-        hf.save_pretrained(tmp, state_dict=full)
+        if cfg.tuner != "full":  # a PEFT adapter directory (+ final/merged with merge_lora)
+            from shardwise.models.lora import save_final as save_adapter
+
+            save_adapter(hf, full, tokenizer, tmp, cfg)
+        else:
+            hf.save_pretrained(tmp, state_dict=full)
         tokenizer.save_pretrained(tmp)
+        ckpt.apply_umask(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
     sdist.barrier()
@@ -234,4 +344,3 @@ def _write_json(path: str, obj) -> None:
     with open(tmp, "w") as fh:
         json.dump(obj, fh, indent=1)
     os.replace(tmp, path)
-
