@@ -1,0 +1,107 @@
+"""LoRA and QLoRA adapters (built on peft), applied before any strategy wraps the model.
+
+Storage: the frozen base in the compute dtype (bf16 under bf16 mixed precision, fp32
+otherwise; 4-bit NF4 under QLoRA), the adapters in the storage dtype (`param_dtype`, fp32
+by default). Only adapter parameters require gradients, so every strategy puts only them
+in the optimizer; FSDP and ZeRO-3 still shard the frozen base with them.
+
+The final output is a PEFT adapter directory (adapter_config.json +
+adapter_model.safetensors); with `merge_lora`, a merged full model is written next to it
+in final/merged (W + (alpha / r) * B @ A for every adapted linear).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from shardwise.errors import ShardwiseError
+
+DTYPES = {"no": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def lora_config(model, cfg):
+    from peft import LoraConfig
+
+    targets = cfg.lora.targets.strip()
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+        names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        missing = [t for t in targets if t not in names]
+        if missing:
+            raise ShardwiseError(f"lora.targets: no linear module named {', '.join(missing)} in the model; "
+                                 f"its linear modules are {', '.join(sorted(names))} (or use all-linear)")
+    # 'all-linear': every linear layer except the output head, i.e. the blocks' projections
+    return LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM")
+
+
+def apply_lora(model, cfg):
+    """Freeze the base, cast it to the compute dtype (or quantize it), add adapters."""
+    from peft import get_peft_model
+
+    compute = DTYPES[cfg.mixed_precision]
+    adapter_dtype = DTYPES[cfg.param_dtype]
+    if cfg.tuner == "qlora":
+        quantize_4bit(model, compute)
+    for p in model.parameters():
+        p.requires_grad_(False)
+        if p.is_floating_point() and p.dtype != compute:
+            p.data = p.data.to(compute)
+    model = get_peft_model(model, lora_config(model, cfg))
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            p.data = p.data.to(adapter_dtype)
+    return model
+
+
+def quantize_4bit(model, compute: torch.dtype) -> None:
+    """Replace the blocks' linear layers by bitsandbytes NF4 layers; the weights are
+    quantized when the strategy moves the model to the GPU."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ShardwiseError("tuner qlora needs bitsandbytes; install it with: pip install 'shardwise[qlora]'")
+    head = model.get_output_embeddings()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear) or child is head:
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=compute, quant_type="nf4", quant_storage=torch.uint8)
+            q.weight = bnb.nn.Params4bit(child.weight.data.to(compute), requires_grad=False, quant_type="nf4")
+            if child.bias is not None:
+                q.bias = nn.Parameter(child.bias.data.to(compute), requires_grad=False)
+            setattr(parent, name, q)
+
+
+def merged_state_dict(full: dict, cfg) -> dict:
+    """A plain Hugging Face state dict from a PEFT model's full state dict: every adapted
+    linear's weight becomes W + (alpha / r) * B @ A (computed in fp32, stored in W's dtype)."""
+    prefix, scale = "base_model.model.", cfg.lora.alpha / cfg.lora.r
+    out = {}
+    for key, t in full.items():
+        if ".lora_" in key:
+            continue
+        k = key[len(prefix):] if key.startswith(prefix) else key
+        if k.endswith(".base_layer.weight"):
+            stem = key[: -len(".base_layer.weight")]
+            a, b = full[f"{stem}.lora_A.default.weight"], full[f"{stem}.lora_B.default.weight"]
+            t = (t.float() + scale * (b.float() @ a.float())).to(t.dtype)
+        out[k.replace(".base_layer.", ".")] = t
+    return out
+
+
+def save_final(peft_model, full: dict, tokenizer, path: str, cfg) -> None:
+    """Rank 0: the adapter directory at `path`, plus path/merged with `merge_lora`."""
+    peft_model.save_pretrained(path, state_dict=full)
+    if getattr(cfg, "merge_lora", False):
+        if cfg.tuner == "qlora":
+            raise ShardwiseError("merge_lora: a 4-bit base cannot be merged here; merge the adapter into the "
+                                 "full-precision model with peft's merge_and_unload")
+        base = peft_model.get_base_model()
+        merged = os.path.join(path, "merged")
+        base.save_pretrained(merged, state_dict=merged_state_dict(full, cfg))
+        tokenizer.save_pretrained(merged)
