@@ -238,6 +238,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     persist = {}  # buffers alive all step
 
     grads_persist = False
+    root_bwd = 0.0  # FSDP: the root unit's gathered params + unsharded grads at the end of backward
     if o.base in ("single", "ddp"):
         params, grads, opt = frozen + tw * P_t, tw * P_t, 2 * tw * P_t
         if o.base == "ddp":
@@ -250,18 +251,19 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     elif o.base == "fsdp":
         params, grads, opt = (frozen + tw * P_t) / N, tw * P_t / N, 2 * tw * P_t / N
         gb = QLORA_BYTES_PER_PARAM if job.tuner == "qlora" else c  # gathered bytes per block parameter
-        root = spec.root_params * c  # embeddings, final norm, head: the root unit, gathered through the step
-        if o.reshard_after_forward:
-            extraA["gathered_root"] = root
-            extraA["gathered_units"] = 2 * gb * U  # current + prefetched unit
+        root = spec.root_params * c  # embeddings, final norm, head: the root unit
+        if o.reshard_after_forward:  # the root is resharded after forward too and gathered again for the head's backward
+            extraA["gathered_units"] = 2 * gb * U  # the last unit (kept) + a prefetched one
         else:  # every unit stays gathered from its forward to its backward
             extraA["gathered_all"] = root + gb * (P - spec.root_params)
-        extraB["gathered"] = root + 2 * gb * U
-        g_unit = max(U, spec.root_params) if full else (P_t / max(spec.num_layers, 1))
+        # backward of a block: two units gathered, its unsharded grads (c) and their fp32 reduce-scatter input;
+        # the root's backward comes last, when the block activations are gone (see moment B below)
+        g_unit = U if full else P_t / max(spec.num_layers, 1)
+        extraB["gathered"] = 2 * gb * U
         extraB["unsharded_grads+reduce_scatter"] = (c + rd) * g_unit
+        root_bwd = root + (c + rd) * (spec.root_params if full else 0)
         if job.grad_accum > 1:  # no-sync micro-batches keep unsharded gradients, accumulated in the reduce dtype
-            extraA["unsharded_accumulated_grads"] = rd * P_t
-            extraB["unsharded_accumulated_grads"] = rd * P_t
+            extraA["unsharded_accumulated_grads"] = rd * P_t  # (freed unit by unit in the last backward)
         if o.cpu_offload:
             host = params + grads + opt
             params = grads = opt = 0.0
@@ -294,7 +296,8 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
         extraA["dequant"] = c * spec.hidden_size * spec.intermediate_size
 
     act_end, per_layer, act_detail = activations(spec, job, o)
-    accum_grads = grads if job.grad_accum > 1 and not grads_persist else 0.0
+    # accumulating: earlier micro-batches' gradients are alive (FSDP keeps them unsharded, counted above)
+    accum_grads = grads if job.grad_accum > 1 and not grads_persist and o.base != "fsdp" else 0.0
     states = params + opt + sum(persist.values()) + (grads if grads_persist else 0.0)
     moment_a = states + act_end + sum(extraA.values()) + accum_grads
     # end of backward: all grads, the first block's activations and their gradients (or the recomputed block)
@@ -303,7 +306,8 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     if o.base in ("single", "ddp", "fsdp") and not (o.base == "fsdp" and o.cpu_offload):
         # torch AdamW: fused on GPU needs no full-size temporaries; foreach (CPU) makes one sqrt(v) list
         step_tmp = 0.0 if job.accelerator == "cuda" else tw * P_t / (N if o.base == "fsdp" else 1)
-    moment_b = states + (0.0 if grads_persist else grads) + workspace + sum(extraB.values()) + step_tmp
+    g = 0.0 if grads_persist else grads
+    moment_b = states + g + max(workspace + sum(extraB.values()), root_bwd, step_tmp)
     peak = max(moment_a, moment_b)
     phase = "end of forward (activations + logits)" if moment_a >= moment_b else "end of backward (gradients)"
     if job.accelerator == "cuda":
