@@ -1,0 +1,131 @@
+"""`shardwise bench`: the same job under several strategies, measured side by side on this
+machine, with the planner's prediction beside each number."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shlex
+import sys
+import time
+
+from shardwise import config, presets
+from shardwise.errors import ShardwiseError
+
+DEMO_STRATEGIES = ("ddp", "fsdp")
+DEMO_DEEPSPEED = ("zero2", "zero3")
+
+
+def add_parser(sub) -> None:
+    from shardwise.bench.runner import CONTROLLED
+
+    b = sub.add_parser(
+        "bench", help="Run strategies side by side on this machine; report measured vs predicted.",
+        description="Train the same job under each strategy, in fresh processes through `shardwise train`, and "
+                    "write a report (Markdown, JSON, PNG) of tokens/s, step time, peak memory per rank and final "
+                    "loss, with the planner's prediction and its error beside each. No arguments: the built-in "
+                    "demo (the tiny model on 2 CPU ranks or the GPUs at hand).")
+    b.add_argument("config", nargs="?", help="YAML config file (optional); its strategy and run-control keys are "
+                                             "replaced by the bench's.")
+    b.add_argument("--strategies", default="",
+                   help="Comma-separated strategies/presets to compare (default: ddp,fsdp, plus zero2,zero3 when "
+                        f"DeepSpeed is installed). Known: {', '.join(presets.PRESETS)}.")
+    b.add_argument("--steps", type=int, default=30, help="Counted steps per strategy (default 30).")
+    b.add_argument("--warmup", type=int, default=5, help="Uncounted steps before them (default 5).")
+    b.add_argument("--report-dir", default="", help="Where the report goes (default runs/bench-<date>-<time>).")
+    b.add_argument("--report-name", default="report",
+                   help="File name stem of the report files (default 'report'); 'auto' names them "
+                        "<model>_<hardware>_<date>, as for docs/benchmarks/.")
+    b.add_argument("--runs-dir", default="", help="Where each strategy's run directory goes (default REPORT_DIR/runs).")
+    b.add_argument("--timeout", type=float, default=1800.0, help="Stop a strategy after this many seconds (default 1800).")
+    b.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    config.add_flags(b, only=[k for k in config.FIELDS if k not in CONTROLLED])
+    b.set_defaults(func=run)
+
+
+def spec_from_args(args):
+    from shardwise.bench.runner import BenchSpec
+
+    if args.strategies:
+        names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    else:
+        names = list(DEMO_STRATEGIES) + (list(DEMO_DEEPSPEED) if importlib.util.find_spec("deepspeed") else [])
+    unknown = [n for n in names if n not in presets.PRESETS]
+    if unknown:
+        raise ShardwiseError(f"--strategies: unknown strategy '{unknown[0]}'; known: {', '.join(presets.PRESETS)}")
+    if len(set(names)) != len(names):
+        raise ShardwiseError(f"--strategies: '{args.strategies}' names a strategy twice")
+    if args.steps < 1:
+        raise ShardwiseError(f"--steps must be >= 1, got {args.steps}")
+    if args.warmup < 0:
+        raise ShardwiseError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.timeout <= 0:
+        raise ShardwiseError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    flags = config.flags_from_namespace(args)
+    if int(flags.get("nnodes", (1, ""))[0] or 1) > 1:
+        raise ShardwiseError("--nnodes: bench runs on one node; multi-node bench is not supported yet")
+    report_dir = args.report_dir or os.path.join("runs", f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    return BenchSpec(config_path=args.config, flags=flags, strategies=names, steps=args.steps,
+                     warmup=args.warmup, report_dir=report_dir,
+                     runs_dir=args.runs_dir or os.path.join(report_dir, "runs"),
+                     report_name=args.report_name, timeout_s=args.timeout)
+
+
+def say(msg: str) -> None:
+    print(f"shardwise bench: {msg}", flush=True)
+
+
+def run(args) -> int:
+    from shardwise.bench import report
+    from shardwise.bench.runner import Outcome, run_strategy
+    from shardwise.launch import quiet_libraries
+
+    spec = spec_from_args(args)
+    quiet_libraries()
+    started = time.time()
+    hw = report.hardware()
+    say(f"{len(spec.strategies)} strategies ({', '.join(spec.strategies)}), {spec.warmup} warm-up + "
+        f"{spec.steps} counted steps each; runs in {spec.runs_dir}")
+    outcomes: list[Outcome] = []
+    interrupted = False
+    for i, name in enumerate(spec.strategies, 1):
+        if interrupted:
+            outcomes.append(Outcome(name, "interrupted", "the bench was interrupted before it ran"))
+            continue
+        say(f"[{i}/{len(spec.strategies)}] {name}: running")
+        try:
+            o = run_strategy(spec, name, sample_rss=hw["accelerator"] == "cpu")
+        except KeyboardInterrupt:
+            interrupted = True
+            outcomes.append(Outcome(name, "interrupted", "interrupted while running"))
+            continue
+        outcomes.append(o)
+        say(f"[{i}/{len(spec.strategies)}] {name}: " + _one_line(o))
+    runs = [o for o in outcomes if o.world_size]
+    world = runs[0].world_size if runs else 0
+    model = (runs[0].config or {}).get("model", "tiny") if runs else str(spec.flags.get("model", ("tiny",))[0])
+    stem = spec.report_name
+    if stem == "auto":
+        stem = report.report_stem(model, hw, world, time.strftime("%Y-%m-%d", time.localtime(started)))
+    command = "shardwise " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] \
+        else "shardwise bench"
+    rep = report.build(spec, outcomes, hw, report.versions(), command, started)
+    paths = report.write_all(rep, spec.report_dir, stem)
+    print()
+    print(report.terminal_table(rep))
+    print()
+    for line in rep["verdict"]:
+        print("- " + line.replace("**", ""))
+    print()
+    say(f"report: {paths['md']} (+ .json, .png)")
+    if interrupted:
+        return 130
+    return 0 if any(o.status == "ok" for o in outcomes) else 1
+
+
+def _one_line(o) -> str:
+    if o.status == "ok":
+        return f"done in {o.wall_s:.0f} s"
+    text = {"oom": "does not fit", "failed": "failed", "unavailable": "cannot run here"}.get(o.status, o.status)
+    return f"{text}: {o.reason}"

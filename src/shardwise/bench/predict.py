@@ -1,0 +1,31 @@
+"""The planner's prediction for one strategy's config, or why there is none.
+
+The planner is optional here: a build without `shardwise.plan` (or a planner that cannot
+plan this setup) gives "n/a" columns, never a failed bench.
+"""
+
+from __future__ import annotations
+
+
+def predict(cfg, world_size: int) -> dict:
+    """{"available": True, fits, mem_gib, peak_mem_gib, step_time_s, tokens_per_s, ...} or
+    {"available": False, "note": why}. `cfg` is the runtime-resolved Config of the run."""
+    try:
+        from shardwise.plan import plan_run
+    except ImportError:
+        return {"available": False, "note": "this build has no planner (shardwise.plan)"}
+    try:
+        sp = plan_run(cfg, None, world_size).for_strategy(cfg.strategy)
+        mem = {k: float(v) for k, v in dict(sp.mem_gib).items()}
+        out = {"available": True, "fits": bool(sp.fits), "mem_gib": mem, "peak_mem_gib": mem.get("total"),
+               "step_time_s": float(sp.step_time_s), "tokens_per_s": float(sp.tokens_per_s)}
+    except Exception as e:  # a planner bug must not cost the measurements; the report says what happened
+        return {"available": False, "note": f"the planner failed: {type(e).__name__}: {str(e)[:200]}"}
+    # Optional extras of the current planner (exposed communication, the collectives).
+    try:
+        detail = sp.to_json()
+        out["exposed_comm_s"] = detail.get("exposed_comm_s")
+        out["detail"] = detail
+    except Exception:
+        pass
+    return out

@@ -1,0 +1,474 @@
+"""The bench report: one dict (report.json) from which the Markdown table + verdict, the
+PNG and the terminal table are all drawn, so they cannot disagree.
+
+Errors are (predicted - measured) / measured: +20% means the planner expected 20% more
+than it got.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import time
+
+from shardwise.bench.measure import error_pct, read_records, summarize
+
+SCHEMA = "shardwise-bench/1"
+RESULT_TEXT = {"ok": "ok", "oom": "does not fit", "failed": "failed", "unavailable": "cannot run here",
+               "interrupted": "not run (interrupted)"}
+# Config keys that differ between the strategies of one bench by design.
+PER_STRATEGY_KEYS = ("strategy", "output_dir", "fsdp", "deepspeed")
+LOSS_AGREE_REL = 1e-3
+SAME_MEM_REL = 0.05  # peaks within 5% read as "about the same"
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for pkg in ("shardwise", "torch", "transformers", "deepspeed", "peft"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    try:
+        import torch
+
+        out["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:
+        pass
+    return out
+
+
+def hardware() -> dict:
+    from shardwise.hardware import detect
+
+    hw = detect()
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"accelerator": hw.accelerator, "device_name": hw.device_name, "device_count": hw.device_count,
+            "device_memory_gib": round(hw.memory_gib, 2), "host_memory_gib": round(hw.host_memory_gib, 2),
+            "cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform()}
+
+
+def _tag(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.+-]+", "-", s).strip("-") or "x"
+
+
+def report_stem(model: str, hw: dict, world_size: int, date: str) -> str:
+    """<model>_<hardware>_<date>, e.g. Llama-3.2-1B_8xH200_2026-12-01 or tiny_cpu-2ranks_2026-11-29."""
+    m = "tiny" if model == "tiny" else os.path.basename(os.path.normpath(model))
+    if hw.get("accelerator") == "cuda":
+        name = hw.get("device_name", "gpu").replace("NVIDIA", "").strip().split(" ")[0]
+        h = f"{world_size}x{name}"
+    else:
+        h = f"cpu-{world_size}ranks"
+    return f"{_tag(m)}_{_tag(h)}_{date}"
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def build(spec, outcomes: list, hw: dict, vers: dict, command: str, started: float) -> dict:
+    rows = [_row(spec, o) for o in outcomes]
+    _loss_agreement(rows)
+    configs = [r["config"] for r in rows if r.get("config")]
+    common = {k: v for k, v in configs[0].items() if k not in PER_STRATEGY_KEYS} if configs else {}
+    planned = [r["predicted"] for r in rows]
+    planner = ({"available": True, "note": ""} if any(p.get("available") for p in planned) else
+               {"available": False, "note": next((p.get("note") for p in planned if p.get("note")), "")})
+    rep = {
+        "schema": SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "duration_s": round(time.time() - started, 1),
+        "command": command,
+        "settings": {"strategies": spec.strategies, "steps": spec.steps, "warmup": spec.warmup,
+                     "config_file": spec.config_path, "flags": {k: v for k, (v, _) in spec.flags.items()},
+                     "timeout_s": spec.timeout_s, "runs_dir": os.path.abspath(spec.runs_dir)},
+        "hardware": hw,
+        "versions": vers,
+        "config": common,
+        "planner": planner,
+        "results": rows,
+    }
+    rep["verdict"] = verdict(rep)
+    return rep
+
+
+def _row(spec, o) -> dict:
+    measured = {}
+    if o.output_dir:  # a run that failed late may have logged steps; the tables show ok rows only
+        recs = read_records(o.output_dir)
+        if recs:
+            measured = summarize(recs, spec.warmup, o.rank_peak_gib or None, o.world_size)
+    pred = o.prediction or {"available": False}
+    med = lambda d, k="median": (d or {}).get(k)  # noqa: E731
+    err = {}
+    if o.status == "ok" and pred.get("available"):
+        err = {"tokens_per_s": error_pct(pred.get("tokens_per_s"), med(measured.get("tokens_per_s"))),
+               "step_time_s": error_pct(pred.get("step_time_s"), med(measured.get("step_time_s"))),
+               "peak_mem_gib": error_pct(pred.get("peak_mem_gib"), med(measured.get("peak_mem_gib"), "max")),
+               "comm_exposed_s": error_pct(pred.get("exposed_comm_s"), med(measured.get("comm_exposed_s")))}
+    return {"strategy": o.strategy, "status": o.status, "result": RESULT_TEXT.get(o.status, o.status),
+            "reason": o.reason, "world_size": o.world_size, "wall_s": round(o.wall_s, 1),
+            "returncode": o.returncode, "run_dir": o.output_dir, "log": o.log,
+            "measured": measured, "predicted": pred, "error_pct": err, "config": o.config}
+
+
+def _loss_agreement(rows: list) -> None:
+    ok = [r for r in rows if r["status"] == "ok" and r["measured"].get("final_loss") is not None]
+    if len(ok) < 2:
+        return
+    ref = ok[0]
+    ok = [r for r in ok if r["world_size"] == ref["world_size"]]  # same global batch only
+    for r in ok:
+        a, b = r["measured"]["losses"], ref["measured"]["losses"]
+        n = min(len(a), len(b))
+        diffs = [abs(x - y) for x, y in zip(a[:n], b[:n]) if x is not None and y is not None]
+        fl, rl = r["measured"]["final_loss"], ref["measured"]["final_loss"]
+        r["measured"]["loss_vs_reference"] = {
+            "reference": ref["strategy"], "final_rel_diff": abs(fl - rl) / abs(rl) if rl else None,
+            "max_abs_diff_over_steps": max(diffs) if diffs else None}
+
+
+# ----------------------------------------------------------------------------- verdict
+
+
+def _m(r, key, stat="median"):
+    return (r["measured"].get(key) or {}).get(stat)
+
+
+def verdict(rep: dict) -> list[str]:
+    rows = rep["results"]
+    ok = [r for r in rows if r["status"] == "ok" and _m(r, "tokens_per_s") is not None]
+    out = []
+    if not ok:
+        out.append("No strategy completed, so there is nothing to compare; the rows say why each did not run.")
+    else:
+        fast = max(ok, key=lambda r: _m(r, "tokens_per_s"))
+        slow = min(ok, key=lambda r: _m(r, "tokens_per_s"))
+        line = f"Fastest: **{fast['strategy']}** at {_fmt_tps(_m(fast, 'tokens_per_s'))} tokens/s (median over steps)"
+        if slow is not fast:
+            ratio = _m(fast, "tokens_per_s") / _m(slow, "tokens_per_s")
+            line += f", {ratio:.2f}x the slowest, {slow['strategy']} ({_fmt_tps(_m(slow, 'tokens_per_s'))})"
+        out.append(line + ".")
+        with_mem = [r for r in ok if _m(r, "peak_mem_gib", "max") is not None]
+        if with_mem:
+            lean = min(with_mem, key=lambda r: _m(r, "peak_mem_gib", "max"))
+            fat = max(with_mem, key=lambda r: _m(r, "peak_mem_gib", "max"))
+            lo, hi = _m(lean, "peak_mem_gib", "max"), _m(fat, "peak_mem_gib", "max")
+            same_mem = hi <= lo * (1 + SAME_MEM_REL)
+            if same_mem and fat is not lean:
+                out.append(f"Memory: about the same for all ({lo:.2f}–{hi:.2f} GiB per rank, peak, max over ranks): "
+                           "at this size the sharded states are small next to what every rank holds anyway.")
+            else:
+                line = f"Least memory: **{lean['strategy']}** at {lo:.2f} GiB per rank (peak, max over ranks)"
+                if fat is not lean:
+                    line += f", {1 - lo / hi:.0%} below {fat['strategy']} ({hi:.2f} GiB)"
+                out.append(line + ".")
+            if len(ok) > 1:
+                if same_mem:
+                    pass
+                elif lean is fast:
+                    out.append(f"Trade-off: none here; {fast['strategy']} is both the fastest and the leanest "
+                               "at this model size and batch on this hardware.")
+                else:
+                    cost = 1 - _m(lean, "tokens_per_s") / _m(fast, "tokens_per_s")
+                    saved = 1 - _m(lean, "peak_mem_gib", "max") / _m(fast, "peak_mem_gib", "max")
+                    out.append(f"Trade-off: {lean['strategy']} needs {saved:.0%} less memory per rank than "
+                               f"{fast['strategy']} and gives up {cost:.0%} of its throughput; pick it when "
+                               f"{fast['strategy']} does not fit or the memory buys a larger batch.")
+        if rep["hardware"].get("accelerator") == "cpu":
+            out.append("On the CPU, memory is each worker's peak RSS, which includes the Python/torch runtime "
+                       "(a few hundred MiB), while the planner counts tensors only; the memory errors mostly "
+                       "measure that runtime, not the planner.")
+        agree = [r for r in ok if "loss_vs_reference" in r["measured"] and r is not ok[0]]
+        other_batch = [r for r in ok if r["world_size"] != ok[0]["world_size"]]
+        if other_batch:
+            out.append("Not compared for loss (another world size, so another global batch): "
+                       + ", ".join(f"{r['strategy']} ({r['world_size']} rank(s))" for r in other_batch) + ".")
+        if agree:
+            worst = max(agree, key=lambda r: r["measured"]["loss_vs_reference"]["final_rel_diff"] or 0)
+            d = worst["measured"]["loss_vs_reference"]["final_rel_diff"] or 0
+            losses = ", ".join(f"{r['strategy']} {r['measured']['final_loss']:.4f}" for r in ok)
+            if d <= LOSS_AGREE_REL:
+                out.append(f"Final losses agree (largest relative difference {d:.1e}): {losses}.")
+            else:
+                out.append(f"Final losses DISAGREE (up to {d:.1%} relative): {losses}; the strategies should "
+                           "train the same model on the same data, so this is worth a bug report.")
+    out += _planner_lines(rep)
+    bad = [r for r in rows if r["status"] != "ok"]
+    if bad:
+        out.append("Not measured: " + "; ".join(f"{r['strategy']}: {r['result']} ({r['reason']})" for r in bad) + ".")
+    return out
+
+
+def _planner_lines(rep: dict) -> list[str]:
+    if not rep["planner"]["available"]:
+        return [f"Planner: no predictions ({rep['planner']['note'] or 'not available'}); those columns are n/a."]
+    out = []
+    worst = None
+    for r in rep["results"]:
+        for k, e in r["error_pct"].items():
+            if e is not None and (worst is None or abs(e) > abs(worst[2])):
+                worst = (r, k, e)
+    if worst:
+        r, k, e = worst
+        label = {"tokens_per_s": "throughput", "step_time_s": "step time", "peak_mem_gib": "peak memory",
+                 "comm_exposed_s": "exposed communication"}[k]
+        pred = r["predicted"].get({"peak_mem_gib": "peak_mem_gib", "comm_exposed_s": "exposed_comm_s"}.get(k, k))
+        meas = _m(r, k, "max" if k == "peak_mem_gib" else "median")
+        out.append(f"Planner: furthest off on {label} for {r['strategy']}: predicted {_fmt(k, pred)}, measured "
+                   f"{_fmt(k, meas)} ({e:+.0f}%).")
+        tps = [abs(r["error_pct"]["tokens_per_s"]) for r in rep["results"] if r["error_pct"].get("tokens_per_s") is not None]
+        if tps:
+            out.append(f"Planner throughput error across strategies: {min(tps):.0f}% to {max(tps):.0f}% (absolute).")
+    for r in rep["results"]:
+        fits = r["predicted"].get("fits") if r["predicted"].get("available") else None
+        if r["status"] == "oom" and fits is True:
+            out.append(f"Planner said {r['strategy']} fits ({_fmt('peak_mem_gib', r['predicted'].get('peak_mem_gib'))} "
+                       "per rank) but it ran out of memory.")
+        if r["status"] == "ok" and fits is False:
+            out.append(f"Planner said {r['strategy']} does not fit, but it ran.")
+    return out
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def _fmt_tps(x):
+    return "n/a" if x is None else f"{x:,.0f}"
+
+
+def _fmt(kind: str, x) -> str:
+    if x is None:
+        return "n/a"
+    if kind in ("tokens_per_s",):
+        return _fmt_tps(x)
+    if kind in ("step_time_s", "comm_exposed_s"):
+        if x < 0.01:
+            return f"{x * 1e3:.1f} ms"
+        return f"{x * 1e3:.0f} ms" if x < 10 else f"{x:.1f} s"
+    if kind == "peak_mem_gib":
+        return f"{x:.2f} GiB" if x < 100 else f"{x:.0f} GiB"
+    if kind == "mfu":
+        return f"{x:.1%}"
+    return f"{x:.4g}"
+
+
+def _err(e) -> str:
+    return "n/a" if e is None else f"{e:+.0f}%"
+
+
+def table_cells(r: dict) -> dict:
+    """Display strings of one row (shared by the Markdown and terminal tables)."""
+    p = r["predicted"] if r["predicted"].get("available") else {}
+    e = r["error_pct"]
+    tps, st, mem = r["measured"].get("tokens_per_s"), r["measured"].get("step_time_s"), r["measured"].get("peak_mem_gib")
+    ok = r["status"] == "ok"
+    c = {"strategy": r["strategy"], "result": r["result"]}
+    c["tps"] = f"{_fmt_tps(tps['median'])} ({_fmt_tps(tps['p10'])}–{_fmt_tps(tps['p90'])})" if ok and tps else "—"
+    c["tps_pred"] = _fmt_tps(p.get("tokens_per_s")) if p else "n/a"
+    c["tps_err"] = _err(e.get("tokens_per_s"))
+    c["step"] = f"{_fmt('step_time_s', st['median'])} / {_fmt('step_time_s', st['p90'])}" if ok and st else "—"
+    c["step_pred"] = _fmt("step_time_s", p.get("step_time_s")) if p else "n/a"
+    c["step_err"] = _err(e.get("step_time_s"))
+    if ok and mem and mem.get("max") is not None:
+        c["mem"] = f"{mem['max']:.2f} / " + (f"{mem['min']:.2f}" if mem.get("min") is not None else "n/a")
+    else:
+        c["mem"] = "—"
+    if p:
+        c["mem_pred"] = f"{p['peak_mem_gib']:.2f}" + ("" if p.get("fits", True) else " (won't fit)")
+    else:
+        c["mem_pred"] = "n/a"
+    c["mem_err"] = _err(e.get("peak_mem_gib"))
+    comm = r["measured"].get("comm_exposed_s")
+    c["comm"] = _fmt("comm_exposed_s", comm["median"]) if ok and comm else ("n/a" if ok else "—")
+    c["comm_pred"] = _fmt("comm_exposed_s", p.get("exposed_comm_s")) if p else "n/a"
+    mfu = r["measured"].get("mfu")
+    c["mfu"] = _fmt("mfu", mfu["median"]) if ok and mfu else ("n/a" if ok else "—")
+    fl = r["measured"].get("final_loss")
+    c["loss"] = f"{fl:.4f}" if ok and fl is not None else "—"
+    return c
+
+
+MD_COLUMNS = [("strategy", "strategy"), ("result", "result"), ("tps", "tokens/s median (p10–p90)"),
+              ("tps_pred", "predicted"), ("tps_err", "error"), ("step", "step time p50 / p90"),
+              ("step_pred", "predicted"), ("step_err", "error"), ("mem", "peak GiB/rank max / min"),
+              ("mem_pred", "predicted"), ("mem_err", "error"), ("comm", "exposed comm/step"),
+              ("comm_pred", "predicted"), ("mfu", "MFU"), ("loss", "final loss")]
+TERM_COLUMNS = [("strategy", "strategy"), ("result", "result"), ("tps", "tok/s p50 (p10-p90)"),
+                ("tps_pred", "pred"), ("tps_err", "err"), ("step", "step p50/p90"), ("step_pred", "pred"),
+                ("mem", "GiB max/min"), ("mem_pred", "pred"), ("mem_err", "err"), ("comm", "comm"),
+                ("mfu", "MFU"), ("loss", "loss")]
+
+
+def terminal_table(rep: dict) -> str:
+    cells = [table_cells(r) for r in rep["results"]]
+    head = [h for _, h in TERM_COLUMNS]
+    body = [[c[k] for k, _ in TERM_COLUMNS] for c in cells]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    line = lambda xs: "  ".join(x.ljust(w) for x, w in zip(xs, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def markdown(rep: dict, png_name: str) -> str:
+    hw, v, s = rep["hardware"], rep["versions"], rep["settings"]
+    world = max((r["world_size"] for r in rep["results"]), default=0)
+    dev = (f"{hw['device_count']}x {hw['device_name']} ({hw['device_memory_gib']:.0f} GiB each)"
+           if hw["accelerator"] == "cuda" else f"CPU only: {hw['cpu']} ({hw['cpu_count']} logical CPUs)")
+    cfg = rep["config"]
+    where = (f"{world}x {hw['device_name']}" if hw["accelerator"] == "cuda" else f"{world} CPU ranks")
+    lines = [
+        f"# shardwise bench: {cfg.get('model', '?')} on {where}, {rep['created'][:10]}", "",
+        f"`{rep['command']}`", "",
+        f"- **Hardware:** {dev}; host RAM {hw['host_memory_gib']:.0f} GiB; {world} rank(s) per strategy",
+        "- **Versions:** " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        f"- **Job:** model `{cfg.get('model')}`, data `{cfg.get('data')}`, seq_len {cfg.get('seq_len')}, "
+        f"micro-batch {cfg.get('micro_batch_size')} x grad_accum {cfg.get('grad_accum')} per rank, "
+        f"mixed precision {cfg.get('mixed_precision')}, params {cfg.get('param_dtype')}, "
+        f"gradient checkpointing {'on' if cfg.get('gradient_checkpointing') else 'off'}, tuner {cfg.get('tuner')}, seed {cfg.get('seed')}",
+        f"- **Measured:** {s['steps']} steps after {s['warmup']} uncounted warm-up steps, each strategy in fresh "
+        f"processes through `shardwise train` (same data, seed and config); took {rep['duration_s']:.0f} s in all",
+        "", "## Verdict", "",
+    ]
+    lines += [f"- {x}" for x in rep["verdict"]]
+    lines += ["", "## Results", "",
+              "Errors are (predicted − measured) / measured. Peak memory is per rank: the largest and the "
+              "smallest over the ranks. \"n/a\": not measured or not predicted on this setup (see below).", ""]
+    lines.append("| " + " | ".join(h for _, h in MD_COLUMNS) + " |")
+    lines.append("|" + "|".join("---" for _ in MD_COLUMNS) + "|")
+    for r in rep["results"]:
+        c = table_cells(r)
+        lines.append("| " + " | ".join(c[k].replace("|", "\\|") for k, _ in MD_COLUMNS) + " |")
+    lines += ["", f"![throughput and peak memory per strategy, measured vs predicted]({png_name})", ""]
+    why = [r for r in rep["results"] if r["status"] != "ok"]
+    if why:
+        lines += ["## Strategies that did not complete", ""]
+        lines += [f"- **{r['strategy']}**: {r['result']}: {r['reason']}" + (f" (log: `{r['log']}`)" if r["returncode"] is not None else "")
+                  for r in why]
+        lines.append("")
+    src = next((r["measured"]["peak_mem_gib"]["source"] for r in rep["results"]
+                if r["measured"].get("peak_mem_gib")), "")
+    lines += ["## How these were measured", "",
+              "- tokens/s and step time: the training loop's own per-step records (`metrics.jsonl`, logged every "
+              "step), warm-up steps dropped; the spread is the 10th–90th percentile over steps.",
+              f"- peak memory: {src or 'n/a'}.",
+              "- exposed communication: " + ("from `comm_exposed_s` in metrics.jsonl." if any(
+                  r["measured"].get("comm_exposed_s") for r in rep["results"]) else
+                  "n/a: the training loop does not record it yet."),
+              "- MFU: the loop's `mfu` (GPU only; 6N + 12·L·H·T FLOPs per token against the GPU's dense peak).",
+              "- predictions: `shardwise plan` for the same config and world size.",
+              f"- every number: `{os.path.basename(png_name)[:-4]}.json`; run directories: `{s['runs_dir']}`.", ""]
+    return "\n".join(lines)
+
+
+def write_png(rep: dict, path: str) -> None:
+    """Two panels: tokens/s and peak memory per rank, measured (bars) vs predicted (hatched)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = rep["results"]
+    names = [r["strategy"] for r in rows]
+    x = list(range(len(rows)))
+    w = 0.38
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=110)
+    meas_c, pred_c = "#2b6cb0", "#ed8936"
+    hw = rep["hardware"]
+    where = (f"{hw['device_count']}x {hw['device_name']}" if hw["accelerator"] == "cuda" else "CPU") + \
+            f", {max((r['world_size'] for r in rows), default=0)} ranks"
+    fig.suptitle(f"shardwise bench — {rep['config'].get('model', '?')} on {where} — {rep['created'][:10]}",
+                 fontsize=13, fontweight="bold")
+
+    def panel(ax, title, unit, get_meas, get_lo_hi, get_pred):
+        ymax = 0.0
+        for i, r in enumerate(rows):
+            p = r["predicted"] if r["predicted"].get("available") else {}
+            pv = get_pred(p) if p else None
+            if pv is not None:
+                ax.bar(i + w / 2, pv, w, color="white", edgecolor=pred_c, hatch="///", linewidth=1.5,
+                       label="predicted" if "predicted" not in ax.get_legend_handles_labels()[1] else None)
+                ymax = max(ymax, pv)
+            if r["status"] == "ok" and get_meas(r) is not None:
+                mv = get_meas(r)
+                lo, hi = get_lo_hi(r)
+                yerr = [[mv - lo], [hi - mv]] if lo is not None and hi is not None else None
+                ax.bar(i - w / 2, mv, w, color=meas_c, yerr=yerr, capsize=4, ecolor="#1a365d",
+                       label="measured" if "measured" not in ax.get_legend_handles_labels()[1] else None)
+                ymax = max(ymax, hi if hi is not None else mv)
+                ax.annotate(_short_num(mv), (i - w / 2, mv), textcoords="offset points", xytext=(0, 3),
+                            ha="center", va="bottom", fontsize=9)
+            else:
+                ax.text(i - w / 2, 0, "\n".join(r["result"].split(" ", 1)) if r["status"] != "ok" else "n/a",
+                        rotation=90, ha="center", va="bottom", fontsize=9, color="#c53030", fontweight="bold")
+        ax.set_title(title, fontsize=12)
+        ax.set_ylabel(unit)
+        ax.set_xticks(x)
+        ax.set_xticklabels(names, fontsize=10)
+        ax.set_ylim(0, ymax * 1.2 if ymax > 0 else 1)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+        ax.legend(loc="upper right", fontsize=9)
+
+    def tps(r):
+        return _m(r, "tokens_per_s")
+
+    def tps_range(r):
+        return _m(r, "tokens_per_s", "p10"), _m(r, "tokens_per_s", "p90")
+
+    def mem(r):
+        return _m(r, "peak_mem_gib", "max")
+
+    def mem_range(r):
+        mn = _m(r, "peak_mem_gib", "min")
+        return (mn if mn is not None else mem(r)), mem(r)
+
+    panel(a1, "Throughput (median; whisker: p10–p90 over steps)", "tokens/s (all ranks)", tps, tps_range,
+          lambda p: p.get("tokens_per_s"))
+    panel(a2, "Peak memory per rank (bar: max; whisker: min over ranks)", "GiB", mem, mem_range,
+          lambda p: p.get("peak_mem_gib"))
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _short_num(v: float) -> str:
+    if v >= 1e6:
+        return f"{v / 1e6:.1f}M"
+    if v >= 1e4:
+        return f"{v / 1e3:.0f}k"
+    if v >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.2f}"
+
+
+def write_all(rep: dict, report_dir: str, stem: str) -> dict:
+    """report_dir/stem.{json,md,png}, each written to a temp file and renamed into place."""
+    os.makedirs(report_dir, exist_ok=True)
+    paths = {k: os.path.join(report_dir, f"{stem}.{k}") for k in ("json", "md", "png")}
+    rep["files"] = {k: os.path.basename(p) for k, p in paths.items()}
+    write_png(rep, paths["png"])
+    _atomic(paths["md"], markdown(rep, os.path.basename(paths["png"])))
+    _atomic(paths["json"], json.dumps(rep, indent=1, default=str))
+    return paths
+
+
+def _atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as fh:
+        fh.write(text)
+    os.replace(path + ".tmp", path)
