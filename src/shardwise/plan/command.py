@@ -156,11 +156,13 @@ def render(plan, sim=None) -> str:
                  f"(block input only); logits + fp32 loss at the peak: "
                  f"{(plan.job.c + 12) * plan.job.tokens * s.vocab_size / GiB:.2f} GiB")
     lines.append("")
-    hdr = (f"{'per rank (GiB)':15s}{'params':>8s}{'grads':>8s}{'optim':>8s}{'activ':>8s}{'buffers':>8s}"
+    small = max(sp.memory.total for sp in plan.strategies) < GiB  # tiny models: MiB
+    unit, scale = ("MiB", 1024.0) if small else ("GiB", 1.0)
+    hdr = (f"{'per rank (' + unit + ')':15s}{'params':>8s}{'grads':>8s}{'optim':>8s}{'activ':>8s}{'buffers':>8s}"
            f"{'total':>8s}  {'fits':5s}{'comm GB':>9s}{'step s':>9s}{'tokens/s':>11s}")
     lines += [hdr, "-" * len(hdr)]
     for sp in plan.strategies:
-        m = sp.mem_gib
+        m = {k: v * scale for k, v in sp.mem_gib.items()}
         mark = "*" if sp.strategy == plan.recommended else (">" if sp.strategy == plan.configured else " ")
         lines.append(f"{mark}{sp.strategy:14s}{m['params']:8.2f}{m['grads']:8.2f}{m['optimizer']:8.2f}"
                      f"{m['activations']:8.2f}{m['buffers']:8.2f}{m['total']:8.2f}  {'yes' if sp.fits else 'NO':5s}"

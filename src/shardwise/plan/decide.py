@@ -254,7 +254,7 @@ def recommend(plan: Plan) -> tuple[str, list[str]]:
         if sharded:
             f = max(sharded, key=lambda s: s.tokens_per_s)
             reasons.append(f"sharding would free memory ({f.strategy}: {_gib(f.memory.total / GiB)}) but is not "
-                           f"faster here ({f.tokens_per_s:,.0f} tokens/s)")
+                           f"meaningfully faster here ({f.tokens_per_s:,.0f} tokens/s) and adds collectives")
     return best.strategy, reasons
 
 

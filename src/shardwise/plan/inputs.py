@@ -46,8 +46,8 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
             hw = hardware.Hardware("cuda", gpu_type or DEFAULT_GPU, gpus, gpu_memory, 0.0)
         else:
             hw = hardware.detect_light()
-            notes.append(f"detected: {hw.device_count or 'no'} GPU(s) {hw.device_name if hw.device_count else ''}"
-                         f"; host RAM {hw.host_memory_gib:.0f} GiB".replace("  ", " "))
+            found = f"{hw.device_count} x {hw.device_name}" if hw.device_count else "no GPU"
+            notes.append(f"detected: {found}; host RAM {hw.host_memory_gib:.0f} GiB")
     if gpus is not None or gpu_memory is not None:  # GPUs given (or partly given) by flags
         accel = "cuda"
         name = gpu_type or (hw.device_name if hw.accelerator == "cuda" else DEFAULT_GPU)

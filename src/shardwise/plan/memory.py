@@ -109,7 +109,7 @@ class Memory:
         d = {k: getattr(self, k) / GiB for k in ("params", "grads", "optimizer", "activations", "buffers")}
         d.update(peak_tensors=self.peak_tensors / GiB, allowance=self.allowance / GiB, total=self.total / GiB,
                  host_per_rank=self.host / GiB)
-        return {k: round(v, 3) for k, v in d.items()}
+        return {k: round(v, 6) for k, v in d.items()}
 
 
 # ----------------------------------------------------------------------------- units
