@@ -83,7 +83,12 @@ class DeepSpeedStrategy(Strategy):
 
     def setup(self, model: torch.nn.Module):
         import deepspeed
+        import deepspeed.ops
 
+        if self.env.device.type == "cpu" and "__compatible_ops__" not in vars(deepspeed.ops):
+            # DeepSpeed would JIT-compile (minutes) a shared-memory all-reduce used only for
+            # inference; training on CPU uses gloo. An empty table means "no prebuilt ops".
+            deepspeed.ops.__compatible_ops__ = {}
         opt = self.build_optimizer(model)
         self.groups = [list(g["params"]) for g in opt.param_groups]  # before DeepSpeed flattens them
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=self.config,
@@ -114,7 +119,10 @@ class DeepSpeedStrategy(Strategy):
         """Clip (DeepSpeed's gradient_clipping), step, zero; returns the pre-clip global norm."""
         model.step()
         norm = model.get_global_grad_norm()
-        return torch.tensor(float("nan") if norm is None else float(norm))
+        norm = torch.tensor(float("nan") if norm is None else float(norm))
+        if not bool(torch.isfinite(norm)) and self.cfg.mixed_precision != "fp16":
+            self.nonfinite_steps += 1  # (fp16: DeepSpeed's loss scaler already skipped the update)
+        return norm
 
     # -- state: the same portable, name-keyed form as the other strategies ----------------
     def state_dict(self, model, optimizer) -> dict:

@@ -79,8 +79,14 @@ def _init_optimizer_state(engine) -> None:
     """Run one zero-gradient, zero-lr step so AdamW's states exist (a fresh optimizer has
     none; a checkpoint is loaded into them). Gradient buffers are restored afterwards."""
     opt = _inner(engine)
-    if opt.state:
-        return
+    if not opt.state:
+        _zero_step(opt)
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:  # ZeRO-1/2: point each parameter's fragment map at the new states
+        link()
+
+
+def _zero_step(opt) -> None:
     saved, lrs = [], []
     for g in opt.param_groups:
         lrs.append(g["lr"])
