@@ -20,7 +20,6 @@ SPEC = ModelSpec("sim", "test", vocab_size=4096, hidden_size=256, intermediate_s
 
 
 @pytest.mark.parametrize("base,world,compute,param,ckpt,accum,reshard", [
-    ("ddp", 2, "fp32", "fp32", False, 1, True),
     ("fsdp", 2, "fp32", "fp32", False, 1, True),
     ("ddp", 4, "bf16", "fp32", False, 1, True),  # autocast: fp32 residual stream, bf16 weight copies
     ("fsdp", 4, "bf16", "fp32", True, 2, True),  # MixedPrecisionPolicy, checkpointing, no-sync accumulation
