@@ -421,7 +421,8 @@ def write_png(rep: dict, path: str) -> None:
         ax.set_ylim(0, ymax * 1.2 if ymax > 0 else 1)
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
-        ax.legend(loc="upper right", fontsize=9)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper right", fontsize=9)
 
     def tps(r):
         return _m(r, "tokens_per_s")

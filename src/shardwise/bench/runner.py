@@ -165,8 +165,9 @@ def classify(log_text: str, returncode: int | None) -> tuple[str, str]:
     lines = [ln for ln in lines if ln]
     oom = [ln for ln in lines if _OOM.search(ln)]
     if oom:  # prefer the launcher's one-line error, then the exception line, over source lines
-        best = ([ln for ln in oom if ln.startswith("shardwise: error: ")]
-                or [ln for ln in oom if _ERROR_LINE.match(ln)] or oom)
+        best = ([ln for ln in oom if ln.startswith("shardwise: error: ") and "training failed: " not in ln]
+                or [ln for ln in oom if _ERROR_LINE.match(ln) and not ln.startswith("shardwise: error: ")]
+                or oom)
         return "oom", _short(best[0].removeprefix("shardwise: error: "))
     if _KILLED.search(log_text) or returncode in (-9, 137):
         return "oom", "a rank was killed by SIGKILL, most likely by the kernel's out-of-memory killer"

@@ -1,0 +1,60 @@
+"""`shardwise bench` end to end: real 2-rank launches through `shardwise train`, kept short
+(a few steps, three launches in all)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from tests.helpers import run_cli
+
+
+def test_bench_reports_every_strategy_even_when_some_fail(tmp_path):
+    """fsdp runs out of memory at step 2 (the loop's fault injection raises
+    torch.OutOfMemoryError through the real worker path), `single` cannot run on 2 ranks, and
+    ddp still runs; the report names its files model_hardware_date and has a row for each."""
+    rep_dir = tmp_path / "rep"
+    p = run_cli("bench", "--strategies", "fsdp,single,ddp", "--nproc-per-node", "2", "--steps", "2",
+                "--warmup", "1", "--report-dir", str(rep_dir), "--report-name", "auto", "--timeout", "300",
+                env={"SHARDWISE_BENCH_FAULT": "fsdp=oom@2"}, cwd=str(tmp_path))
+    stem = f"tiny_cpu-2ranks_{time.strftime('%Y-%m-%d')}"
+    assert sorted(f for f in os.listdir(rep_dir) if f != "runs") == [f"{stem}.{e}" for e in ("json", "md", "png")]
+    rep = json.load(open(rep_dir / f"{stem}.json"))
+    rows = {r["strategy"]: r for r in rep["results"]}
+
+    assert rows["fsdp"]["status"] == "oom" and rows["fsdp"]["result"] == "does not fit"
+    assert "out of memory" in rows["fsdp"]["reason"].lower()
+    assert rows["single"]["status"] == "unavailable" and "one process" in rows["single"]["reason"]
+    ddp = rows["ddp"]
+    assert ddp["status"] == "ok" and ddp["measured"]["steps_counted"] == 2 and ddp["measured"]["last_step"] == 3
+    assert ddp["measured"]["tokens_per_s"]["median"] > 0 and ddp["measured"]["final_loss"] > 0
+    mem = ddp["measured"]["peak_mem_gib"]
+    assert 0 < mem["min"] <= mem["max"] and set(mem["per_rank"]) == {"0", "1"}
+    assert ddp["config"]["strategy"] == "ddp" and ddp["config"]["save_final"] is False
+    assert not os.path.exists(os.path.join(ddp["run_dir"], "final"))  # no final save in a bench
+    # the planner's estimate stands beside the row that did not fit (when this build has a planner)
+    if rep["planner"]["available"]:
+        assert rows["fsdp"]["predicted"]["peak_mem_gib"] > 0 and ddp["error_pct"]["tokens_per_s"] is not None
+    for key in ("python", "torch", "transformers"):
+        assert rep["versions"][key]
+    assert rep["hardware"]["accelerator"] == "cpu" and rep["config"]["model"] == "tiny"
+
+    md = open(rep_dir / f"{stem}.md").read()
+    assert "| fsdp | does not fit |" in md and "| ddp | ok |" in md and f"]({stem}.png)" in md
+    assert "ddp" in p.stdout and "does not fit" in p.stdout and "cannot run here" in p.stdout  # terminal table
+
+
+def test_a_real_failed_allocation_becomes_does_not_fit(tmp_path):
+    """An address-space cap on the strategy's processes makes a large micro-batch's activations
+    really fail to allocate on the CPU; the bench reports it as "does not fit" and exits 1
+    because nothing could be measured."""
+    p = run_cli("bench", "--strategies", "ddp", "--micro-batch-size", "512", "--steps", "1", "--warmup", "0",
+                "--report-dir", str(tmp_path / "rep"), "--timeout", "300",
+                env={"SHARDWISE_BENCH_MEMORY_CAP_GIB": "2.0"}, cwd=str(tmp_path), check=False)
+    assert p.returncode == 1, p.stdout + p.stderr
+    rep = json.load(open(tmp_path / "rep" / "report.json"))
+    (row,) = rep["results"]
+    assert row["status"] == "oom", row
+    assert "allocate" in row["reason"].lower()
+    assert os.path.isfile(tmp_path / "rep" / "report.png") and os.path.isfile(tmp_path / "rep" / "report.md")
