@@ -178,11 +178,17 @@ def verdict(rep: dict) -> list[str]:
                     line += f", {1 - lo / hi:.0%} below {fat['strategy']} ({hi:.2f} GiB)"
                 out.append(line + ".")
             if len(ok) > 1:
+                states = _states_gib(fast)
+                why = (f" The planner puts the model states that sharding divides (parameters, gradients, "
+                       f"optimizer) at {states:.3g} GiB per rank under {fast['strategy']}, too little for "
+                       "sharding to pay for its extra communication." if states is not None and (same_mem or lean is fast)
+                       and states < 0.1 * hi else "")
                 if same_mem:
-                    pass
+                    if why:
+                        out.append("Trade-off: none here; the fastest strategy costs no memory." + why)
                 elif lean is fast:
                     out.append(f"Trade-off: none here; {fast['strategy']} is both the fastest and the leanest "
-                               "at this model size and batch on this hardware.")
+                               "at this model size and batch on this hardware." + why)
                 else:
                     cost = 1 - _m(lean, "tokens_per_s") / _m(fast, "tokens_per_s")
                     saved = 1 - _m(lean, "peak_mem_gib", "max") / _m(fast, "peak_mem_gib", "max")
@@ -212,6 +218,12 @@ def verdict(rep: dict) -> list[str]:
     if bad:
         out.append("Not measured: " + "; ".join(f"{r['strategy']}: {r['result']} ({r['reason']})" for r in bad) + ".")
     return out
+
+
+def _states_gib(r: dict) -> float | None:
+    mem = (r["predicted"] or {}).get("mem_gib") or {}
+    parts = [mem.get(k) for k in ("params", "grads", "optimizer")]
+    return sum(parts) if all(isinstance(x, (int, float)) for x in parts) else None
 
 
 def _planner_lines(rep: dict) -> list[str]:
@@ -393,6 +405,8 @@ def write_png(rep: dict, path: str) -> None:
     fig.suptitle(f"shardwise bench — {rep['config'].get('model', '?')} on {where} — {rep['created'][:10]}",
                  fontsize=13, fontweight="bold")
 
+    labelled = {"m": False, "p": False}
+
     def panel(ax, title, unit, get_meas, get_lo_hi, get_pred):
         ymax = 0.0
         for i, r in enumerate(rows):
@@ -400,17 +414,22 @@ def write_png(rep: dict, path: str) -> None:
             pv = get_pred(p) if p else None
             if pv is not None:
                 ax.bar(i + w / 2, pv, w, color="white", edgecolor=pred_c, hatch="///", linewidth=1.5,
-                       label="predicted" if "predicted" not in ax.get_legend_handles_labels()[1] else None)
+                       label="predicted (planner)" if not labelled["p"] else None)
+                labelled["p"] = True
+                ax.annotate(_short_num(pv), (i + w / 2, pv), textcoords="offset points", xytext=(0, 3),
+                            ha="center", va="bottom", fontsize=8, color=pred_c)
                 ymax = max(ymax, pv)
             if r["status"] == "ok" and get_meas(r) is not None:
                 mv = get_meas(r)
                 lo, hi = get_lo_hi(r)
                 yerr = [[mv - lo], [hi - mv]] if lo is not None and hi is not None else None
                 ax.bar(i - w / 2, mv, w, color=meas_c, yerr=yerr, capsize=4, ecolor="#1a365d",
-                       label="measured" if "measured" not in ax.get_legend_handles_labels()[1] else None)
-                ymax = max(ymax, hi if hi is not None else mv)
-                ax.annotate(_short_num(mv), (i - w / 2, mv), textcoords="offset points", xytext=(0, 3),
-                            ha="center", va="bottom", fontsize=9)
+                       label="measured" if not labelled["m"] else None)
+                labelled["m"] = True
+                top = max(mv, hi if hi is not None else mv)
+                ymax = max(ymax, top)
+                ax.annotate(_short_num(mv), (i - w / 2, top), textcoords="offset points", xytext=(0, 3),
+                            ha="center", va="bottom", fontsize=9, fontweight="bold")
             else:
                 ax.text(i - w / 2, 0, "\n".join(r["result"].split(" ", 1)) if r["status"] != "ok" else "n/a",
                         rotation=90, ha="center", va="bottom", fontsize=9, color="#c53030", fontweight="bold")
@@ -418,11 +437,9 @@ def write_png(rep: dict, path: str) -> None:
         ax.set_ylabel(unit)
         ax.set_xticks(x)
         ax.set_xticklabels(names, fontsize=10)
-        ax.set_ylim(0, ymax * 1.2 if ymax > 0 else 1)
+        ax.set_ylim(0, ymax * 1.15 if ymax > 0 else 1)
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="upper right", fontsize=9)
 
     def tps(r):
         return _m(r, "tokens_per_s")
@@ -441,7 +458,18 @@ def write_png(rep: dict, path: str) -> None:
           lambda p: p.get("tokens_per_s"))
     panel(a2, "Peak memory per rank (bar: max; whisker: min over ranks)", "GiB", mem, mem_range,
           lambda p: p.get("peak_mem_gib"))
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    handles, labels = [], []
+    for ax in (a1, a2):
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    order = sorted(range(len(labels)), key=lambda i: labels[i] != "measured")
+    handles, labels = [handles[i] for i in order], [labels[i] for i in order]
+    if handles:
+        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=len(handles),
+                   fontsize=10, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.88))
     tmp = path + ".tmp.png"
     fig.savefig(tmp)
     plt.close(fig)
