@@ -104,7 +104,7 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
 
     from shardwise.data.encode import encode
     from shardwise.data.formats import demo_dataset, read_records
-    from shardwise.models.load import load_tokenizer, max_positions, resolve_model_dir
+    from shardwise.models.load import check_weights, load_tokenizer, max_positions, resolve_model_dir
     from shardwise.train import checkpoint as ckpt
 
     quiet_libraries()
@@ -128,6 +128,7 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
     strategies.get(cfg.strategy)  # unknown / not installed -> one clear line now, not in N workers
 
     model_dir = resolve_model_dir(cfg.model, cfg.seed)
+    check_weights(model_dir)
     limit = max_positions(model_dir)
     if limit and cfg.seq_len > limit:
         raise ShardwiseError(f"{res.where('seq_len')}: seq_len {cfg.seq_len} is larger than the model supports "
@@ -155,6 +156,7 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
     data_file = os.path.join(prep, "data.safetensors")
     save_file(encoded.to_tensors(), data_file + ".tmp")
     os.replace(data_file + ".tmp", data_file)
+    _atomic_write(os.path.join(prep, "sources.json"), json.dumps(encoded.sources))
     st = encoded.stats
     src = "the built-in demo set" if stats is None else ", ".join(stats.files[:3]) + (" ..." if len(stats.files) > 3 else "")
     msg = (f"data: {st['records']} records from {src}; {st['sequences']} sequences, {st['tokens']:,} tokens, "
@@ -200,13 +202,28 @@ def choose_strategy(cfg: Config, res: Resolved) -> Config:
     return dataclasses.replace(cfg, strategy=plan.recommended)
 
 
+class Interrupted(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
 def launch(p: Prepared) -> dict | None:
     cfg = p.cfg
     quiet_libraries()
     if p.world_size == 1 and presets.base_strategy(cfg.strategy) == "single":
+        import signal
+
+        from shardwise.train.loop import Preempted
         from shardwise.train.worker import run_job
 
-        return run_job(p.job_path)
+        try:
+            return run_job(p.job_path)
+        except Preempted:
+            interrupted = os.path.join(p.output_dir, ".prep", "interrupted.json")
+            if os.path.isfile(interrupted):
+                os.remove(interrupted)
+            raise Interrupted(signal.SIGTERM) from None
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -220,10 +237,26 @@ def launch(p: Prepared) -> dict | None:
         rdzv_configs={"is_host": cfg.node_rank == 0, "join_timeout": 300} if multi else {},
         max_restarts=cfg.max_restarts, monitor_interval=0.5, start_method="spawn",
     )
+    import logging
+
+    from shardwise.train.worker import error_dir
+
+    if not os.environ.get("SHARDWISE_DEBUG"):
+        # the agent's own warnings repeat what our one line says; SHARDWISE_DEBUG=1 keeps them
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    shutil.rmtree(error_dir(p.output_dir), ignore_errors=True)
     try:
         elastic_launch(lc, sys.executable)("-u", "-m", "shardwise.train.worker", p.job_path)
     except ChildFailedError as e:
-        raise ShardwiseError(_failure_line(e)) from None
+        raise ShardwiseError(_worker_error(p.output_dir) or _failure_line(e)) from None
+    except SignalException as e:
+        raise Interrupted(int(e.sigval)) from None
+    interrupted = os.path.join(p.output_dir, ".prep", "interrupted.json")
+    if os.path.isfile(interrupted):  # a worker received the signal; the agent did not
+        import signal
+
+        os.remove(interrupted)
+        raise Interrupted(signal.SIGTERM)
     summary = os.path.join(p.output_dir, "summary.json")
     if cfg.node_rank == 0 and os.path.isfile(summary):
         with open(summary) as fh:
@@ -231,17 +264,39 @@ def launch(p: Prepared) -> dict | None:
     return None
 
 
+def _worker_error(output_dir: str) -> str | None:
+    """The one-line ShardwiseError a worker left (lowest rank first)."""
+    from shardwise.train.worker import error_dir
+
+    d = error_dir(output_dir)
+    if not os.path.isdir(d):
+        return None
+    files = sorted(os.listdir(d), key=lambda f: int("".join(c for c in f if c.isdigit()) or 0))
+    for f in files:
+        with open(os.path.join(d, f)) as fh:
+            text = fh.read().strip()
+        if text:
+            return text
+    return None
+
+
 def _failure_line(e) -> str:
-    """One line from the first failed rank: its ShardwiseError if it raised one."""
-    failures = sorted(e.failures.items())
-    for rank, f in failures:
-        text = f.message if isinstance(f.message, str) else json.dumps(f.message)
-        if "ShardwiseError: " in text:
-            return text.split("ShardwiseError: ", 1)[1].split("\n")[0].rstrip('"}').strip()
-    rank, f = failures[0]
-    detail = (f.message if isinstance(f.message, str) else json.dumps(f.message))[:300]
+    """One line for a rank that died without a ShardwiseError."""
+    rank, f = sorted(e.failures.items())[0]
+    msg = f.message
+    if isinstance(msg, str) and msg.startswith("{"):
+        try:
+            msg = json.loads(msg)
+        except ValueError:
+            pass
+    if isinstance(msg, dict):
+        msg = msg.get("message", "")
+    detail = str(msg or "").strip().splitlines()[0][:300] if msg else ""
     if f.exitcode is not None and f.exitcode < 0:
         detail = f"killed by signal {-f.exitcode}"
+    if "OutOfMemoryError" in detail or "out of memory" in detail.lower():
+        return (f"out of memory on rank {rank} ({detail}); lower --micro-batch-size or --seq-len, enable "
+                "--gradient-checkpointing, or shard more (--strategy fsdp / zero3); `shardwise plan` estimates it")
     return (f"training failed: rank {rank} exited with code {f.exitcode} ({detail or 'no message'}); "
             "its output above says more")
 
@@ -257,7 +312,16 @@ def train(res: Resolved, force: bool = False) -> int:
     p = prepare(res, force)
     say(f"run directory: {p.output_dir} ({p.cfg.strategy}, {p.world_size} process(es), "
         f"mixed precision {p.cfg.mixed_precision})")
-    summary = launch(p)
+    try:
+        summary = launch(p)
+    except Interrupted as e:
+        from shardwise.train import checkpoint as ckpt
+
+        last = ckpt.latest(p.output_dir)
+        print(f"shardwise: interrupted by signal {e.signum}; newest checkpoint: {last or 'none'}; resume with: "
+              f"shardwise train {p.output_dir}/config.yaml --output-dir {p.output_dir} --resume auto",
+              file=sys.stderr, flush=True)
+        return 128 + e.signum
     if summary:
         say(f"outputs: {p.output_dir}/metrics.jsonl, summary.json, final/ ; "
             f"repeat with: shardwise train {p.output_dir}/config.yaml")

@@ -29,6 +29,38 @@ def resolve_model_dir(model: str, seed: int) -> str:
     return path
 
 
+def check_weights(model_dir: str) -> None:
+    """Every safetensors file is complete: its header parses and the file is as long as
+    the header says. Catches truncated downloads and copies before any worker starts."""
+    import json
+    import struct
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as fh:
+                files = sorted(set(json.load(fh)["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as e:
+            raise ShardwiseError(f"--model {model_dir}: model.safetensors.index.json is unreadable ({e})")
+    else:
+        files = ["model.safetensors"]
+    for f in files:
+        path = os.path.join(model_dir, f)
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > size:
+                    raise ValueError("header longer than the file")
+                header = json.loads(fh.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (OSError, ValueError, struct.error, KeyError, TypeError) as e:
+            raise ShardwiseError(f"--model {model_dir}: {f} is missing or corrupt ({e}); re-copy the weights")
+        if size < 8 + n + end:
+            raise ShardwiseError(f"--model {model_dir}: {f} is truncated ({size} of {8 + n + end} bytes); "
+                                 "re-copy the weights")
+
+
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 

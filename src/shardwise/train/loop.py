@@ -78,44 +78,60 @@ def build_model(cfg: Config, model_dir: str):
 
 class Control:
     """Decisions every rank must take at the same step: stop (SIGTERM/SIGINT reached some
-    rank) and save (save_every_minutes elapsed on some rank's clock). Each rank's flags are
-    all-reduced asynchronously on a gloo group and read one step later, so the loop never
-    waits on the GPU for them."""
+    rank) and save (save_every_minutes elapsed on rank 0's clock). A request names a step
+    two ahead of the requester's, through the rendezvous store; ranks are never more than
+    one step apart (every step has collectives), so all of them see it in time. No GPU
+    sync, no extra communicator: two store reads per step."""
 
-    def __init__(self, world: int, save_every_minutes: float):
+    MARGIN = 2
+
+    def __init__(self, env, save_every_minutes: float):
         self.signal: int | None = None
+        self.rank = env.rank
         self.interval = save_every_minutes * 60
         self.last_save = time.monotonic()
-        self.group = dist.new_group(backend="gloo") if world > 1 else None
-        self.pending = None
-        self.buf = torch.zeros(2)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.keys = (f"shardwise/control/{attempt}/stop_at", f"shardwise/control/{attempt}/save_at")
+        self.store = dist.distributed_c10d._get_default_store() if env.world_size > 1 else None
+        self.local = {k: 0 for k in self.keys}
+        if self.store is not None and self.rank == 0:
+            for k in self.keys:
+                self.store.set(k, "0")
+        sdist.barrier()
+        self.proposed_stop = False
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         self.signal = signum
 
-    def poll(self) -> tuple[bool, bool]:
-        """(stop, save) as agreed by all ranks."""
-        local = torch.tensor([float(self.signal is not None),
-                              float(self.interval > 0 and time.monotonic() - self.last_save >= self.interval)])
-        if self.group is None:
-            return bool(local[0]), bool(local[1])
-        agreed = (False, False)
-        if self.pending is not None:
-            self.pending.wait()
-            agreed = (bool(self.buf[0]), bool(self.buf[1]))
-        self.buf = local
-        self.pending = dist.all_reduce(self.buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return agreed
+    def _propose(self, key: str, step: int) -> None:
+        if self.store is None:
+            self.local[key] = step
+        elif key == self.keys[0]:
+            self.store.compare_set(key, "0", str(step))  # the first request wins
+        else:
+            self.store.set(key, str(step))  # only rank 0 proposes saves
+
+    def _read(self, key: str) -> int:
+        return int(self.store.get(key)) if self.store is not None else self.local[key]
+
+    def poll(self, step: int) -> tuple[bool, bool]:
+        """After `step` finished: (stop, save) as every rank decides it at this step."""
+        stop_key, save_key = self.keys
+        if self.signal is not None and not self.proposed_stop:
+            self._propose(stop_key, step + (self.MARGIN if self.store is not None else 0))
+            self.proposed_stop = True
+        if self.rank == 0 and self.interval > 0 and time.monotonic() - self.last_save >= self.interval:
+            if self._read(save_key) <= step:
+                self._propose(save_key, step + (self.MARGIN if self.store is not None else 0))
+        stop_at = self._read(stop_key)
+        return (stop_at != 0 and stop_at <= step), self._read(save_key) == step
 
     def saved(self) -> None:
         self.last_save = time.monotonic()
 
     def close(self) -> None:
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
 
@@ -186,20 +202,23 @@ def run(job: Job) -> dict:
         peak = peak_flops(torch.cuda.get_device_name(env.device),
                           cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32")
     world = env.world_size
-    control = Control(world, cfg.save_every_minutes)
+    control = Control(env, cfg.save_every_minutes)
     save = lambda: save_checkpoint(cfg, env, strategy, model, optimizer, out, step, pos, tokens_seen,  # noqa: E731
                                    job.model_dir, tokenizer)
     window, loss_acc, seq_acc = Window(), torch.zeros((), device=env.device), 0.0
     t_start = time.time()
     last_rec, first_loss, skipped, loss_n, tokens_run = {}, None, 0, 0, 0
     model.train()
+    phase = "setup"
     try:
         while step < total:
+            phase = f"step {step + 1}: forward/backward (gradient reduction)"
             faults.before_step(step + 1)
             batch, next_pos = sampler.next(pos)
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(cfg, step, total)
             step_loss = train_step(model, strategy, batch, world, env.device, faults, step + 1)
+            phase = f"step {step + 1}: optimizer step (gradient-norm reduction)"
             grad_norm = strategy.step(model, optimizer)
             step, pos = step + 1, next_pos
             tokens_seen += batch.tokens
@@ -213,22 +232,35 @@ def run(job: Job) -> dict:
             window.add(batch.tokens)
             seq_acc += batch.tokens / len(batch.rows)
             if step % cfg.log_every == 0 or step == total:
+                phase = f"step {step}: metrics reduction"
                 rec = log_record(env, cfg, window, loss_acc, loss_n, seq_acc, step, total, grad_norm, pos, tokens_seen,
                                  skipped, peak, n_params, hf_config)
                 rep.log(rec)
                 first_loss = rec["loss"] if first_loss is None else first_loss
                 last_rec = rec
                 window, loss_acc, seq_acc, loss_n = Window(), torch.zeros((), device=env.device), 0.0, 0
-            stop, due = control.poll()
+            stop, due = control.poll(step)
             if stop:
+                phase = "checkpoint save"
                 path = save()
                 rep.say(f"shardwise: stopped by a signal after step {step}; checkpoint written to {path}")
+                if env.is_main:
+                    _write_json(os.path.join(out, ".prep", "interrupted.json"), {"step": step, "checkpoint": path})
                 raise Preempted(path)
             if step < total and ((cfg.save_every and step % cfg.save_every == 0) or due):
+                phase = f"step {step}: checkpoint save"
                 save()
                 control.saved()
         if cfg.save_every and not (ckpt.latest(out) or "").endswith(f"step_{step:08d}"):
+            phase = "final checkpoint save"
             save()
+    except (RuntimeError, dist.DistBackendError) as e:
+        if is_collective_timeout(e):
+            raise ShardwiseError(
+                f"rank {env.rank}: a collective did not complete within --collective-timeout "
+                f"{cfg.collective_timeout:g}s during {phase}: another rank is hung or dead "
+                f"({str(e).strip().splitlines()[0][:160]})") from e
+        raise
     finally:
         control.close()
 
@@ -247,6 +279,12 @@ def run(job: Job) -> dict:
     if dist.is_initialized():
         dist.destroy_process_group()
     return summary
+
+
+def is_collective_timeout(e: BaseException) -> bool:
+    text = str(e).lower()
+    return any(k in text for k in ("timed out", "timeout", "watchdog", "connection closed by peer",
+                                   "connection reset by peer"))
 
 
 def train_step(model, strategy, batch: StepBatch, world: int, device, faults: Faults, step: int) -> torch.Tensor:

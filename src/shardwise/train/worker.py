@@ -4,11 +4,16 @@ elastic agent), or `run_job(path)` in-process for a single process."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardwise.errors import ShardwiseError
+
+
+def error_dir(output_dir: str) -> str:
+    return os.path.join(output_dir, ".prep", "errors")
 
 
 def run_job(path: str) -> dict:
@@ -25,12 +30,20 @@ def run_job(path: str) -> dict:
 @record
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from shardwise.train.loop import Preempted
+
     try:
         run_job(argv[0])
+    except Preempted:
+        return 0  # the checkpoint is written; the launcher says how to resume
     except ShardwiseError as e:
-        # one line; the launcher reads it from the agent's error record too
-        print(f"shardwise: error: {e}", file=sys.stderr, flush=True)
-        raise
+        # no traceback: leave the one line where the launcher reports it from
+        with open(argv[0]) as fh:
+            out = json.load(fh)["output_dir"]
+        os.makedirs(error_dir(out), exist_ok=True)
+        with open(os.path.join(error_dir(out), f"rank{os.environ.get('RANK', '0')}.txt"), "w") as fh:
+            fh.write(str(e))
+        return 2
     return 0
 
 

@@ -1,0 +1,86 @@
+"""`shardwise export CHECKPOINT --out DIR [--merge-lora]`: a Hugging Face safetensors
+directory from any shardwise checkpoint, on the CPU, without the GPUs or the number of
+ranks it was trained on (DCP reshards to one process on load)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from shardwise.errors import ShardwiseError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="Write a Hugging Face model directory from a checkpoint.",
+                       description="Write a Hugging Face safetensors directory from a shardwise checkpoint.")
+    p.add_argument("checkpoint", help="A checkpoints/step_N directory, or a run directory (its newest checkpoint).")
+    p.add_argument("--out", required=True, help="Directory to write (must not exist or be empty).")
+    p.add_argument("--merge-lora", action="store_true", help="Merge LoRA adapters into the base weights.")
+    p.set_defaults(func=run)
+
+
+def resolve_checkpoint(path: str) -> str:
+    from shardwise.train import checkpoint as ckpt
+
+    if os.path.isfile(os.path.join(path, ckpt.META)):
+        return path
+    newest = ckpt.latest(path) if os.path.isdir(path) else None
+    if newest:
+        return newest
+    raise ShardwiseError(f"{path}: not a shardwise checkpoint (no meta.json) nor a run directory holding one")
+
+
+def export(checkpoint: str, out: str, merge_lora: bool = False) -> str:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from shardwise.config import from_dict
+    from shardwise.train import checkpoint as ckpt
+
+    path = resolve_checkpoint(checkpoint)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ShardwiseError(f"--out {out}: exists and is not empty; choose a new directory")
+    meta = ckpt.read_meta(path)
+    cfg = from_dict(meta["config"])
+    hf_dir = os.path.join(path, "hf")
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ShardwiseError(f"{path}: the checkpoint has no hf/config.json (written by an older shardwise?)")
+    config = AutoConfig.from_pretrained(hf_dir, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+    if cfg.tuner != "full":
+        from shardwise.models.lora import apply_lora
+
+        model = apply_lora(model, cfg)
+    state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    except Exception as e:  # noqa: BLE001
+        raise ShardwiseError(f"{path}: cannot read the model from this checkpoint ({str(e).splitlines()[0][:200]})")
+    model.load_state_dict(state["model"])
+    tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if cfg.tuner != "full" and merge_lora:
+        model = model.merge_and_unload()
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, "shardwise_export.json"), "w") as fh:
+        json.dump({"checkpoint": os.path.abspath(path), "step": meta["step"], "strategy": meta.get("strategy"),
+                   "world_size": meta.get("world_size"), "merged_lora": bool(merge_lora and cfg.tuner != "full")},
+                  fh, indent=1)
+    ckpt.apply_umask(tmp)
+    if os.path.isdir(out):
+        os.rmdir(out)
+    os.rename(tmp, out)
+    return out
+
+
+def run(args) -> int:
+    from shardwise.launch import quiet_libraries
+
+    quiet_libraries()
+    out = export(args.checkpoint, args.out, args.merge_lora)
+    print(f"shardwise: exported {resolve_checkpoint(args.checkpoint)} to {out}")
+    return 0

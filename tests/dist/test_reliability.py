@@ -1,0 +1,152 @@
+"""Crashes, kills, preemption, hangs and full disks, through real processes."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from tests.helpers import chat_records, losses, read_metrics, run_cli, write_jsonl
+
+COMMON = ("--model", "tiny", "--seq-len", "64", "--log-every", "1", "--lr", "1e-3", "--warmup-steps", "2",
+          "--mixed-precision", "no", "--seed", "0", "--micro-batch-size", "2", "--max-steps", "12")
+DDP = ("--strategy", "ddp", "--nproc-per-node", "2", "--grad-accum", "2")
+RTOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(str(tmp_path_factory.mktemp("data") / "chat.jsonl"), chat_records(96))
+
+
+def train(out, data, *extra, env=None, check=True):
+    return run_cli("train", *COMMON, "--data", data, "--output-dir", str(out), *extra, env=env, check=check)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+    """An uninterrupted 2-rank DDP run with checkpoints every 4 steps."""
+    out = tmp_path_factory.mktemp("ref")
+    train(out, data, *DDP, "--save-every", "4")
+    return out, losses(str(out))
+
+
+def test_kill_minus_9_of_one_rank_restarts_and_finishes_identically(reference, data, tmp_path):
+    _, ref = reference
+    out = tmp_path / "killed"
+    p = train(out, data, *DDP, "--save-every", "4", "--max-restarts", "1", env={"SHARDWISE_FAULT": "kill@7:rank1"})
+    m = read_metrics(str(out))
+    # steps 5-6 ran twice (before the kill and after resuming from step 4)
+    assert [r["step"] for r in m] == list(range(1, 7)) + list(range(5, 13))
+    assert "restart 1 after a worker failure" in p.stdout and "resumed from" in p.stdout
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in m[-8:]]), torch.tensor(ref[4:]), rtol=RTOL, atol=0)
+
+
+def test_kill_during_a_save_keeps_the_previous_checkpoint(reference, data, tmp_path):
+    _, ref = reference
+    out = tmp_path / "killsave"
+    p = train(out, data, *DDP, "--save-every", "4", env={"SHARDWISE_FAULT": "killsave@8:rank0"}, check=False)
+    assert p.returncode != 0
+    ckpts = sorted(os.listdir(out / "checkpoints"))
+    assert ckpts == ["step_00000004", "step_00000008.tmp"]  # half-written one is not taken for complete
+    p = train(out, data, *DDP, "--save-every", "4", "--resume", "auto")
+    assert "resumed from" in p.stdout and "step_00000004" in p.stdout
+    assert not any(d.endswith(".tmp") for d in os.listdir(out / "checkpoints"))
+    torch.testing.assert_close(torch.tensor(losses(str(out))[-8:]), torch.tensor(ref[4:]), rtol=RTOL, atol=0)
+
+
+def test_sigterm_writes_a_checkpoint_and_resume_matches(reference, data, tmp_path):
+    """A preemption signal reaching one rank: all ranks agree on the step, save, exit."""
+    _, ref = reference
+    out = tmp_path / "term"
+    p = train(out, data, *DDP, env={"SHARDWISE_FAULT": "term@6:rank0"}, check=False)
+    assert p.returncode == 128 + 15, p.stderr
+    assert "resume with: shardwise train" in p.stderr and "--resume auto" in p.stderr
+    saved = os.listdir(out / "checkpoints")
+    assert len(saved) == 1
+    step = int(saved[0].split("_")[1])
+    assert 6 <= step <= 8  # the signal arrived at step 6; ranks agree on a step at most 2 later
+    train(out, data, *DDP, "--resume", "auto")
+    after = losses(str(out))[-(12 - step):]
+    torch.testing.assert_close(torch.tensor(after), torch.tensor(ref[step:]), rtol=RTOL, atol=0)
+
+
+def test_resume_one_rank_checkpoint_on_two_ranks(reference, data, tmp_path):
+    _, ref = reference
+    one = tmp_path / "one"
+    train(one, data, "--strategy", "single", "--nproc-per-node", "1", "--grad-accum", "4", "--save-every", "4",
+          "--max-steps", "4", "--no-save-final")
+    # the one-rank run stopped at its max_steps=4: continue to 12 on two ranks. The LR
+    # schedule depends on max_steps, so compare the first 4 steps to the 12-step reference
+    # via the warm-up (identical for both) and the rest for being a continuation.
+    p = train(tmp_path / "two", data, *DDP, "--resume", str(one / "checkpoints" / "step_00000004"))
+    assert "saved by single on 1 ranks; now ddp on 2" in p.stdout and "row 32 of epoch 0" in p.stdout
+    torch.testing.assert_close(torch.tensor(losses(str(one))[:2]), torch.tensor(ref[:2]), rtol=RTOL, atol=0)
+    assert read_metrics(str(tmp_path / "two"))[0]["step"] == 5
+
+
+def test_non_finite_loss_skip_or_stop(data, tmp_path):
+    p = train(tmp_path / "skip", data, "--strategy", "single", "--nproc-per-node", "1", "--grad-accum", "2",
+              "--max-steps", "5", "--on-nan", "skip", "--no-save-final", env={"SHARDWISE_FAULT": "nan@3"})
+    summary = json.loads((tmp_path / "skip" / "summary.json").read_text())
+    assert summary["skipped_nonfinite_steps"] == 1 and "step 3: non-finite" in p.stdout
+    m = read_metrics(str(tmp_path / "skip"))
+    assert m[2]["skipped_nonfinite_steps"] == 1  # step 3's loss is logged as it was (NaN) ...
+    assert all(torch.isfinite(torch.tensor([r["loss"] for r in m[3:]])))  # ... and the weights stayed finite
+    p = train(tmp_path / "stop", data, "--strategy", "single", "--nproc-per-node", "1", "--grad-accum", "2",
+              "--max-steps", "5", "--save-every", "2", "--no-save-final", env={"SHARDWISE_FAULT": "nan@3"}, check=False)
+    assert p.returncode == 2
+    line = p.stderr.strip().splitlines()[-1]
+    assert "non-finite loss or gradients at step 3" in line and "chat.jsonl:" in line
+    assert "last good checkpoint: " in line and "step_00000002" in line
+
+
+def test_a_hung_rank_becomes_an_error_naming_rank_and_operation(data, tmp_path):
+    p = train(tmp_path / "hang", data, *DDP, "--collective-timeout", "4", "--max-steps", "4", "--no-save-final",
+              env={"SHARDWISE_FAULT": "hang@3:rank1"}, check=False)
+    assert p.returncode == 2
+    line = p.stderr.strip().splitlines()[-1]
+    assert "rank 0: a collective did not complete within --collective-timeout 4s during step 3" in line
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(data, tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=15m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root); disk-full path not exercised")
+    try:
+        out = mnt / "run"
+        p = train(out, data, "--strategy", "single", "--nproc-per-node", "1", "--grad-accum", "2",
+                  "--max-steps", "6", "--save-every", "2", "--keep-checkpoints", "3", "--no-save-final", check=False)
+        assert p.returncode == 2, p.stdout + p.stderr
+        line = p.stderr.strip().splitlines()[-1]
+        assert "disk full while saving checkpoint" in line and "the previous checkpoint is intact" in line
+        kept = sorted(d for d in os.listdir(out / "checkpoints"))
+        assert kept and all(not d.endswith(".tmp") for d in kept)
+        shutil.copytree(out / "checkpoints" / kept[-1], tmp_path / "kept")
+    finally:
+        subprocess.run(["umount", str(mnt)])
+    # the kept checkpoint is whole: it exports
+    run_cli("export", str(tmp_path / "kept"), "--out", str(tmp_path / "exported"))
+    assert (tmp_path / "exported" / "model.safetensors").is_file()
+
+
+def test_export_gives_the_final_model(reference, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out, _ = reference
+    run_cli("export", str(out), "--out", str(tmp_path / "exp"))
+    a = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exp")).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(str(out / "final")).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    assert oct(os.stat(tmp_path / "exp" / "model.safetensors").st_mode & 0o777) == oct(0o666 & ~_umask())
+    p = run_cli("export", str(out), "--out", str(tmp_path / "exp"), check=False)
+    assert p.returncode == 2 and "exists and is not empty" in p.stderr
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
