@@ -301,7 +301,8 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     states = params + opt + sum(persist.values()) + (grads if grads_persist else 0.0)
     moment_a = states + act_end + sum(extraA.values()) + accum_grads
     # end of backward: all grads, the first block's activations and their gradients (or the recomputed block)
-    workspace = 2 * per_layer
+    # a block's backward: its saved activations (recomputed under checkpointing) plus the gradients in flight
+    workspace = per_layer + job.tokens * (3 * spec.intermediate_size * job.c + 8 * spec.hidden_size)
     step_tmp = 0.0
     if o.base in ("single", "ddp", "fsdp") and not (o.base == "fsdp" and o.cpu_offload):
         # torch AdamW: fused on GPU needs no full-size temporaries; foreach (CPU) makes one sqrt(v) list
