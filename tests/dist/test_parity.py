@@ -3,10 +3,13 @@ elastic agent), the same seed, data and global batch give the same per-step loss
 pre-clip gradient norm as one process, with gradient accumulation and clipping on.
 
 fp32 on the CPU: only the order of floating-point reductions differs, so the tolerance is
-tight (tests/dist/test_ddp.py's RTOL). Checked by hand that it is sharp: dropping the
-world-size loss scale, syncing gradients on every micro-batch instead of the last only is
-harmless, but skipping the gradient all-reduce/reduce-scatter, or not clipping, moves the
-losses by > 1e-3 relative within 10 steps and fails these tests (see the PR notes).
+tight (tests/dist/test_ddp.py's RTOL = 2e-5). Its sharpness was checked by breaking the
+strategies on purpose (same flags, lr 3e-3), each of which fails here:
+  fsdp, gradient sync on the first micro-batch instead of the last  loss off by 10%, norm by 36%
+  zero2, loss divided by grad accumulation once more (wrong scale)  loss off by 1e-7 (!), norm by 50%
+  zero2, clipping skipped (gradient_clipping 0 via deepspeed.config) loss off by 2.4%, norm by 8%
+A wrong gradient scale leaves the losses unchanged once clipping fires (clip + Adam undo
+any constant factor), which is why the pre-clip gradient norm is compared too.
 """
 
 import pytest
