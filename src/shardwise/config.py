@@ -98,6 +98,8 @@ class Config:
     mixed_precision: str = _f("auto", "Compute dtype: no (fp32), bf16, fp16; auto is bf16 on a GPU that has it, else no.", ("auto", "no", "bf16", "fp16"))
     param_dtype: str = _f("fp32", "Storage dtype of weights, gradients and optimizer states: fp32 (master weights) or bf16 (pure bf16, half the memory).", ("fp32", "bf16"))
     gradient_checkpointing: bool = _f(False, "Recompute each block's activations in backward (non-reentrant): less memory, ~20-30% more compute.")
+    compile: str = _f("auto", "torch.compile each decoder block: on, off, or auto (on with CUDA, off on the CPU).", ("auto", "on", "off"))
+    fused_loss: bool = _f(True, "Compute the output projection and cross-entropy in chunks, gradients included, so the full fp32 logits never exist.")
     # outputs
     output_dir: str = _f("", "Where the run writes; empty means runs/<strategy>-<date>-<time>.")
     log_every: int = _f(10, "Log (terminal, metrics.jsonl, TensorBoard) every N steps.")

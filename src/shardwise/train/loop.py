@@ -26,6 +26,7 @@ from shardwise.data.encode import IGNORE, Encoded
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import peak_flops
 from shardwise.models.load import load_model, load_tokenizer
+from shardwise.models.speed import compile_blocks, install_fused_loss
 from shardwise.strategies.base import DTYPES
 from shardwise.train import checkpoint as ckpt
 from shardwise.train import dist as sdist
@@ -73,6 +74,10 @@ def build_model(cfg: Config, model_dir: str):
         model = apply_lora(model, cfg)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.fused_loss:
+        install_fused_loss(model)
+    if cfg.compile == "on" or (cfg.compile == "auto" and torch.cuda.is_available()):
+        compile_blocks(model)
     return model
 
 
@@ -147,6 +152,8 @@ def run(job: Job) -> dict:
     tokenizer = load_tokenizer(job.model_dir, cfg.trust_remote_code)
     model = build_model(cfg, job.model_dir)
     hf_config = model.config
+    head = model.get_output_embeddings()
+    fused_head = head if getattr(head, "loss_targets", "absent") is None else None
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     broadcasted = sdist.ensure_same_weights(model, env)
@@ -217,7 +224,7 @@ def run(job: Job) -> dict:
             batch, next_pos = sampler.next(pos)
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(cfg, step, total)
-            step_loss = train_step(model, strategy, batch, world, env.device, faults, step + 1)
+            step_loss = train_step(model, strategy, batch, world, env.device, faults, step + 1, fused_head)
             phase = f"step {step + 1}: optimizer step (gradient-norm reduction)"
             grad_norm = strategy.step(model, optimizer)
             step, pos = step + 1, next_pos
@@ -287,7 +294,8 @@ def is_collective_timeout(e: BaseException) -> bool:
                                    "connection reset by peer"))
 
 
-def train_step(model, strategy, batch: StepBatch, world: int, device, faults: Faults, step: int) -> torch.Tensor:
+def train_step(model, strategy, batch: StepBatch, world: int, device, faults: Faults, step: int,
+               fused_head=None) -> torch.Tensor:
     """Forward/backward over the rank's micro-batches; returns this rank's share of the
     global mean loss (a tensor, so no host sync). Each micro-batch's summed loss is divided
     by the global batch's loss-token count and scaled by the world size, because every
@@ -301,8 +309,13 @@ def train_step(model, strategy, batch: StepBatch, world: int, device, faults: Fa
         pos = mb.position_ids.to(device, non_blocking=True)
         tg = mb.targets.to(device, non_blocking=True)
         with strategy.sync(model, i == last), strategy.autocast():
-            logits = model(input_ids=ids, position_ids=pos).logits
-            loss = faults.poison_loss(step, loss_sum(logits, tg) * scale)
+            if fused_head is not None:  # the head returns the summed loss (models/speed.py)
+                fused_head.loss_targets = tg
+                summed = model(input_ids=ids, position_ids=pos).logits
+                fused_head.loss_targets = None
+            else:
+                summed = loss_sum(model(input_ids=ids, position_ids=pos).logits, tg)
+            loss = faults.poison_loss(step, summed * scale)
         strategy.backward(loss)
         total += loss.detach() / world
     return total

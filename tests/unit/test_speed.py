@@ -1,0 +1,72 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardwise.models.speed import compile_blocks, decoder_blocks, install_fused_loss, linear_cross_entropy
+
+
+def reference(h, w, t):
+    return F.cross_entropy((h @ w.t()).float(), t, ignore_index=-100, reduction="sum")
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1000])
+def test_chunked_linear_cross_entropy_matches_loss_and_gradients(chunk):
+    g = torch.Generator().manual_seed(chunk)
+    h = torch.randn(130, 24, generator=g, requires_grad=True)
+    w = torch.randn(50, 24, generator=g, requires_grad=True)
+    t = torch.randint(0, 50, (130,), generator=g)
+    t[::5] = -100
+    ref = reference(h, w, t)
+    gh, gw = torch.autograd.grad(ref * 0.5, (h, w))
+    out = linear_cross_entropy(h, w, t, chunk=chunk)
+    oh, ow = torch.autograd.grad(out * 0.5, (h, w))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(oh, gh, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ow, gw, rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_compute_under_autocast_is_close():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(64, 32, generator=g, requires_grad=True)
+    w = torch.randn(40, 32, generator=g, requires_grad=True)
+    t = torch.randint(0, 40, (64,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_cross_entropy(h, w, t, chunk=16)
+        ref = F.cross_entropy((h @ w.t()).float(), t, reduction="sum")
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=0)
+    out.backward()
+    assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+def test_fused_head_in_the_real_model_gives_the_same_loss_and_grads(tiny_dir):
+    from shardwise.models.load import load_model
+
+    ids = torch.randint(0, 400, (2, 24), generator=torch.Generator().manual_seed(1))
+    tg = torch.roll(ids, -1, 1)
+    tg[:, -1] = -100
+    plain = load_model(tiny_dir, torch.float32)
+    fused = load_model(tiny_dir, torch.float32)
+    assert install_fused_loss(fused)
+    ref = F.cross_entropy(plain(input_ids=ids).logits.view(-1, plain.config.vocab_size), tg.view(-1), reduction="sum")
+    fused.lm_head.loss_targets = tg
+    out = fused(input_ids=ids).logits
+    fused.lm_head.loss_targets = None
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    ref.backward()
+    out.backward()
+    for (n, a), (_, b) in zip(plain.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=n)
+    assert fused(input_ids=ids).logits.shape == (2, 24, plain.config.vocab_size)  # targets unset: plain logits
+    assert set(dict(fused.named_parameters())) == set(dict(plain.named_parameters()))
+
+
+def test_compiled_blocks_match_eager(tiny_dir):
+    """torch.compile per block (on by default with CUDA) computes the same function; on the
+    CPU it needs a C++ compiler, which CI has."""
+    from shardwise.models.load import load_model
+
+    eager = load_model(tiny_dir, torch.float32)
+    compiled = load_model(tiny_dir, torch.float32)
+    assert compile_blocks(compiled) == len(decoder_blocks(eager)) == eager.config.num_hidden_layers
+    ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(compiled(input_ids=ids).logits, eager(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
