@@ -263,3 +263,14 @@ def test_report_stem_names_model_hardware_date():
     gpu = dict(HW, accelerator="cuda", device_name="NVIDIA H200", device_count=8)
     assert report.report_stem("/models/Llama-3.2-1B/", gpu, 8, "2026-12-01") == "Llama-3.2-1B_8xH200_2026-12-01"
     assert report.report_stem("tiny", HW, 2, "2026-11-29") == "tiny_cpu-2ranks_2026-11-29"
+
+
+def test_png_keeps_measurements_readable_when_a_prediction_is_far_off(tmp_path):
+    spec = _spec(tmp_path, strategies=("ddp",))
+    outs = [_outcome(tmp_path, "ddp", "ok", _records(4, 1, 1000), _pred(3.7e7, 0.8))]
+    rep = report.build(spec, outs, dict(HW, accelerator="cuda", device_name="NVIDIA H200", device_count=1),
+                       {}, "shardwise bench", 0.0)
+    assert rep["results"][0]["error_pct"]["tokens_per_s"] > 1000
+    assert report.table_cells(rep["results"][0])["tps_err"].endswith("x")  # a ratio, not +3690000%
+    report.write_png(rep, str(tmp_path / "r.png"))
+    assert os.path.getsize(tmp_path / "r.png") > 10_000

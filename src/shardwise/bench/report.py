@@ -21,7 +21,8 @@ RESULT_TEXT = {"ok": "ok", "oom": "does not fit", "failed": "failed", "unavailab
 # Config keys that differ between the strategies of one bench by design.
 PER_STRATEGY_KEYS = ("strategy", "output_dir", "fsdp", "deepspeed")
 LOSS_AGREE_REL = 1e-3
-SAME_MEM_REL = 0.05  # peaks within 5% read as "about the same"
+SAME_MEM_REL = 0.05  # peaks within 5% (or 50 MiB) of each other read as "about the same"
+SAME_MEM_ABS_GIB = 0.05
 
 
 # ----------------------------------------------------------------------------- environment
@@ -30,8 +31,10 @@ SAME_MEM_REL = 0.05  # peaks within 5% read as "about the same"
 def versions() -> dict:
     from importlib import metadata
 
-    out = {"python": platform.python_version()}
-    for pkg in ("shardwise", "torch", "transformers", "deepspeed", "peft"):
+    from shardwise import __version__
+
+    out = {"python": platform.python_version(), "shardwise": __version__}
+    for pkg in ("torch", "transformers", "deepspeed", "peft"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -62,13 +65,18 @@ def hardware() -> dict:
             "cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform()}
 
 
+def model_label(model: str) -> str:
+    """'tiny', or the model directory's name."""
+    return model if model == "tiny" else os.path.basename(os.path.normpath(model)) or model
+
+
 def _tag(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9.+-]+", "-", s).strip("-") or "x"
 
 
 def report_stem(model: str, hw: dict, world_size: int, date: str) -> str:
     """<model>_<hardware>_<date>, e.g. Llama-3.2-1B_8xH200_2026-12-01 or tiny_cpu-2ranks_2026-11-29."""
-    m = "tiny" if model == "tiny" else os.path.basename(os.path.normpath(model))
+    m = model_label(model)
     if hw.get("accelerator") == "cuda":
         name = hw.get("device_name", "gpu").replace("NVIDIA", "").strip().split(" ")[0]
         h = f"{world_size}x{name}"
@@ -168,7 +176,7 @@ def verdict(rep: dict) -> list[str]:
             lean = min(with_mem, key=lambda r: _m(r, "peak_mem_gib", "max"))
             fat = max(with_mem, key=lambda r: _m(r, "peak_mem_gib", "max"))
             lo, hi = _m(lean, "peak_mem_gib", "max"), _m(fat, "peak_mem_gib", "max")
-            same_mem = hi <= lo * (1 + SAME_MEM_REL)
+            same_mem = hi <= lo * (1 + SAME_MEM_REL) or hi - lo < SAME_MEM_ABS_GIB
             if same_mem and fat is not lean:
                 out.append(f"Memory: about the same for all ({lo:.2f}–{hi:.2f} GiB per rank, peak, max over ranks): "
                            "at this size the sharded states are small next to what every rank holds anyway.")
@@ -195,6 +203,9 @@ def verdict(rep: dict) -> list[str]:
                     out.append(f"Trade-off: {lean['strategy']} needs {saved:.0%} less memory per rank than "
                                f"{fast['strategy']} and gives up {cost:.0%} of its throughput; pick it when "
                                f"{fast['strategy']} does not fit or the memory buys a larger batch.")
+        if len(ok) > 1 and all(r["world_size"] == 1 for r in ok):
+            out.append("With one rank there is nothing to divide across ranks: the differences here are each "
+                       "wrapper's own costs, not sharding; bench on 2 or more GPUs to see what sharding buys.")
         if rep["hardware"].get("accelerator") == "cpu":
             out.append("On the CPU, memory is each worker's peak RSS, which includes the Python/torch runtime "
                        "(a few hundred MiB), while the planner counts tensors only; the memory errors mostly "
@@ -242,10 +253,15 @@ def _planner_lines(rep: dict) -> list[str]:
         pred = r["predicted"].get({"peak_mem_gib": "peak_mem_gib", "comm_exposed_s": "exposed_comm_s"}.get(k, k))
         meas = _m(r, k, "max" if k == "peak_mem_gib" else "median")
         out.append(f"Planner: furthest off on {label} for {r['strategy']}: predicted {_fmt(k, pred)}, measured "
-                   f"{_fmt(k, meas)} ({e:+.0f}%).")
-        tps = [abs(r["error_pct"]["tokens_per_s"]) for r in rep["results"] if r["error_pct"].get("tokens_per_s") is not None]
-        if tps:
-            out.append(f"Planner throughput error across strategies: {min(tps):.0f}% to {max(tps):.0f}% (absolute).")
+                   f"{_fmt(k, meas)} ({_err(e)}).")
+        for k, label in (("tokens_per_s", "throughput"), ("peak_mem_gib", "peak memory")):
+            es = [r["error_pct"][k] for r in rep["results"] if r["error_pct"].get(k) is not None]
+            if not es:
+                continue
+            lo, hi = min(es), max(es)
+            span = _err(lo) if lo == hi else f"{_err(lo)} to {_err(hi)}"
+            way = "over-estimated" if lo > 0 else "under-estimated" if hi < 0 else "was off on"
+            out.append(f"Planner {way} {label} ({span} across strategies).")
     for r in rep["results"]:
         fits = r["predicted"].get("fits") if r["predicted"].get("available") else None
         if r["status"] == "oom" and fits is True:
@@ -269,6 +285,10 @@ def _fmt(kind: str, x) -> str:
     if kind in ("tokens_per_s",):
         return _fmt_tps(x)
     if kind in ("step_time_s", "comm_exposed_s"):
+        if x == 0:
+            return "0"
+        if x < 1e-3:
+            return f"{x * 1e6:.0f} µs"
         if x < 0.01:
             return f"{x * 1e3:.1f} ms"
         return f"{x * 1e3:.0f} ms" if x < 10 else f"{x:.1f} s"
@@ -280,7 +300,12 @@ def _fmt(kind: str, x) -> str:
 
 
 def _err(e) -> str:
-    return "n/a" if e is None else f"{e:+.0f}%"
+    """+12% / -40%; past +1000% the ratio predicted/measured reads better (e.g. 180x)."""
+    if e is None:
+        return "n/a"
+    if e >= 1000:
+        return f"{e / 100 + 1:,.0f}x"
+    return f"{e:+.0f}%"
 
 
 def table_cells(r: dict) -> dict:
@@ -341,9 +366,10 @@ def markdown(rep: dict, png_name: str) -> str:
     dev = (f"{hw['device_count']}x {hw['device_name']} ({hw['device_memory_gib']:.0f} GiB each)"
            if hw["accelerator"] == "cuda" else f"CPU only: {hw['cpu']} ({hw['cpu_count']} logical CPUs)")
     cfg = rep["config"]
-    where = (f"{world}x {hw['device_name']}" if hw["accelerator"] == "cuda" else f"{world} CPU ranks")
+    where = (f"{world}x {hw['device_name']}" if hw["accelerator"] == "cuda"
+             else f"{world} CPU rank{'s' if world != 1 else ''}")
     lines = [
-        f"# shardwise bench: {cfg.get('model', '?')} on {where}, {rep['created'][:10]}", "",
+        f"# shardwise bench: {model_label(str(cfg.get('model', '?')))} on {where}, {rep['created'][:10]}", "",
         f"`{rep['command']}`", "",
         f"- **Hardware:** {dev}; host RAM {hw['host_memory_gib']:.0f} GiB; {world} rank(s) per strategy",
         "- **Versions:** " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
@@ -392,6 +418,7 @@ def write_png(rep: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     rows = rep["results"]
     names = [r["strategy"] for r in rows]
@@ -400,44 +427,55 @@ def write_png(rep: dict, path: str) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=110)
     meas_c, pred_c = "#2b6cb0", "#ed8936"
     hw = rep["hardware"]
-    where = (f"{hw['device_count']}x {hw['device_name']}" if hw["accelerator"] == "cuda" else "CPU") + \
-            f", {max((r['world_size'] for r in rows), default=0)} ranks"
-    fig.suptitle(f"shardwise bench — {rep['config'].get('model', '?')} on {where} — {rep['created'][:10]}",
+    world = max((r["world_size"] for r in rows), default=0)
+    where = (f"{world}x {hw['device_name']}" if hw["accelerator"] == "cuda"
+             else f"CPU, {world} rank{'s' if world != 1 else ''}")
+    fig.suptitle(f"shardwise bench — {model_label(str(rep['config'].get('model', '?')))} on {where} — {rep['created'][:10]}",
                  fontsize=13, fontweight="bold")
 
     labelled = {"m": False, "p": False}
 
     def panel(ax, title, unit, get_meas, get_lo_hi, get_pred):
-        ymax = 0.0
+        preds = [(i, get_pred(r["predicted"]) if r["predicted"].get("available") else None) for i, r in enumerate(rows)]
+        meas = [(i, r) for i, r in enumerate(rows) if r["status"] == "ok" and get_meas(r) is not None]
+        tops = [max(get_meas(r), get_lo_hi(r)[1] or 0) for _, r in meas]
+        pvals = [v for _, v in preds if v is not None]
+        # A prediction far above every measurement would flatten the measured bars: cut the axis
+        # at the measurements and mark the predictions that go past it.
+        limit = max(tops) * 1.3 if tops and pvals and max(pvals) > 3 * max(tops) else None
+        ymax = max(tops + pvals, default=0.0) if limit is None else limit
+        for i, pv in preds:
+            if pv is None:
+                continue
+            shown = pv if limit is None else min(pv, limit)
+            ax.bar(i + w / 2, shown, w, color="white", edgecolor=pred_c, hatch="///", linewidth=1.5,
+                   label="predicted (planner)" if not labelled["p"] else None)
+            labelled["p"] = True
+            off = limit is not None and pv > limit
+            ax.annotate(_short_num(pv) + (" ↑" if off else ""), (i + w / 2, shown),
+                        textcoords="offset points", xytext=(0, -12 if off else 3), ha="center", va="bottom",
+                        fontsize=8, color=pred_c, fontweight="bold" if off else "normal",
+                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 1} if off else None)
+        for i, r in meas:
+            mv = get_meas(r)
+            lo, hi = get_lo_hi(r)
+            yerr = [[mv - lo], [hi - mv]] if lo is not None and hi is not None else None
+            ax.bar(i - w / 2, mv, w, color=meas_c, yerr=yerr, capsize=4, ecolor="#1a365d",
+                   label="measured" if not labelled["m"] else None)
+            labelled["m"] = True
+            ax.annotate(_short_num(mv), (i - w / 2, max(mv, hi if hi is not None else mv)), textcoords="offset points",
+                        xytext=(0, 3), ha="center", va="bottom", fontsize=9, fontweight="bold")
         for i, r in enumerate(rows):
-            p = r["predicted"] if r["predicted"].get("available") else {}
-            pv = get_pred(p) if p else None
-            if pv is not None:
-                ax.bar(i + w / 2, pv, w, color="white", edgecolor=pred_c, hatch="///", linewidth=1.5,
-                       label="predicted (planner)" if not labelled["p"] else None)
-                labelled["p"] = True
-                ax.annotate(_short_num(pv), (i + w / 2, pv), textcoords="offset points", xytext=(0, 3),
-                            ha="center", va="bottom", fontsize=8, color=pred_c)
-                ymax = max(ymax, pv)
-            if r["status"] == "ok" and get_meas(r) is not None:
-                mv = get_meas(r)
-                lo, hi = get_lo_hi(r)
-                yerr = [[mv - lo], [hi - mv]] if lo is not None and hi is not None else None
-                ax.bar(i - w / 2, mv, w, color=meas_c, yerr=yerr, capsize=4, ecolor="#1a365d",
-                       label="measured" if not labelled["m"] else None)
-                labelled["m"] = True
-                top = max(mv, hi if hi is not None else mv)
-                ymax = max(ymax, top)
-                ax.annotate(_short_num(mv), (i - w / 2, top), textcoords="offset points", xytext=(0, 3),
-                            ha="center", va="bottom", fontsize=9, fontweight="bold")
-            else:
+            if r["status"] != "ok" or get_meas(r) is None:
                 ax.text(i - w / 2, 0, "\n".join(r["result"].split(" ", 1)) if r["status"] != "ok" else "n/a",
                         rotation=90, ha="center", va="bottom", fontsize=9, color="#c53030", fontweight="bold")
-        ax.set_title(title, fontsize=12)
+        off_scale = limit is not None and any(v is not None and v > limit for v in pvals)
+        ax.set_title(title + ("\n↑: prediction off the scale, its value printed" if off_scale else ""), fontsize=12)
         ax.set_ylabel(unit)
         ax.set_xticks(x)
         ax.set_xticklabels(names, fontsize=10)
         ax.set_ylim(0, ymax * 1.15 if ymax > 0 else 1)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _short_num(v) if v else "0"))
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
 
@@ -478,12 +516,12 @@ def write_png(rep: dict, path: str) -> None:
 
 def _short_num(v: float) -> str:
     if v >= 1e6:
-        return f"{v / 1e6:.1f}M"
+        return f"{v / 1e6:.3g}M"
     if v >= 1e4:
-        return f"{v / 1e3:.0f}k"
+        return f"{v / 1e3:.3g}k"
     if v >= 100:
         return f"{v:,.0f}"
-    return f"{v:.2f}"
+    return f"{v:.2f}" if v >= 0.1 else f"{v:.2g}"
 
 
 def write_all(rep: dict, report_dir: str, stem: str) -> dict:
