@@ -69,13 +69,13 @@ class Strategy:
                 (decay if p.ndim >= 2 else no_decay).append(p)
         groups = [{"params": decay, "weight_decay": self.cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        kw = {}
-        if self.env.device.type == "cuda":
-            kw["fused"] = True
-        else:
-            kw["foreach"] = True
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.cfg.lr, betas=(0.9, 0.999),
-                                 eps=1e-8, **kw)
+                                 eps=1e-8, **self.optimizer_kernel())
+
+    def optimizer_kernel(self) -> dict:
+        """The fused CUDA AdamW where the step runs on the GPU, else foreach (the CPU, or
+        a strategy that offloads the optimizer step)."""
+        return {"fused": True} if self.env.device.type == "cuda" else {"foreach": True}
 
     # -- per step ----------------------------------------------------------------------
     def autocast(self):

@@ -96,13 +96,9 @@ class DeepSpeedStrategy(Strategy):
         self.engine = engine
         return engine, optimizer
 
-    def build_optimizer(self, model):
-        opt = super().build_optimizer(model)
-        if self.cfg.deepspeed.offload_optimizer:  # the step runs on CPU tensors: no CUDA fused kernel
-            for g in opt.param_groups:
-                g["fused"], g["foreach"] = None, True
-            opt.defaults.update(fused=None, foreach=True)
-        return opt
+    def optimizer_kernel(self) -> dict:
+        # offloaded: the step runs on CPU partitions; else DeepSpeed moves them to the GPU
+        return {"foreach": True} if self.cfg.deepspeed.offload_optimizer else super().optimizer_kernel()
 
     def autocast(self):
         return contextlib.nullcontext()  # DeepSpeed runs the whole module in its bf16/fp16

@@ -102,13 +102,13 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         f = self.cfg.fsdp
-        if self.env.device.type == "cuda" or not f.cpu_offload:
-            model = model.to(self.env.device)
+        model = model.to(self.env.device)  # offload: FSDP moves each shard to the CPU
         sgs = f.shard_group_size or self.env.local_world_size
         self.mesh = build_mesh(self.env.device.type, self.env.world_size, f.hybrid, sgs)
         units = block_units(model) if f.wrap == "block" else size_units(model, int(f.wrap[5:]))
         kw = dict(mesh=self.mesh, mp_policy=self.mp_policy(),
-                  offload_policy=CPUOffloadPolicy() if f.cpu_offload else OffloadPolicy())
+                  offload_policy=CPUOffloadPolicy(pin_memory=self.env.device.type == "cuda") if f.cpu_offload
+                  else OffloadPolicy())
         for i, unit in enumerate(units):
             # the last unit is gathered again first thing in backward: keep it
             reshard = f.reshard_after_forward and i < len(units) - 1
@@ -122,6 +122,9 @@ class FSDPStrategy(Strategy):
             log.info("fsdp: %d units + root on mesh %s", len(units), tuple(self.mesh.shape))
         self.n_units = len(units)
         return model
+
+    def optimizer_kernel(self) -> dict:
+        return {"foreach": True} if self.cfg.fsdp.cpu_offload else super().optimizer_kernel()
 
     def sync(self, model, enabled: bool):
         @contextlib.contextmanager
