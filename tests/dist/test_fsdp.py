@@ -37,7 +37,8 @@ def _worker(rank, world, init_file, model_dir, runs, out_dir):
     for flags in runs:
         if flags["strategy"].startswith("zero") and importlib.util.find_spec("deepspeed") is None:
             continue
-        reports[flags["strategy"]] = _measure_one(rank, world, model_dir, flags)
+        label = flags["strategy"] + ("+" + flags["tuner"] if "tuner" in flags else "")
+        reports[label] = _measure_one(rank, world, model_dir, flags)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(reports, fh)
     dist.destroy_process_group()
@@ -48,19 +49,24 @@ def _measure_one(rank, world, model_dir, flags) -> dict:
     from shardwise.config import load_config
     from shardwise.models.load import load_model
     from shardwise.strategies.base import DistEnv
+    from shardwise.train.loop import build_model
 
     cfg = load_config(None, {k: (v, "test") for k, v in {**flags, "model": model_dir, "mixed_precision": "no",
                                                          "nproc_per_node": world}.items()}).cfg
     env = DistEnv(rank, world, rank, world, torch.device("cpu"), "gloo")
     strategy = strategies.get(cfg.strategy)(cfg, env)
     torch.manual_seed(0)
-    model, opt = strategy.setup(load_model(model_dir, torch.float32))
+    model, opt = strategy.setup(build_model(cfg, model_dir))  # the loop's path: dtype, LoRA
     ids = _batch(rank)
     with strategy.sync(model, True), strategy.autocast():
         loss = model(input_ids=ids, labels=ids).loss
     strategy.backward(loss)
     report = {}
-    if cfg.strategy in ("fsdp", "hybrid"):
+    in_optimizer = {id(p) for g in opt.param_groups for p in g["params"]}
+    report["optim_params_all_lora"] = all("lora_" in n for n, p in model.named_parameters() if id(p) in in_optimizer)
+    report["optim_params"] = len(in_optimizer)
+    report["lora_params"] = sum("lora_" in n for n, _ in model.named_parameters())
+    if cfg.strategy in ("fsdp", "hybrid") and cfg.tuner == "full":
         got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         ref_model = load_model(model_dir, torch.float32)
         for r in range(world):
@@ -86,8 +92,9 @@ def measure(tmp_path, tiny_dir, world: int, runs: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, tiny_dir):
-    """ddp, fsdp, zero1 and zero3 measured in one 2-rank group (one process start-up)."""
+    """ddp, fsdp, zero1, zero3 and fsdp+LoRA measured in one 2-rank group (one start-up)."""
     runs = [{"strategy": s} for s in ("ddp", "fsdp", "zero1", "zero3")]
+    runs.append({"strategy": "fsdp", "tuner": "lora", "lora.r": 4})
     return measure(tmp_path_factory.mktemp("two"), tiny_dir, 2, runs)
 
 
@@ -125,3 +132,11 @@ def test_hybrid_builds_a_2d_mesh_shards_within_groups_and_averages_over_all(tmp_
         assert r["mesh"] == [2, 2] and r["placements"] == ["R", "S(0)"]
         assert r["max_grad_err"] < 1e-6
         assert 0.45 < r["param_bytes"] / (4 * n) < 0.55
+
+
+def test_lora_under_fsdp_shards_the_frozen_base_and_optimizes_only_adapters(two_ranks):
+    ddp = two_ranks[0]["ddp"]
+    for r in (r["fsdp+lora"] for r in two_ranks):
+        assert r["optim_params_all_lora"] and r["optim_params"] == r["lora_params"] > 0
+        # the whole model (base + rank-4 adapters, ~4% more) is split over the 2 ranks
+        assert 0.45 < r["param_bytes"] / ddp["param_bytes"] < 0.6
