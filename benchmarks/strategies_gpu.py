@@ -10,7 +10,8 @@ Writes OUT/strategies-gpu-YYYY-MM-DD.{md,json} (rewritten after every strategy, 
 cut short keeps what finished), with the GPU, versions and the exact command of each run.
 
     python benchmarks/strategies_gpu.py --out benchmarks/results
-    python benchmarks/strategies_gpu.py --strategies ddp,fsdp,zero2 --steps 20 --out $OUT
+    python benchmarks/strategies_gpu.py --strategies ddp,fsdp,zero2 --steps 20 --out $OUT --tag part1
+    python benchmarks/strategies_gpu.py --layers 2 --steps 4 --out /tmp/smoke   # a one-minute check
 
 Needs one CUDA GPU, torch >= 2.6 (FSDP2), transformers 5; DeepSpeed strategies are skipped
 (and listed as such) when DeepSpeed is not installed. With one GPU every strategy runs on
@@ -25,6 +26,8 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -94,6 +97,7 @@ def versions() -> dict:
 
 def run_one(strategy: str, args, model_dir: str, data: str, work: str) -> dict:
     out = os.path.join(work, strategy)
+    shutil.rmtree(out, ignore_errors=True)  # never report an earlier run's metrics
     cmd = [sys.executable, "-m", "shardwise", "train", "--model", model_dir, "--data", data, "--data-format", "text",
            "--strategy", strategy, "--nproc-per-node", "1", "--seq-len", str(args.seq_len),
            "--micro-batch-size", str(args.micro_batch_size), "--grad-accum", "1", "--max-steps", str(args.steps),
@@ -104,11 +108,16 @@ def run_one(strategy: str, args, model_dir: str, data: str, work: str) -> dict:
         cmd.append("--force")  # the planner's fit check is not what is measured here
     t0 = time.time()
     rec = {"strategy": strategy, "command": " ".join(cmd[1:])}
+    # own process group: on timeout the launcher *and* its workers (holding GPU memory) go
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        rec["exit_code"], tail = p.returncode, (p.stdout + p.stderr)[-2000:]
-    except subprocess.TimeoutExpired as e:
-        rec["exit_code"], tail = "timeout", str(e.stdout or "")[-2000:]
+        output, _ = p.communicate(timeout=args.timeout)
+        rec["exit_code"] = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        output, _ = p.communicate()
+        rec["exit_code"] = "timeout"
+    tail = (output or "")[-2000:]
     rec["wall_s"] = round(time.time() - t0, 1)
     metrics = os.path.join(out, "metrics.jsonl")
     rows = [json.loads(x) for x in open(metrics)] if os.path.isfile(metrics) else []
@@ -163,7 +172,8 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"], help="fewer for a quick check")
-    ap.add_argument("--timeout", type=float, default=420, help="seconds per strategy")
+    ap.add_argument("--timeout", type=float, default=240, help="seconds per strategy (then it is marked timeout)")
+    ap.add_argument("--tag", default="", help="suffix of the result files, e.g. part1 when split over calls")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "shardwise-bench-gpu"))
     ap.add_argument("extra", nargs="*", help="extra `shardwise train` flags, after --")
@@ -190,7 +200,7 @@ def main() -> int:
             "config": {"model": {**MODEL, "num_hidden_layers": L}, "params": params, "steps": args.steps,
                        "log_every": args.log_every, "seq_len": args.seq_len,
                        "micro_batch_size": args.micro_batch_size, "extra_flags": args.extra}}
-    base = os.path.join(args.out, f"strategies-gpu-{date}")
+    base = os.path.join(args.out, f"strategies-gpu-{date}" + (f"-{args.tag}" if args.tag else ""))
     results = []
     has_ds = importlib.util.find_spec("deepspeed") is not None
     for s in [x.strip() for x in args.strategies.split(",") if x.strip()]:
