@@ -102,7 +102,9 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         f = self.cfg.fsdp
-        model = model.to(self.env.device)  # offload: FSDP moves each shard to the CPU
+        # no model.to(device): each fully_shard call moves its unit's tensors to the device and
+        # shards them (and, with offload, moves the shards to the CPU), so setup never holds
+        # more than one unit unsharded on the GPU
         sgs = f.shard_group_size or self.env.local_world_size
         self.mesh = build_mesh(self.env.device.type, self.env.world_size, f.hybrid, sgs)
         units = block_units(model) if f.wrap == "block" else size_units(model, int(f.wrap[5:]))
@@ -127,12 +129,8 @@ class FSDPStrategy(Strategy):
         return {"foreach": True} if self.cfg.fsdp.cpu_offload else super().optimizer_kernel()
 
     def sync(self, model, enabled: bool):
-        @contextlib.contextmanager
-        def ctx():
-            model.set_requires_gradient_sync(enabled)
-            yield
-
-        return ctx()
+        model.set_requires_gradient_sync(enabled)  # off: gradients accumulate unsharded, no reduce
+        return contextlib.nullcontext()
 
     def autocast(self):
         return contextlib.nullcontext()  # MixedPrecisionPolicy casts
