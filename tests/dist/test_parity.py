@@ -82,10 +82,10 @@ def test_two_ranks_match_one_process(name, single, runs):
     assert_same_run(got, single)
 
 
-@pytest.mark.parametrize("saved_by,resumed_by", [("zero3", "fsdp"), ("fsdp-grad-op", "zero2")])
+@pytest.mark.parametrize("saved_by,resumed_by", [("zero3", "fsdp"), ("fsdp-grad-op", "zero3")])
 def test_checkpoint_resumes_under_another_strategy(saved_by, resumed_by, single, runs, data, tmp_path):
     """DeepSpeed state is saved in the same name-keyed DCP form as FSDP's: a ZeRO-3
-    checkpoint resumes under FSDP and an FSDP one under ZeRO-2, on the same trajectory."""
+    checkpoint resumes under FSDP and an FSDP one under ZeRO-3, on the same trajectory."""
     _, out = runs(saved_by)
     ckpt = out / "checkpoints" / "step_00000005"
     p = run_cli("train", *COMMON, "--data", data, "--output-dir", str(tmp_path / "resumed"), "--max-steps",

@@ -78,26 +78,35 @@ def _state_keys(engine) -> list[str]:
 def _init_optimizer_state(engine) -> None:
     """Run one zero-gradient, zero-lr step so AdamW's states exist (a fresh optimizer has
     none; a checkpoint is loaded into them). Gradient buffers are restored afterwards."""
-    opt = _inner(engine)
-    if not opt.state:
-        _zero_step(opt)
-    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    zopt, opt = engine.optimizer, _inner(engine)
+    if hasattr(zopt, "fp32_partitioned_groups_flat"):
+        # ZeRO-3 hands AdamW one flat fp32 sub-group at a time (params are [] in between)
+        for sub, flat in enumerate(zopt.fp32_partitioned_groups_flat):
+            if flat not in opt.state:
+                _zero_step(opt, opt.param_groups[zopt.sub_group_to_group_id[sub]], [flat])
+    elif not opt.state:
+        for g in opt.param_groups:
+            _zero_step(opt, g, g["params"])
+    link = getattr(zopt, "_lazy_init_hp_params_optimizer_state", None)
     if link is not None:  # ZeRO-1/2: point each parameter's fragment map at the new states
         link()
 
 
-def _zero_step(opt) -> None:
-    saved, lrs = [], []
-    for g in opt.param_groups:
-        lrs.append(g["lr"])
-        g["lr"] = 0.0
-        for p in g["params"]:
-            saved.append((p, p.grad))
-            p.grad = torch.zeros_like(p)
+def _zero_step(opt, group: dict, params: list) -> None:
+    """One AdamW step of `group` over `params` with zero gradients and lr 0 (no change)."""
+    saved = (group["params"], group["lr"], [p.grad for p in params])
+    group["params"], group["lr"] = params, 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    others = [g for g in opt.param_groups if g is not group]
+    hidden = [g["params"] for g in others]
+    for g in others:
+        g["params"] = []
     opt.step()
-    for g, lr in zip(opt.param_groups, lrs):
-        g["lr"] = lr
-    for p, grad in saved:
+    for g, ps in zip(others, hidden):
+        g["params"] = ps
+    group["params"], group["lr"] = saved[0], saved[1]
+    for p, grad in zip(params, saved[2]):
         p.grad = grad
 
 
