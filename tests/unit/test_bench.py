@@ -274,3 +274,35 @@ def test_png_keeps_measurements_readable_when_a_prediction_is_far_off(tmp_path):
     assert report.table_cells(rep["results"][0])["tps_err"].endswith("x")  # a ratio, not +3690000%
     report.write_png(rep, str(tmp_path / "r.png"))
     assert os.path.getsize(tmp_path / "r.png") > 10_000
+
+
+# ----------------------------------------------------------------------------- running (a stand-in for train)
+
+
+def _run_with(monkeypatch, tmp_path, code, timeout_s=60.0):
+    """run_strategy with the real preflight but a stand-in command for `shardwise train`."""
+    from shardwise.bench import runner
+
+    monkeypatch.setattr(runner, "train_argv", lambda path, flags: [sys.executable, "-c", code])
+    spec = _spec(tmp_path, strategies=("ddp",))
+    spec.timeout_s = timeout_s
+    return runner.run_strategy(spec, "ddp", sample_rss=False)
+
+
+def test_a_run_that_prints_an_oom_is_does_not_fit_with_its_prediction(monkeypatch, tmp_path):
+    o = _run_with(monkeypatch, tmp_path, "import sys; print('[rank0]: torch.OutOfMemoryError: CUDA out of memory. "
+                                         "Tried to allocate 2.00 GiB'); sys.exit(1)")
+    assert o.status == "oom" and o.reason.startswith("torch.OutOfMemoryError: CUDA out of memory")
+    assert o.world_size == 2 and o.config["strategy"] == "ddp" and o.config["max_steps"] == 5
+    assert "available" in o.prediction and os.path.isfile(o.log)
+
+
+def test_a_hung_run_is_stopped_at_the_timeout(monkeypatch, tmp_path):
+    o = _run_with(monkeypatch, tmp_path, "import time; time.sleep(120)", timeout_s=1.0)
+    assert o.status == "failed" and "timed out" in o.reason
+    assert o.returncode is not None and o.wall_s < 30  # the process was stopped, not waited for
+
+
+def test_a_run_that_exits_0_without_metrics_is_not_ok(monkeypatch, tmp_path):
+    o = _run_with(monkeypatch, tmp_path, "pass")
+    assert o.status == "failed" and "no metrics.jsonl" in o.reason

@@ -101,7 +101,7 @@ def run(args) -> int:
             outcomes.append(Outcome(name, "interrupted", "interrupted while running"))
             continue
         outcomes.append(o)
-        say(f"[{i}/{len(spec.strategies)}] {name}: " + _one_line(o))
+        say(f"[{i}/{len(spec.strategies)}] {name}: " + _one_line(o, spec.warmup))
     runs = [o for o in outcomes if o.world_size]
     world = runs[0].world_size if runs else 0
     model = (runs[0].config or {}).get("model", "tiny") if runs else str(spec.flags.get("model", ("tiny",))[0])
@@ -124,8 +124,13 @@ def run(args) -> int:
     return 0 if any(o.status == "ok" for o in outcomes) else 1
 
 
-def _one_line(o) -> str:
+def _one_line(o, warmup: int) -> str:
     if o.status == "ok":
-        return f"done in {o.wall_s:.0f} s"
+        from shardwise.bench.measure import read_records, summarize
+
+        m = summarize(read_records(o.output_dir), warmup, o.rank_peak_gib or None, o.world_size)
+        tps, mem = (m.get("tokens_per_s") or {}).get("median"), (m.get("peak_mem_gib") or {}).get("max")
+        return f"done in {o.wall_s:.0f} s" + (f": {tps:,.0f} tokens/s" if tps else "") + \
+            (f", peak {mem:.2f} GiB per rank" if mem else "")
     text = {"oom": "does not fit", "failed": "failed", "unavailable": "cannot run here"}.get(o.status, o.status)
     return f"{text}: {o.reason}"

@@ -278,7 +278,10 @@ def run_strategy(spec: BenchSpec, name: str, sample_rss: bool, say=print) -> Out
     if timed_out:
         oc.status, oc.reason = "failed", f"timed out after {spec.timeout_s:.0f} s (raise --timeout)"
     elif proc.returncode == 0:
-        oc.status = "ok"
+        if os.path.isfile(os.path.join(out_dir, "metrics.jsonl")):
+            oc.status = "ok"
+        else:
+            oc.status, oc.reason = "failed", f"the run exited 0 but wrote no metrics.jsonl (see {log_path})"
     else:
         with open(log_path, errors="replace") as fh:
             oc.status, oc.reason = classify(fh.read(), proc.returncode)
