@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from shardwise import config
-from shardwise.bench import measure, report
+from shardwise.bench import measure, plot, report
 from shardwise.bench.command import add_parser, spec_from_args
 from shardwise.bench.predict import predict
 from shardwise.bench.runner import (BenchSpec, Outcome, classify, fault_for, memory_cap_bytes,
@@ -272,7 +272,7 @@ def test_png_keeps_measurements_readable_when_a_prediction_is_far_off(tmp_path):
                        {}, "shardwise bench", 0.0)
     assert rep["results"][0]["error_pct"]["tokens_per_s"] > 1000
     assert report.table_cells(rep["results"][0])["tps_err"].endswith("x")  # a ratio, not +3690000%
-    report.write_png(rep, str(tmp_path / "r.png"))
+    plot.write_png(rep, str(tmp_path / "r.png"))
     assert os.path.getsize(tmp_path / "r.png") > 10_000
 
 

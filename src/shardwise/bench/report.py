@@ -1,5 +1,5 @@
 """The bench report: one dict (report.json) from which the Markdown table + verdict, the
-PNG and the terminal table are all drawn, so they cannot disagree.
+PNG (plot.py) and the terminal table are all drawn, so they cannot disagree.
 
 Errors are (predicted - measured) / measured: +20% means the planner expected 20% more
 than it got.
@@ -412,123 +412,13 @@ def markdown(rep: dict, png_name: str) -> str:
     return "\n".join(lines)
 
 
-def write_png(rep: dict, path: str) -> None:
-    """Two panels: tokens/s and peak memory per rank, measured (bars) vs predicted (hatched)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
-
-    rows = rep["results"]
-    names = [r["strategy"] for r in rows]
-    x = list(range(len(rows)))
-    w = 0.38
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=110)
-    meas_c, pred_c = "#2b6cb0", "#ed8936"
-    hw = rep["hardware"]
-    world = max((r["world_size"] for r in rows), default=0)
-    where = (f"{world}x {hw['device_name']}" if hw["accelerator"] == "cuda"
-             else f"CPU, {world} rank{'s' if world != 1 else ''}")
-    fig.suptitle(f"shardwise bench — {model_label(str(rep['config'].get('model', '?')))} on {where} — {rep['created'][:10]}",
-                 fontsize=13, fontweight="bold")
-
-    labelled = {"m": False, "p": False}
-
-    def panel(ax, title, unit, get_meas, get_lo_hi, get_pred):
-        preds = [(i, get_pred(r["predicted"]) if r["predicted"].get("available") else None) for i, r in enumerate(rows)]
-        meas = [(i, r) for i, r in enumerate(rows) if r["status"] == "ok" and get_meas(r) is not None]
-        tops = [max(get_meas(r), get_lo_hi(r)[1] or 0) for _, r in meas]
-        pvals = [v for _, v in preds if v is not None]
-        # A prediction far above every measurement would flatten the measured bars: cut the axis
-        # at the measurements and mark the predictions that go past it.
-        limit = max(tops) * 1.3 if tops and pvals and max(pvals) > 3 * max(tops) else None
-        ymax = max(tops + pvals, default=0.0) if limit is None else limit
-        for i, pv in preds:
-            if pv is None:
-                continue
-            shown = pv if limit is None else min(pv, limit)
-            ax.bar(i + w / 2, shown, w, color="white", edgecolor=pred_c, hatch="///", linewidth=1.5,
-                   label="predicted (planner)" if not labelled["p"] else None)
-            labelled["p"] = True
-            off = limit is not None and pv > limit
-            ax.annotate(_short_num(pv) + (" ↑" if off else ""), (i + w / 2, shown),
-                        textcoords="offset points", xytext=(0, -12 if off else 3), ha="center", va="bottom",
-                        fontsize=8, color=pred_c, fontweight="bold" if off else "normal",
-                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 1} if off else None)
-        for i, r in meas:
-            mv = get_meas(r)
-            lo, hi = get_lo_hi(r)
-            yerr = [[mv - lo], [hi - mv]] if lo is not None and hi is not None else None
-            ax.bar(i - w / 2, mv, w, color=meas_c, yerr=yerr, capsize=4, ecolor="#1a365d",
-                   label="measured" if not labelled["m"] else None)
-            labelled["m"] = True
-            ax.annotate(_short_num(mv), (i - w / 2, max(mv, hi if hi is not None else mv)), textcoords="offset points",
-                        xytext=(0, 3), ha="center", va="bottom", fontsize=9, fontweight="bold")
-        for i, r in enumerate(rows):
-            if r["status"] != "ok" or get_meas(r) is None:
-                ax.text(i - w / 2, 0, "\n".join(r["result"].split(" ", 1)) if r["status"] != "ok" else "n/a",
-                        rotation=90, ha="center", va="bottom", fontsize=9, color="#c53030", fontweight="bold")
-        off_scale = limit is not None and any(v is not None and v > limit for v in pvals)
-        ax.set_title(title + ("\n↑: prediction off the scale, its value printed" if off_scale else ""), fontsize=12)
-        ax.set_ylabel(unit)
-        ax.set_xticks(x)
-        ax.set_xticklabels(names, fontsize=10)
-        ax.set_ylim(0, ymax * 1.15 if ymax > 0 else 1)
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _short_num(v) if v else "0"))
-        ax.grid(axis="y", alpha=0.3)
-        ax.set_axisbelow(True)
-
-    def tps(r):
-        return _m(r, "tokens_per_s")
-
-    def tps_range(r):
-        return _m(r, "tokens_per_s", "p10"), _m(r, "tokens_per_s", "p90")
-
-    def mem(r):
-        return _m(r, "peak_mem_gib", "max")
-
-    def mem_range(r):
-        mn = _m(r, "peak_mem_gib", "min")
-        return (mn if mn is not None else mem(r)), mem(r)
-
-    panel(a1, "Throughput (median; whisker: p10–p90 over steps)", "tokens/s (all ranks)", tps, tps_range,
-          lambda p: p.get("tokens_per_s"))
-    panel(a2, "Peak memory per rank (bar: max; whisker: min over ranks)", "GiB", mem, mem_range,
-          lambda p: p.get("peak_mem_gib"))
-    handles, labels = [], []
-    for ax in (a1, a2):
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    order = sorted(range(len(labels)), key=lambda i: labels[i] != "measured")
-    handles, labels = [handles[i] for i in order], [labels[i] for i in order]
-    if handles:
-        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=len(handles),
-                   fontsize=10, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.88))
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
-def _short_num(v: float) -> str:
-    if v >= 1e6:
-        return f"{v / 1e6:.3g}M"
-    if v >= 1e4:
-        return f"{v / 1e3:.3g}k"
-    if v >= 100:
-        return f"{v:,.0f}"
-    return f"{v:.2f}" if v >= 0.1 else f"{v:.2g}"
-
-
 def write_all(rep: dict, report_dir: str, stem: str) -> dict:
     """report_dir/stem.{json,md,png}, each written to a temp file and renamed into place."""
     os.makedirs(report_dir, exist_ok=True)
     paths = {k: os.path.join(report_dir, f"{stem}.{k}") for k in ("json", "md", "png")}
     rep["files"] = {k: os.path.basename(p) for k, p in paths.items()}
+    from shardwise.bench.plot import write_png
+
     write_png(rep, paths["png"])
     _atomic(paths["md"], markdown(rep, os.path.basename(paths["png"])))
     _atomic(paths["json"], json.dumps(rep, indent=1, default=str))

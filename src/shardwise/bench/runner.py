@@ -163,7 +163,7 @@ def classify(log_text: str, returncode: int | None) -> tuple[str, str]:
     (the kernel OOM killer's signal), else ("failed", the most telling error line)."""
     lines = [_RANK_PREFIX.sub("", ln).strip() for ln in log_text.splitlines()]
     lines = [ln for ln in lines if ln]
-    oom = [ln for ln in lines if _OOM.search(ln)]
+    oom = [ln for ln in lines if _OOM.search(ln) and "warning" not in ln.lower()]  # not a library's caution
     if oom:  # prefer the launcher's one-line error, then the exception line, over source lines
         best = ([ln for ln in oom if ln.startswith("shardwise: error: ") and "training failed: " not in ln]
                 or [ln for ln in oom if _ERROR_LINE.match(ln) and not ln.startswith("shardwise: error: ")]
