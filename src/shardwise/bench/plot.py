@@ -71,7 +71,7 @@ def write_png(rep: dict, path: str) -> None:
         ax.set_xticks(x)
         ax.set_xticklabels(names, fontsize=10)
         ax.set_ylim(0, ymax * 1.15 if ymax > 0 else 1)
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _short_num(v) if v else "0"))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _short_num(v) if v >= 1e4 else f"{v:,.4g}"))
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
 
