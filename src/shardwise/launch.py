@@ -323,6 +323,7 @@ def train(res: Resolved, force: bool = False) -> int:
               file=sys.stderr, flush=True)
         return 128 + e.signum
     if summary:
-        say(f"outputs: {p.output_dir}/metrics.jsonl, summary.json, final/ ; "
+        final = ", final/ (Hugging Face directory)" if summary.get("final_model") else ""
+        say(f"outputs: {p.output_dir}/metrics.jsonl, summary.json{final}; "
             f"repeat with: shardwise train {p.output_dir}/config.yaml")
     return 0

@@ -325,12 +325,13 @@ def log_record(env, cfg, window, loss_acc, loss_n, seq_acc, step, total, grad_no
                n_params, hf_config) -> dict:
     """The logged metrics; the only host syncs of the loop (besides the non-finite check)."""
     sdist.all_reduce(loss_acc)
-    mem = torch.tensor([peak_memory_gib(env.device)], device=env.device)
+    peak_here = peak_memory_gib(env.device)
+    mem = torch.tensor([peak_here, -peak_here], device=env.device)  # max and min over ranks in one reduction
     sdist.all_reduce(mem, dist.ReduceOp.MAX)
     step_time, tps = window.read()
     rec = {"step": step, "loss": loss_acc.item() / loss_n if loss_n else float("nan"), "lr": lr_at(cfg, step - 1, total),
            "grad_norm": float(grad_norm), "tokens_per_s": tps, "step_time_s": step_time,
-           "peak_mem_gib": mem.item(), "epoch": pos.epoch, "tokens_seen": tokens_seen}
+           "peak_mem_gib": mem[0].item(), "peak_mem_gib_min": -mem[1].item(), "epoch": pos.epoch, "tokens_seen": tokens_seen}
     if skipped:
         rec["skipped_nonfinite_steps"] = skipped
     if peak:

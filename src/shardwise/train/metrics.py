@@ -13,9 +13,17 @@ import torch
 
 
 def peak_memory_gib(device: torch.device) -> float:
-    """CUDA peak allocated on a GPU; the process's peak RSS on the CPU."""
+    """CUDA peak allocated on a GPU; the process's own peak RSS on the CPU (VmHWM: unlike
+    ru_maxrss it does not inherit the parent's peak across fork+exec)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
