@@ -121,3 +121,11 @@ def test_final_hf_directory_holds_the_trained_weights(ddp_run, tiny_dir):
     for k, v in state["model"].items():
         assert torch.equal(trained[k], v), k
     assert not torch.equal(trained["lm_head.weight"], initial["lm_head.weight"])
+
+
+def test_gradient_checkpointing_under_ddp_trains_identically(single_run, data, tmp_path):
+    """Non-reentrant checkpointing recomputes the same activations: same losses, under DDP."""
+    ref, _ = single_run
+    got = train(tmp_path / "gc", data, "--strategy", "ddp", "--nproc-per-node", "2", "--micro-batch-size", "2",
+                "--grad-accum", "2", "--max-steps", "10", "--no-save-final", "--gradient-checkpointing")
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=RTOL, atol=0)
