@@ -3,8 +3,10 @@
 Each strategy that can run here trains a random-init ~1.14B Llama-style model (the shape of
 /work/shared/MEASUREMENTS.md: vocab 32000, hidden 2048, intermediate 8192, 16 layers, 16
 heads, 8 KV heads) for --steps steps, micro-batch 8 x 2048 tokens, bf16 compute with fp32
-master weights, AdamW, SDPA, eager. Reported per strategy: tokens/s and MFU (median over
-logged windows after the first), peak GPU memory allocated, wall time, exit status.
+master weights, AdamW, SDPA, with shardwise's CUDA defaults (torch.compile per decoder
+block, chunked loss head; extra train flags after -- change them). Reported per strategy:
+tokens/s and MFU (median over logged windows after the first), peak GPU memory allocated,
+wall time, exit status.
 
 Writes OUT/strategies-gpu-YYYY-MM-DD.{md,json} (rewritten after every strategy, so a run
 cut short keeps what finished), with the GPU, versions and the exact command of each run.
@@ -144,7 +146,9 @@ def write_report(path_base: str, meta: dict, results: list[dict]) -> None:
              f"shardwise {v['shardwise']}, Python {v['python']}.", "",
              f"Model: random-init Llama, {c['params'] / 1e9:.2f}B params ({json.dumps(c['model'])}). "
              f"Micro-batch {c['micro_batch_size']} x {c['seq_len']} tokens, grad accum 1, {c['steps']} steps, "
-             "bf16 compute, fp32 master weights, AdamW, SDPA, eager, 1 rank. Tokens/s and MFU: median of "
+             "bf16 compute, fp32 master weights, AdamW, SDPA, shardwise's CUDA defaults (per-block compile, "
+             f"chunked loss head){' + extra flags ' + ' '.join(c['extra_flags']) if c['extra_flags'] else ''}, 1 rank. "
+             "Tokens/s and MFU: median of "
              f"the {c['log_every']}-step windows after the first.", "",
              "| strategy | tokens/s | MFU | step s | peak GiB | wall s | status |", "|---|---|---|---|---|---|---|"]
     for r in results:
