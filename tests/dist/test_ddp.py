@@ -48,6 +48,9 @@ def test_ddp_two_ranks_match_one_process_on_the_same_global_batch(single_run, dd
                 "--grad-accum", "2", "--max-steps", "10", "--no-save-final")
     assert len(ref) == len(got) == 10
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=RTOL, atol=0)
+    # the pre-clip gradient norm too: clipping + Adam would hide a constant scaling error in the loss
+    norm = lambda d: torch.tensor([r["grad_norm"] for r in read_metrics(str(d))])  # noqa: E731
+    torch.testing.assert_close(norm(tmp_path / "ddp10"), norm(single_out), rtol=1e-4, atol=0)
     # the comparison is sharp enough: clipping fired, and the loss moved far more than the tolerance
     norms = [r["grad_norm"] for r in read_metrics(str(single_out))]
     assert max(norms) > 0.5
