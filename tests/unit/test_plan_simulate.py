@@ -19,15 +19,17 @@ SPEC = ModelSpec("sim", "test", vocab_size=4096, hidden_size=256, intermediate_s
                  num_heads=4, num_kv_heads=2, head_dim=64, tied_embeddings=False)
 
 
-@pytest.mark.parametrize("base,world,compute,param,ckpt,accum,reshard", [
-    ("fsdp", 2, "fp32", "fp32", False, 1, True),
-    ("ddp", 4, "bf16", "fp32", False, 1, True),  # autocast: fp32 residual stream, bf16 weight copies
-    ("fsdp", 4, "bf16", "fp32", True, 2, True),  # MixedPrecisionPolicy, checkpointing, no-sync accumulation
-    ("fsdp", 4, "bf16", "bf16", False, 1, False),  # pure bf16, fsdp-grad-op
+@pytest.mark.parametrize("base,world,compute,param,ckpt,accum,reshard,fused", [
+    ("fsdp", 2, "fp32", "fp32", False, 1, True, False),
+    ("ddp", 4, "bf16", "fp32", False, 1, True, False),  # autocast: fp32 residual stream, bf16 weight copies
+    ("fsdp", 4, "bf16", "fp32", True, 2, True, False),  # MixedPrecisionPolicy, checkpointing, no-sync accumulation
+    ("fsdp", 4, "bf16", "bf16", False, 1, False, False),  # pure bf16, fsdp-grad-op
+    ("ddp", 4, "bf16", "fp32", False, 1, True, True),  # the engine's fused loss head under autocast
+    ("fsdp", 4, "bf16", "fp32", False, 1, True, True),  # ... and under MixedPrecisionPolicy
 ])
-def test_analytic_peak_matches_simulation(base, world, compute, param, ckpt, accum, reshard):
+def test_analytic_peak_matches_simulation(base, world, compute, param, ckpt, accum, reshard, fused):
     job = Job(world=world, micro_batch=2, seq_len=128, compute=compute, param_dtype=param, checkpointing=ckpt,
-              grad_accum=accum, accelerator="cpu")
+              grad_accum=accum, accelerator="cpu", fused_loss=fused)
     opts = Opts(base, reshard_after_forward=reshard)
     sim = simulate(SPEC, job, opts, steps=2)["peak_bytes"]
     ana = estimate(SPEC, job, opts).peak_tensors

@@ -28,6 +28,16 @@ QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # NF4 + double-quantised 
 CUDA_CONTEXT_GIB = 0.75  # CUDA context + cuBLAS/NCCL workspaces, outside the allocator's count
 FRAGMENTATION = 0.07  # caching allocator: reserved exceeds allocated by a few percent
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused linear + cross-entropy head (models/speed.py)
+# torch.compile per decoder block (inductor fuses the elementwise ops and recomputes them in backward): saved
+# activations of a block, compiled / eager. Calibrated on one H200 run (docs/planner.md, "Accuracy"): 1.14B Llama,
+# 8 x 2048, fused loss, single: 37.08 GiB compiled vs 49.08 GiB eager = 12.0 GiB over 16 blocks of 2.06 GiB each.
+COMPILE_ACT_FACTOR = 0.64
+# Under DDP, dynamo's DDPOptimizer splits each compiled block at the 25 MiB bucket boundaries (DDP is active when the
+# block is first traced), so each piece saves its own outputs and less is fused away. Calibrated on the one DDP row
+# of that run: ddp - single = 48.32 - 37.08 = 11.24 GiB = fp32 gradient buckets 4.24 + 7.0 GiB more activations
+# = (0.85 - 0.64) x 33.0 GiB. In-sample; the mechanism is read from torch/_dynamo/convert_frame.py, not measured apart.
+COMPILE_ACT_FACTOR_DDP = 0.85
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,8 @@ class Job:
     host_mem_gib: float = 512.0  # per node
     accelerator: str = "cuda"  # cuda | cpu
     hold_outputs: bool = True  # the loop keeps model outputs (logits) alive until backward
+    fused_loss: bool = False  # chunked linear + cross-entropy head, gradients in the forward (config `fused_loss`)
+    compile: bool = False  # torch.compile of each decoder block (config `compile`, resolved for the device)
 
     @property
     def gpus_per_node(self) -> int:
@@ -190,19 +202,62 @@ def head_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     full = job.tuner == "full"
     d = {"inputs": 16 * T + 2 * r * T * spec.head_dim,  # ids + labels (int64), rotary cos/sin
          "final_norm": T * h * (4 + (r if full else 0) + (c if full else 0))}
-    # logits in compute dtype (kept by the model output), log_softmax output in fp32 (saved), and during the
-    # loss backward its incoming gradient and its result, both fp32: c*T*V + 3 * 4*T*V at the peak
-    d["logits"] = (c * T * V if job.hold_outputs or c == 4 else 0) + 12 * T * V
-    if spec.family == "gemma2":  # final logit softcapping keeps two more T*V tensors
-        d["logits"] += 2 * c * T * V
+    if fused_head(spec, job):
+        d.update(fused_loss_terms(spec, job, o))
+    else:
+        # logits in compute dtype (kept by the model output), log_softmax output in fp32 (saved), and during the
+        # loss backward its incoming gradient and its result, both fp32: c*T*V + 3 * 4*T*V at the peak
+        d["logits"] = (c * T * V if job.hold_outputs or c == 4 else 0) + 12 * T * V
+        if spec.family == "gemma2":  # final logit softcapping keeps two more T*V tensors
+            d["logits"] += 2 * c * T * V
     if job.packing:  # block-diagonal attention mask, bool, shared by the layers
         d["mask"] = job.micro_batch * job.seq_len ** 2
     return d
 
 
+def fused_head(spec: ModelSpec, job: Job) -> bool:
+    """Whether the engine's fused loss head runs (install_fused_loss skips heads whose logits are post-processed)."""
+    return job.fused_loss and spec.family != "gemma2"
+
+
+def head_weight_bytes(job: Job, o: Opts) -> int:
+    """dtype of the head weight the loss sees: the stored one under autocast (single/ddp), else the compute dtype."""
+    return job.w if o.base in ("single", "ddp") else job.c
+
+
+def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
+    """The fused head at its peak (its last chunk, or its backward), models/speed.py's _LinearCrossEntropy:
+    one chunk's fp32 logits (turned into the softmax gradient in place) + its compute-dtype copy; the gradient of
+    the hidden states (T*h in the residual dtype) and an fp32 gradient of the head weight, both held until backward
+    (plus a copy in the weight's dtype when that is not fp32); compute-dtype casts of the hidden states and the
+    weight while the head runs. No T*V tensor exists."""
+    T, h, V, c = job.tokens, spec.hidden_size, spec.vocab_size, job.c
+    r = residual_bytes(job, o)
+    hw = head_weight_bytes(job, o)
+    chunk = min(FUSED_LOSS_CHUNK, T)
+    # a chunk: fp32 logits -> softmax gradient in place, its compute-dtype copy, the head-gradient matmul result
+    # and its fp32 upcast; the compute-dtype casts of the hidden states and the weight
+    forward = chunk * V * (4 + c) + V * h * (c + 4 if c != 4 else 4) + (T * h * c if r != c else 0) \
+        + (V * h * c if hw != c else 0)
+    backward = T * h * r + V * h * hw  # its backward instead: the returned gradients (hidden states, head weight)
+    d = {"loss_grad_hidden": T * h * r,
+         "loss_grad_head": V * h * (4 + (hw if hw != 4 else 0)),
+         "loss_transient": max(forward, backward)}
+    if o.base == "fsdp":  # the root unit (embeddings, norm, head) is gathered while the head runs, both ways
+        d["loss_root_gathered"] = c * spec.root_params
+    return d
+
+
+def compile_factor(job: Job, o: Opts) -> float:
+    """Saved activations of a compiled block relative to eager (1.0 when not compiled)."""
+    if not job.compile:
+        return 1.0
+    return COMPILE_ACT_FACTOR_DDP if o.base == "ddp" else COMPILE_ACT_FACTOR
+
+
 def activations(spec: ModelSpec, job: Job, o: Opts) -> tuple[float, float, dict]:
     """(bytes alive at the end of forward, bytes of one block's activations, detail)."""
-    per_layer = sum(layer_activations(spec, job, o).values())
+    per_layer = sum(layer_activations(spec, job, o).values()) * compile_factor(job, o)
     head = head_activations(spec, job, o)
     if job.checkpointing:  # only each block's input is kept; one block is recomputed at a time in backward
         kept = spec.num_layers * job.tokens * spec.hidden_size * residual_bytes(job, o)
@@ -247,7 +302,9 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
             else:
                 persist["ddp_buckets"] = tw * P_t  # a flat bucket copy besides the gradients
         if w > c:  # autocast keeps a compute-dtype copy of each linear weight for backward
-            extraA["autocast_weights"] = c * spec.linear_params
+            # (the fused head runs with autocast off and casts its weight itself: counted in its terms)
+            head = spec.vocab_size * spec.hidden_size if fused_head(spec, job) else 0
+            extraA["autocast_weights"] = c * (spec.linear_params - head)
     elif o.base == "fsdp":
         params, grads, opt = (frozen + tw * P_t) / N, tw * P_t / N, 2 * tw * P_t / N
         gb = QLORA_BYTES_PER_PARAM if job.tuner == "qlora" else c  # gathered bytes per block parameter

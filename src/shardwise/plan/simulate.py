@@ -13,7 +13,8 @@ group) with full fine-tuning. DDP itself cannot be built on fake tensors (it che
 parameter shapes across ranks through real storage), so it is simulated as what it keeps:
 the local model with gradients that persist between steps, as DDP's
 gradient_as_bucket_view buckets do. Not simulated: DeepSpeed, CPU offload, LoRA/QLoRA,
-packing (its mask is built from the data). Kernels are the CPU ones (autocast's CPU op
+packing (its mask is built from the data), torch.compile (the blocks run eager; the fused loss head is
+installed when the job has it). Kernels are the CPU ones (autocast's CPU op
 lists, the CPU SDPA kernel): a few MiB from what CUDA would allocate; no CUDA context or
 allocator rounding (the analytic allowance covers those).
 
@@ -132,8 +133,9 @@ class LiveBytes(TorchDispatchMode):
 
 
 def train_steps(model, optimizer, batches, tracker: LiveBytes, autocast_dtype=None, no_sync=None, steps: int = 2,
-                persistent_grads: bool = False) -> int:
-    """Run `steps` optimizer steps of len(batches) micro-batches; the peak of the last step, in bytes."""
+                persistent_grads: bool = False, fused_head=None) -> int:
+    """Run `steps` optimizer steps of len(batches) micro-batches; the peak of the last step, in bytes.
+    fused_head: the output head with the engine's fused loss installed (models/speed.py), as train_step uses it."""
     import torch.nn.functional as F
 
     for step in range(steps):
@@ -144,8 +146,13 @@ def train_steps(model, optimizer, batches, tracker: LiveBytes, autocast_dtype=No
             if no_sync is not None:
                 no_sync(not last)
             with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                logits = model(input_ids=ids).logits
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tg.view(-1), reduction="sum")
+                if fused_head is not None:
+                    fused_head.loss_targets = tg
+                    logits = loss = model(input_ids=ids).logits  # the summed loss
+                    fused_head.loss_targets = None
+                else:
+                    logits = model(input_ids=ids).logits
+                    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tg.view(-1), reduction="sum")
             loss.backward()
             del loss
         optimizer.step()
@@ -207,6 +214,12 @@ def simulate(spec: ModelSpec, job: Job, opts: Opts, shard_ranks: int | None = No
         tracker = LiveBytes()
         with FakeTensorMode():
             model = build_model(spec, param, job.checkpointing)
+            fused = None
+            if job.fused_loss:
+                from shardwise.models.speed import install_fused_loss
+
+                if install_fused_loss(model):
+                    fused = model.get_output_embeddings()
             autocast_dtype, no_sync, persistent = None, None, False
             if opts.base == "fsdp":
                 model = wrap_fsdp(model, mesh, opts, compute, param)
@@ -228,7 +241,8 @@ def simulate(spec: ModelSpec, job: Job, opts: Opts, shard_ranks: int | None = No
             with tracker:
                 tracker.track_module(model, optimizer)
                 tracker.track(batches)
-                peak = train_steps(model, optimizer, batches, tracker, autocast_dtype, no_sync, steps, persistent)
+                peak = train_steps(model, optimizer, batches, tracker, autocast_dtype, no_sync, steps, persistent,
+                                   fused)
     finally:
         dist.destroy_process_group()
     return {"peak_bytes": peak, "seconds": time.time() - t0, "ranks": world}
@@ -236,10 +250,12 @@ def simulate(spec: ModelSpec, job: Job, opts: Opts, shard_ranks: int | None = No
 
 def simulate_plan(plan) -> dict:
     """Simulate the plan's ddp and fsdp-family strategies; compare with the analytic tensor peak."""
+    from shardwise.plan.memory import estimate
+
     results, errors = [], []
     names = [s.strategy for s in plan.strategies
              if s.base in SIMULATED_BASES and not s.opts.cpu_offload]
-    job = plan.job
+    job = replace(plan.job, compile=False)  # blocks run eager here: compared with the eager analytic peak
     if job.tuner != "full" or job.packing:
         return {"results": [], "errors": ["simulation covers full fine-tuning without packing only"]}
     for name in names:
@@ -252,13 +268,14 @@ def simulate_plan(plan) -> dict:
         except Exception as e:  # report, keep the analytic plan
             errors.append(f"{name}: simulation failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
             continue
-        ana = sp.memory.peak_tensors
+        ana = estimate(plan.spec, job, sp.opts).peak_tensors
         results.append({"strategy": name, "peak_gib": r["peak_bytes"] / GiB, "analytic_gib": ana / GiB,
                         "diff_pct": 100 * (ana - r["peak_bytes"]) / max(r["peak_bytes"], 1),
                         "seconds": r["seconds"], "ranks": r["ranks"]})
     return {"results": results, "errors": errors,
             "note": "peak live tensor bytes of rank 0 in the second step; compare with the analytic peak before the "
-                    "CUDA context / fragmentation allowance"}
+                    "CUDA context / fragmentation allowance" + ("; blocks eager (torch.compile is not simulated: "
+                    "the analytic side is the eager one here)" if plan.job.compile else "")}
 
 
 def job_for(job: Job, **kw) -> Job:
