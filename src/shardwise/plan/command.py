@@ -19,7 +19,7 @@ SHARED_KEYS = ["model", "strategy", "seq_len", "micro_batch_size", "grad_accum",
                "mixed_precision", "param_dtype", "gradient_checkpointing", "packing", "nproc_per_node",
                "fsdp.reshard_after_forward", "fsdp.hybrid", "fsdp.shard_group_size", "fsdp.cpu_offload",
                "fsdp.wrap", "fsdp.prefetch", "deepspeed.stage", "deepspeed.offload_optimizer",
-               "deepspeed.offload_params"]
+               "deepspeed.offload_params", "compile", "fused_loss"]
 
 
 def add_parser(subparsers) -> None:
@@ -38,7 +38,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--intra-node-gbps", metavar="X", help="GPU-to-GPU bandwidth in a node, Gb/s per GPU "
                    "(default: measured by `shardwise doctor`, else NVLink for H100/H200/A100, PCIe otherwise).")
     p.add_argument("--inter-node-gbps", metavar="Y", help="Network bandwidth per node, Gb/s (default 100; 25/100/400 Ethernet/IB).")
-    p.add_argument("--mfu", metavar="F", help="Model FLOPs utilisation to assume (default 0.41, measured eager bf16 on H200).")
+    p.add_argument("--mfu", metavar="F", help="Model FLOPs utilisation of the forward/backward to assume (default on GPU: 0.57 with "
+                   "compiled blocks, 0.42 eager; calibrated on one H200, docs/planner.md).")
     p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     p.add_argument("--simulate", action="store_true", help="Also measure per-rank memory exactly by running one step of "
                    "the real model under fake tensors and a fake process group (imports torch; slower).")
@@ -135,11 +136,12 @@ def _job_line(plan) -> str:
     tuner = {"full": "full fine-tune", "lora": f"LoRA r={j.lora_r}", "qlora": f"QLoRA r={j.lora_r} (4-bit base)"}[j.tuner]
     return (f"{tuner}; micro-batch {j.micro_batch} x {j.seq_len} tokens, grad-accum {j.grad_accum} "
             f"(global {j.micro_batch * j.grad_accum * j.world} sequences); compute {dt}, weights/grads/optimizer "
-            f"{j.param_dtype}; checkpointing {'on' if j.checkpointing else 'off'}; packing {'on' if j.packing else 'off'}")
+            f"{j.param_dtype}; checkpointing {'on' if j.checkpointing else 'off'}; packing {'on' if j.packing else 'off'}; "
+            f"compile {'on' if j.compile else 'off'}; fused loss {'on' if j.fused_loss else 'off'}")
 
 
 def render(plan, sim=None) -> str:
-    from shardwise.plan.memory import GiB, Opts, layer_activations
+    from shardwise.plan.memory import GiB, Opts, compile_factor, head_activations, layer_activations
 
     s, h = plan.spec, plan.setup
     lines = [f"model     {s.name}: {s.total_params / 1e9:.3g}B params ({s.num_layers} layers, hidden {s.hidden_size}, "
@@ -150,11 +152,15 @@ def render(plan, sim=None) -> str:
              + (f"; inter-node {h.inter_label}" if h.nodes > 1 else "")]
     for n in h.notes:
         lines.append(f"          - {n}")
-    per = sum(layer_activations(s, plan.job, Opts("fsdp")).values())
+    fo = Opts("fsdp")
+    per = sum(layer_activations(s, plan.job, fo).values()) * compile_factor(plan.job, fo)
     ck = plan.job.tokens * s.hidden_size * plan.job.c
-    lines.append(f"activations per block: {per / 2**20:,.1f} MiB without checkpointing, {ck / 2**20:,.1f} MiB with "
-                 f"(block input only); logits + fp32 loss at the peak: "
-                 f"{(plan.job.c + 12) * plan.job.tokens * s.vocab_size / GiB:.2f} GiB")
+    head = head_activations(s, plan.job, fo)
+    loss = sum(v for k, v in head.items() if k.startswith(("logits", "loss_")))
+    what = "fused loss head (one 4096-token chunk, no full logits)" if "loss_chunk" in head else "logits + fp32 loss"
+    lines.append(f"activations per block: {per / 2**20:,.1f} MiB without checkpointing"
+                 f"{' (compiled)' if plan.job.compile else ''}, {ck / 2**20:,.1f} MiB with "
+                 f"(block input only); {what} at the peak: {loss / GiB:.2f} GiB")
     lines.append("")
     small = max(sp.memory.total for sp in plan.strategies) < GiB  # tiny models: MiB
     unit, scale = ("MiB", 1024.0) if small else ("GiB", 1.0)

@@ -11,10 +11,18 @@ from dataclasses import dataclass, field
 from shardwise import hardware, presets
 from shardwise.errors import ShardwiseError
 from shardwise.plan.comm import Compute, Links, Timing, step_time
-from shardwise.plan.memory import GiB, Job, Memory, Opts, estimate, shard_ranks, unit_params
+from shardwise.plan.memory import (COMPILE_ACT_FACTOR, COMPILE_ACT_FACTOR_DDP, GiB, Job, Memory, Opts, estimate,
+                                   shard_ranks, unit_params)
 from shardwise.plan.model_spec import ModelSpec
 
-DEFAULT_MFU = 0.41  # MEASUREMENTS.md: eager bf16, 1.14B Llama, 8x2048 tokens, one H200: 41-42%
+# MFU of the forward/backward compute (the optimizer step is timed separately, comm.step_time), calibrated on one H200
+# (docs/planner.md, "Accuracy"; benchmarks/results/vs_hf_trainer_h200_2026-11-29.md, strategies-gpu-2026-11-29.md):
+# 1.14B Llama, 8 x 2048, bf16 autocast. The loop's own `mfu` counts the whole step, so it reads lower (0.39-0.40
+# eager, 0.53-0.545 compiled). Checkpointing needs no constant of its own: the recompute FLOPs at the same MFU
+# predict 54.4k (compiled) and 41.0k (eager) tokens/s within 2%.
+EAGER_MFU = 0.42  # 51.2-51.4k tokens/s eager (plain loop, HF Trainer, fused loss 50.7k)
+COMPILED_MFU = 0.57  # 69.2-70.7k tokens/s with torch.compile per block + fused loss (single)
+DEFAULT_MFU = EAGER_MFU  # kept for callers that import it
 CPU_PEAK_FLOPS = 5e10  # per rank, when `shardwise doctor` has not measured a matmul
 CPU_MFU = 0.5  # of the measured matmul rate
 TIE = 0.05  # strategies within 5% of the fastest count as equally fast; the simpler one wins
@@ -38,13 +46,19 @@ class Setup:
     inter_gbps: float
     inter_label: str
     peak_flops: float
-    mfu: float
+    mfu: float | None  # None: by the job, EAGER_MFU or COMPILED_MFU (GPU); given by --mfu or CPU_MFU otherwise
     notes: list = field(default_factory=list)
     measured_busbw: float | None = None  # bytes/s from doctor.json, replaces intra when set
 
     @property
     def world(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    def mfu_for(self, job: Job) -> float:
+        """The MFU a job runs at: the given one, else compiled or eager blocks (GPU)."""
+        if self.mfu is not None:
+            return self.mfu
+        return COMPILED_MFU if job.compile else EAGER_MFU
 
     def links(self) -> Links:
         eff = hardware.LINK_EFFICIENCY
@@ -134,7 +148,7 @@ class Plan:
                          "intra_node_gbps": h.intra_gbps, "intra_node_link": h.intra_label,
                          "inter_node_gbps": h.inter_gbps, "inter_node_link": h.inter_label,
                          "measured_busbw_gbps": h.measured_busbw * 8 / 1e9 if h.measured_busbw else None,
-                         "peak_tflops": h.peak_flops / 1e12, "mfu": h.mfu, "notes": h.notes},
+                         "peak_tflops": h.peak_flops / 1e12, "mfu": h.mfu_for(j), "notes": h.notes},
             "strategies": [x.to_json() for x in self.strategies],
             "recommended": self.recommended,
             "reasons": self.reasons,
@@ -182,7 +196,7 @@ def preset_names(setup: Setup) -> list[str]:
 def plan_strategy(spec: ModelSpec, job: Job, setup: Setup, name: str, opts: Opts) -> StrategyPlan:
     mem = estimate(spec, job, opts)
     n = shard_ranks(job, opts)
-    timing = step_time(spec, job, opts, n, setup.links(), Compute(setup.peak_flops, setup.mfu))
+    timing = step_time(spec, job, opts, n, setup.links(), Compute(setup.peak_flops, setup.mfu_for(job)))
     fits_dev = mem.total / GiB <= setup.device_mem_gib
     host_need = mem.host * setup.gpus_per_node / GiB
     fits_host = host_need <= setup.host_mem_gib * 0.9
@@ -302,15 +316,23 @@ def assumptions(plan: Plan) -> list[str]:
            f"stored weights/grads/optimizer in {j.param_dtype}"
            + (" (autocast for DDP: fp32 residual stream + bf16 weight copies; FSDP2 MixedPrecisionPolicy "
               "casts weights, reduces in fp32)" if j.w > j.c else ""),
-           "AdamW with two states per trainable parameter; zero_grad(set_to_none=True); the loop keeps the "
-           "model output (logits) until backward" if j.hold_outputs else "AdamW; outputs dropped before backward",
+           "AdamW with two states per trainable parameter; zero_grad(set_to_none=True); "
+           + ("the fused head returns the summed loss" if j.fused_loss else
+              "the loop keeps the model output (logits) until backward" if j.hold_outputs else
+              "outputs dropped before backward"),
            "HF Llama-style block with SDPA (flash / memory-efficient: no S^2 term"
            + ("; packing uses a bool block-diagonal mask, so K/V are repeated to all heads)" if j.packing else ")"),
-           "DDP: 25 MiB buckets, gradient_as_bucket_view=False (a flat copy of the gradients); "
+           ("fused loss head: chunks of 4096 tokens, no T x V logits; " if j.fused_loss else
+            "the loss upcasts the full logits to fp32; ")
+           + ("decoder blocks compiled (torch.compile): block activations x "
+              f"{COMPILE_ACT_FACTOR} (x {COMPILE_ACT_FACTOR_DDP} under DDP, whose DDPOptimizer splits them)"
+              if j.compile else "decoder blocks eager (no torch.compile)"),
+           "DDP: 25 MiB buckets, gradient_as_bucket_view=True (gradients are views of the buckets, alive all step); "
            "FSDP2: each decoder layer a unit, embeddings/norm/head in the root unit, two units gathered at a time; "
            "DeepSpeed: default buckets (reduce 5e8, prefetch 5e7 elements), fp32 master partition, "
            "overlap_comm off for ZeRO-1/2",
-           f"step time: FLOPs (6N + 12*L*H*S per token) at {s.mfu:.0%} of {s.peak_flops / 1e12:.0f} TFLOP/s"
+           f"step time: FLOPs (6N + 12*L*H*S per token) at {s.mfu_for(j):.0%} of {s.peak_flops / 1e12:.0f} TFLOP/s"
+           + ("" if s.mfu is not None else " (compiled blocks)" if j.compile else " (eager blocks)")
            + (" (measured matmul rate)" if "doctor" in " ".join(s.notes) and s.accelerator == "cpu" else "")
            + "; communication overlapped with compute where the strategy does it",
            ]

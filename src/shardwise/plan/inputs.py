@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shardwise import hardware
 from shardwise.errors import ShardwiseError
-from shardwise.plan.decide import CPU_MFU, CPU_PEAK_FLOPS, DEFAULT_MFU, Setup
+from shardwise.plan.decide import CPU_MFU, CPU_PEAK_FLOPS, Setup
 from shardwise.plan.memory import Job
 
 DEFAULT_GPU = "H100"  # assumed when GPUs are given by count only
@@ -16,12 +16,18 @@ def compute_dtype(mixed_precision: str, accelerator: str) -> str:
     return {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}[mixed_precision]
 
 
+def compile_on(compile_key: str, accelerator: str) -> bool:
+    """config `compile`: auto is on when the planned ranks are GPUs (the engine: on with CUDA)."""
+    return compile_key == "on" or (compile_key == "auto" and accelerator == "cuda")
+
+
 def job_from_config(cfg, setup: Setup) -> Job:
     return Job(world=setup.world, nodes=setup.nodes, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
                grad_accum=cfg.grad_accum, tuner=cfg.tuner, lora_r=cfg.lora.r, lora_targets=cfg.lora.targets,
                lora_dropout=cfg.lora.dropout, compute=compute_dtype(cfg.mixed_precision, setup.accelerator),
                param_dtype=cfg.param_dtype, checkpointing=cfg.gradient_checkpointing, packing=cfg.packing,
-               device_mem_gib=setup.device_mem_gib, host_mem_gib=setup.host_mem_gib, accelerator=setup.accelerator)
+               device_mem_gib=setup.device_mem_gib, host_mem_gib=setup.host_mem_gib, accelerator=setup.accelerator,
+               fused_loss=cfg.fused_loss, compile=compile_on(cfg.compile, setup.accelerator))
 
 
 def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, nodes: int = 1,
@@ -103,7 +109,7 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
         if nodes > 1:
             notes.append(f"inter-node link assumed: {inter_label} (--inter-node-gbps 25/100/400/3200 to change)")
     if mfu is None:
-        mfu = CPU_MFU if accel == "cpu" else DEFAULT_MFU
+        mfu = CPU_MFU if accel == "cpu" else None  # GPU: by the job (compiled or eager blocks), Setup.mfu_for
     return Setup(gpus_per_node=count, nodes=nodes, accelerator=accel, device_name=name, device_mem_gib=mem,
                  host_mem_gib=host, intra_gbps=intra, intra_label=intra_label, inter_gbps=inter,
                  inter_label=inter_label, peak_flops=peak, mfu=mfu, notes=notes, measured_busbw=measured_bw)
