@@ -147,6 +147,116 @@ def test_logits_and_fp32_loss_are_counted():
     assert m.activations > 12 * T * spec.vocab_size  # fp32 log-softmax + its gradients
 
 
+def test_fused_loss_replaces_the_logits_by_one_chunk_and_two_held_gradients():
+    from shardwise.plan.memory import head_activations
+
+    spec = resolve_model("llama-3.2-1b")
+    T, V, h = 4 * 4096, spec.vocab_size, spec.hidden_size
+    plain = Job(micro_batch=4, seq_len=4096)
+    fused = Job(micro_batch=4, seq_len=4096, fused_loss=True)
+    # single under autocast: fp32 residual (r = 4) and fp32 head weight (hw = 4)
+    d = head_activations(spec, fused, Opts("single"))
+    assert "logits" not in d and "logits" in head_activations(spec, plain, Opts("single"))
+    assert d["loss_grad_hidden"] == T * h * 4 and d["loss_grad_head"] == V * h * 4
+    # chunk logits fp32 + bf16, head-grad matmul bf16 + fp32, bf16 casts of the hidden states and the weight
+    assert d["loss_transient"] == 4096 * V * (4 + 2) + V * h * (2 + 4) + T * h * 2 + V * h * 2
+    # FSDP2: bf16 hidden states and weight, a bf16 copy of the head gradient, the root gathered while the head runs
+    f = head_activations(spec, fused, Opts("fsdp"))
+    assert f["loss_grad_hidden"] == T * h * 2 and f["loss_grad_head"] == V * h * (4 + 2)
+    assert f["loss_transient"] == 4096 * V * 6 + V * h * 6 and f["loss_root_gathered"] == 2 * spec.root_params
+    # the chunk does not grow with the batch: the fused head's share does not scale with T * V
+    big = head_activations(spec, Job(micro_batch=8, seq_len=4096, fused_loss=True), Opts("fsdp"))
+    assert big["loss_transient"] == f["loss_transient"]
+    a = estimate(spec, plain, Opts("single")).activations
+    b = estimate(spec, fused, Opts("single")).activations
+    assert a - b > 10 * T * V  # most of c*T*V + 12*T*V is gone
+
+
+def test_fused_loss_is_not_used_where_the_engine_keeps_the_plain_head():
+    from shardwise.plan.memory import head_activations
+
+    spec = resolve_model("gemma-2-2b")  # final logit softcapping: install_fused_loss declines
+    assert "logits" in head_activations(spec, Job(fused_loss=True), Opts("fsdp"))
+
+
+def test_compile_shrinks_block_activations_by_the_calibrated_factor():
+    from shardwise.plan.memory import COMPILE_ACT_FACTOR, COMPILE_ACT_FACTOR_DDP, activations
+
+    spec = resolve_model("llama-3.2-1b")
+    for base, factor in (("fsdp", COMPILE_ACT_FACTOR), ("single", COMPILE_ACT_FACTOR),
+                         ("ddp", COMPILE_ACT_FACTOR_DDP)):
+        _, eager, _ = activations(spec, Job(micro_batch=2), Opts(base))
+        _, compiled, _ = activations(spec, Job(micro_batch=2, compile=True), Opts(base))
+        assert compiled == pytest.approx(factor * eager)
+    assert COMPILE_ACT_FACTOR < COMPILE_ACT_FACTOR_DDP < 1
+    # with checkpointing only block inputs are kept: compile leaves them alone
+    ck = activations(spec, Job(micro_batch=2, checkpointing=True), Opts("fsdp"))[2]["layers_kept"]
+    ckc = activations(spec, Job(micro_batch=2, checkpointing=True, compile=True), Opts("fsdp"))[2]["layers_kept"]
+    assert ck == ckc
+
+
+def test_compile_raises_the_assumed_mfu_and_given_mfu_wins():
+    from shardwise.plan.decide import COMPILED_MFU, EAGER_MFU
+
+    eager = gpu_plan("llama-3.2-1b", gpus=1, mem=140.0, micro_batch=8)
+    comp = gpu_plan("llama-3.2-1b", gpus=1, mem=140.0, micro_batch=8, compile=True)
+    assert eager.setup.mfu_for(eager.job) == EAGER_MFU and comp.setup.mfu_for(comp.job) == COMPILED_MFU
+    ratio = comp.for_strategy("single").timing.compute_s / eager.for_strategy("single").timing.compute_s
+    assert ratio == pytest.approx(EAGER_MFU / COMPILED_MFU)
+    setup = make_setup(gpus=1, gpu_memory=140.0, mfu=0.3, use_doctor=False)
+    assert setup.mfu_for(Job(compile=True)) == 0.3
+
+
+def test_h200_calibration_rows_stay_within_ten_percent(tmp_path):
+    """The in-sample and held-out H200 rows of docs/planner.md (1.14B Llama, 8 x 2048, one GPU)."""
+    cfg = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 8192,
+           "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
+           "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = resolve_model(str(tmp_path))
+    setup = make_setup(gpus=1, gpu_memory=139.8, gpu_type="H200", use_doctor=False)
+    measured = [  # (job flags, strategy, peak allocated GiB, tokens/s)
+        (dict(compile=True, fused_loss=True), "single", 37.08, 69_226),
+        (dict(compile=True, fused_loss=True), "ddp", 48.32, 64_558),
+        (dict(compile=True, fused_loss=True), "fsdp", 34.19, 67_029),
+        (dict(compile=True, fused_loss=True), "zero2", 35.94, 63_306),
+        (dict(compile=True, fused_loss=True, checkpointing=True), "single", 18.33, 54_403),
+        (dict(fused_loss=True), "single", 49.08, 50_698),
+        (dict(), "single", 52.98, 51_437),
+    ]
+    for flags, name, gib, tps in measured:
+        p = plan_model(spec, Job(micro_batch=8, seq_len=2048, device_mem_gib=139.8, **flags), setup)
+        sp = p.for_strategy(name)
+        assert abs(sp.memory.peak_tensors / GiB / gib - 1) < 0.10, (flags, name)
+        assert abs(sp.tokens_per_s / tps - 1) < 0.10, (flags, name)
+
+
+def test_compile_and_fused_loss_flags_reach_the_job(capsys):
+    gpu = ("--model", "7B", "--gpus", "1", "--gpu-memory", "80")
+    d = run_json(capsys, *gpu)
+    assert (d["job"]["compile"], d["job"]["fused_loss"]) == (True, True)  # auto: on with GPUs; fused by default
+    d = run_json(capsys, *gpu, "--compile", "off", "--no-fused-loss")
+    assert (d["job"]["compile"], d["job"]["fused_loss"]) == (False, False)
+    assert d["hardware"]["mfu"] < run_json(capsys, *gpu)["hardware"]["mfu"]
+    d = run_json(capsys, "--model", "tiny", "--gpus", "1", "--gpu-memory", "8", "--compile", "on")
+    assert d["job"]["compile"] is True
+    with pytest.raises(ShardwiseError, match="compile"):
+        run_json(capsys, *gpu, "--compile", "maybe")
+
+
+def test_compile_auto_is_off_on_a_cpu_machine():
+    from shardwise.config import load_config
+
+    cfg = load_config(None, {"model": ("tiny", "flag")}).cfg
+    p = plan_run(cfg, hw=Hardware("cpu", "cpu", 0, 64.0, 64.0))
+    assert p.job.compile is False and p.job.fused_loss is True
+
+
+def test_ddp_assumption_names_bucket_views():
+    text = " ".join(gpu_plan("llama-3.2-1b").assumptions)
+    assert "gradient_as_bucket_view=True" in text
+
+
 def test_lora_trains_few_parameters_and_qlora_shrinks_the_base():
     full = gpu_plan("llama-3.1-8b").for_strategy("ddp").memory
     lora = gpu_plan("llama-3.1-8b", tuner="lora", lora_r=16).for_strategy("ddp").memory
