@@ -29,7 +29,7 @@ def train(out, data, *extra, env=None, check=True):
 def reference(tmp_path_factory, data):
     """An uninterrupted 2-rank DDP run with checkpoints every 4 steps."""
     out = tmp_path_factory.mktemp("ref")
-    train(out, data, *DDP, "--save-every", "4")
+    train(out, data, *DDP, "--save-every", "4", "--keep-checkpoints", "3")
     return out, losses(str(out))
 
 
@@ -150,3 +150,26 @@ def _umask() -> int:
     m = os.umask(0)
     os.umask(m)
     return m
+
+
+def test_ddp_to_fsdp_and_back_resume_and_fsdp_export_matches_training(reference, data, tmp_path):
+    """A ddp checkpoint resumes under fsdp on the same trajectory; that fsdp run's checkpoint
+    resumes under ddp; and an fsdp checkpoint exports to a HF directory whose logits equal
+    the model the fsdp run ended with."""
+    from transformers import AutoModelForCausalLM
+
+    ref_out, ref = reference
+    fsdp_out = tmp_path / "fsdp"
+    p = train(fsdp_out, data, "--strategy", "fsdp", "--nproc-per-node", "2", "--grad-accum", "2", "--save-every", "4",
+              "--resume", str(ref_out / "checkpoints" / "step_00000004"))
+    assert "saved by ddp on 2 ranks; now fsdp on 2" in p.stdout
+    torch.testing.assert_close(torch.tensor(losses(str(fsdp_out))), torch.tensor(ref[4:]), rtol=RTOL, atol=0)
+    back = tmp_path / "back"
+    train(back, data, *DDP, "--resume", str(fsdp_out / "checkpoints" / "step_00000008"), "--no-save-final")
+    torch.testing.assert_close(torch.tensor(losses(str(back))), torch.tensor(ref[8:]), rtol=RTOL, atol=0)
+    run_cli("export", str(fsdp_out / "checkpoints" / "step_00000012"), "--out", str(tmp_path / "exp"))
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exp")).eval()
+    trained = AutoModelForCausalLM.from_pretrained(str(fsdp_out / "final")).eval()
+    ids = torch.randint(0, 400, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=0, atol=0)
