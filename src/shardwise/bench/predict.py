@@ -17,7 +17,10 @@ def predict(cfg, world_size: int) -> dict:
     try:
         sp = plan_run(cfg, None, world_size).for_strategy(cfg.strategy)
         mem = {k: float(v) for k, v in dict(sp.mem_gib).items()}
-        out = {"available": True, "fits": bool(sp.fits), "mem_gib": mem, "peak_mem_gib": mem.get("total"),
+        # measured peak is tensor bytes (CUDA max_memory_allocated / CPU tensors): compare
+        # with the planner's tensor peak, not with its total (which adds the CUDA context
+        # and allocator allowance)
+        out = {"available": True, "fits": bool(sp.fits), "mem_gib": mem, "peak_mem_gib": mem.get("peak_tensors", mem.get("total")),
                "step_time_s": float(sp.step_time_s), "tokens_per_s": float(sp.tokens_per_s)}
     except Exception as e:  # a planner bug must not cost the measurements; the report says what happened
         return {"available": False, "note": f"the planner failed: {type(e).__name__}: {str(e)[:200]}"}
