@@ -227,6 +227,10 @@ def launch(p: Prepared) -> dict | None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # With the agent's rendezvous store shared into the workers (torch's default), a group
+    # restarted by --max-restarts reads the previous attempt's unprefixed keys and its gloo
+    # mesh hangs or is refused; a fresh store per rendezvous round avoids that.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
     multi = cfg.nnodes > 1
