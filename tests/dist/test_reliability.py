@@ -173,3 +173,33 @@ def test_ddp_to_fsdp_and_back_resume_and_fsdp_export_matches_training(reference,
     ids = torch.randint(0, 400, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_time_based_checkpoints_agree_across_ranks(data, tmp_path):
+    """--save-every-minutes: rank 0's clock proposes a save two steps ahead through the
+    store; every rank saves at the same step, so every checkpoint is complete."""
+    out = tmp_path / "minutes"
+    train(out, data, *DDP, "--max-steps", "8", "--save-every-minutes", "0.0001", "--keep-checkpoints", "10",
+          "--no-save-final")
+    ckpts = sorted(os.listdir(out / "checkpoints"))
+    assert len(ckpts) >= 2 and not any(c.endswith(".tmp") for c in ckpts)
+    for c in ckpts:
+        meta = json.loads((out / "checkpoints" / c / "meta.json").read_text())
+        assert meta["step"] == int(c.split("_")[1]) and len(os.listdir(out / "checkpoints" / c / "rng")) == 2
+
+
+def test_lora_checkpoint_exports_merged(data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "lora"
+    train(out, data, "--strategy", "single", "--nproc-per-node", "1", "--grad-accum", "2", "--max-steps", "4",
+          "--tuner", "lora", "--lora-r", "4", "--lora-dropout", "0", "--lr", "1e-2", "--save-every", "4",
+          "--merge-lora")
+    run_cli("export", str(out), "--out", str(tmp_path / "merged"), "--merge-lora")
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    assert not any("lora" in k for k in merged.state_dict())
+    reference_merged = AutoModelForCausalLM.from_pretrained(str(out / "final" / "merged")).eval()
+    ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, reference_merged(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)

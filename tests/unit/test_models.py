@@ -65,3 +65,21 @@ def test_tokenizer_without_pad_gets_one(tmp_path, tiny_dir):
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     tok = load_tokenizer(str(d))
     assert tok.pad_token_id is not None
+
+
+def test_truncated_or_garbled_safetensors_are_refused_before_launch(tmp_path, tiny_dir):
+    import shutil
+
+    from shardwise.models.load import check_weights
+
+    check_weights(tiny_dir)  # a whole file passes
+    bad = tmp_path / "m"
+    shutil.copytree(tiny_dir, bad)
+    size = (bad / "model.safetensors").stat().st_size
+    with open(bad / "model.safetensors", "r+b") as fh:
+        fh.truncate(size - 100)
+    with pytest.raises(ShardwiseError, match=r"model.safetensors is truncated \(\d+ of \d+ bytes\); re-copy"):
+        check_weights(str(bad))
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ShardwiseError, match="model.safetensors is missing or corrupt"):
+        check_weights(str(bad))

@@ -127,11 +127,17 @@ class Control:
         if self.signal is not None and not self.proposed_stop:
             self._propose(stop_key, step + (self.MARGIN if self.store is not None else 0))
             self.proposed_stop = True
-        if self.rank == 0 and self.interval > 0 and time.monotonic() - self.last_save >= self.interval:
-            if self._read(save_key) <= step:
-                self._propose(save_key, step + (self.MARGIN if self.store is not None else 0))
+        save_at = self._read(save_key)
+        due = save_at == step
+        # rank 0 proposes the next save only once the agreed one has passed (never moves a
+        # pending one, which another rank may already have read)
+        if (self.rank == 0 and not due and save_at < step and self.interval > 0
+                and time.monotonic() - self.last_save >= self.interval):
+            self._propose(save_key, step + (self.MARGIN if self.store is not None else 0))
+            if self.store is None:
+                due = True
         stop_at = self._read(stop_key)
-        return (stop_at != 0 and stop_at <= step), self._read(save_key) == step
+        return (stop_at != 0 and stop_at <= step), due
 
     def saved(self) -> None:
         self.last_save = time.monotonic()
