@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import os
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any

@@ -12,7 +12,7 @@ from shardwise import hardware, presets
 from shardwise.errors import ShardwiseError
 from shardwise.plan.comm import Compute, Links, Timing, step_time
 from shardwise.plan.memory import (COMPILE_ACT_FACTOR, COMPILE_ACT_FACTOR_DDP, GiB, Job, Memory, Opts, estimate,
-                                   shard_ranks, unit_params)
+                                   shard_ranks)
 from shardwise.plan.model_spec import ModelSpec
 
 # MFU of the forward/backward compute (the optimizer step is timed separately, comm.step_time), calibrated on one H200
@@ -164,7 +164,7 @@ class Plan:
 
 def opts_for(name: str, cfg=None) -> Opts:
     """A preset's options over the config defaults; the config's own options for the configured strategy."""
-    from shardwise.config import Config, get
+    from shardwise.config import Config
 
     if cfg is None or cfg.strategy != name:
         base_cfg = Config()
