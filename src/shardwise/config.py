@@ -102,6 +102,8 @@ class Config:
     # outputs
     output_dir: str = _f("", "Where the run writes; empty means runs/<strategy>-<date>-<time>.")
     log_every: int = _f(10, "Log (terminal, metrics.jsonl, TensorBoard) every N steps.")
+    profile_steps: int = _f(0, "Profile this many optimizer steps with torch.profiler and log each one's communication time and the part no compute hides (comm_total_s, comm_exposed_s; the record is marked profiled: true); 0 disables.")
+    profile_start: int = _f(0, "First profiled step (1-based) when profile_steps > 0; 0 means the last profile_steps steps of the run.")
     save_every: int = _f(0, "Save a checkpoint every N steps (and at the end); 0 disables periodic checkpoints.")
     save_every_minutes: float = _f(0.0, "Also save a checkpoint when this many minutes have passed since the last one; 0 disables.")
     keep_checkpoints: int = _f(2, "Keep the newest K checkpoints.")
@@ -165,10 +167,11 @@ def add_flags(parser: argparse.ArgumentParser, only: list[str] | None = None) ->
         dest = "cfg:" + fi.key
         if fi.type is bool:
             parser.add_argument(fi.flag, dest=dest, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=fi.help)
+                                default=argparse.SUPPRESS, help=fi.help.replace("%", "%%"))
         else:
             parser.add_argument(fi.flag, dest=dest, default=argparse.SUPPRESS, metavar=fi.type.__name__.upper(),
-                                help=fi.help + (f" Choices: {', '.join(map(str, fi.choices))}." if fi.choices else ""))
+                                help=(fi.help + (f" Choices: {', '.join(map(str, fi.choices))}." if fi.choices
+                                                 else "")).replace("%", "%%"))  # argparse %-formats help
 
 
 def flags_from_namespace(ns: argparse.Namespace) -> dict[str, tuple[Any, str]]:
@@ -342,6 +345,14 @@ def validate(res: Resolved) -> None:
     need(c.save_every >= 0, "save_every", f"save_every must be >= 0, got {c.save_every}")
     need(c.save_every_minutes >= 0, "save_every_minutes", f"save_every_minutes must be >= 0, got {c.save_every_minutes}")
     need(c.collective_timeout > 0, "collective_timeout", f"collective_timeout must be > 0 seconds, got {c.collective_timeout}")
+    need(c.profile_steps >= 0, "profile_steps", f"profile_steps must be >= 0 (0 disables profiling), got {c.profile_steps}")
+    need(c.profile_start >= 0, "profile_start",
+         f"profile_start must be >= 0 (0 = the last profile_steps steps), got {c.profile_start}")
+    need(c.max_steps == -1 or c.profile_start + c.profile_steps - 1 <= c.max_steps, "profile_start",
+         f"profile_start {c.profile_start} + profile_steps {c.profile_steps} runs past max_steps {c.max_steps}; "
+         "profile earlier steps, fewer of them, or set profile_start 0 (the last steps)")
+    need(c.max_steps == -1 or c.profile_steps <= c.max_steps, "profile_steps",
+         f"profile_steps {c.profile_steps} is more than max_steps {c.max_steps}")
     need(c.keep_checkpoints >= 1, "keep_checkpoints", f"keep_checkpoints must be >= 1, got {c.keep_checkpoints}")
     need(c.nproc_per_node >= 0, "nproc_per_node", f"nproc_per_node must be >= 0 (0 = auto), got {c.nproc_per_node}")
     need(c.nnodes >= 1, "nnodes", f"nnodes must be >= 1, got {c.nnodes}")

@@ -102,3 +102,16 @@ def test_config_docs_lists_every_key():
     doc = config.config_docs()
     for fi in config.FIELDS.values():
         assert f"`{fi.flag}`" in doc
+
+
+def test_every_subcommand_help_renders(capsys):
+    """argparse %-formats help strings: a bare % in a config docstring broke `train --help`."""
+    from shardwise import cli
+
+    parser = cli.build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert {"train", "plan", "bench"} <= set(subs.choices)
+    for name, sub in subs.choices.items():
+        text = sub.format_help()
+        assert "usage:" in text, name
+    assert "20-30% more compute" in subs.choices["train"].format_help()
