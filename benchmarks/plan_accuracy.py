@@ -1,51 +1,148 @@
-"""Predicted vs measured peak memory per rank: the planner's accuracy table.
+"""Predicted vs measured peak memory per rank, through the engine's own code path.
 
-Runs real training steps on 2 gloo ranks (CPU) launched through torch's elastic agent:
-a Hugging Face Llama-style model (random init, SDPA), wrapped as shardwise's strategies
-wrap it (DDP with gradient_as_bucket_view; FSDP2 `fully_shard` per decoder layer, the last
-kept gathered, then the root, MixedPrecisionPolicy(reduce fp32)), AdamW (foreach), the
-engine's loss (logits.float() -> cross-entropy, sum). Each rank counts the bytes of its
-live tensor storages with shardwise.plan.simulate.LiveBytes and keeps the peak of the
-second step; the table shows the larger rank. The prediction is the planner's tensor
-peak (before the CUDA context / fragmentation allowance, which does not exist here).
+Every case builds what `shardwise train` builds and runs what its loop runs:
 
-    python benchmarks/plan_accuracy.py [--quick] [--json OUT.json]
+* the model: `train.loop.build_model(cfg, ...)` (storage dtype, gradient checkpointing,
+  the fused loss head, torch.compile of the blocks), with its `load_model` swapped for a
+  random init from a Llama config (`AutoModelForCausalLM.from_config`, SDPA) instead of
+  a safetensors directory: nothing is written to disk;
+* `train.dist.init_distributed` and `ensure_same_weights`, then the strategy from the
+  registry (`shardwise.strategies.get(preset)(cfg, env)`) and `strategy.setup(model)`,
+  the Config built by `config.load_config` (preset options under the case's flags);
+* two optimizer steps of `train.loop.train_step` (per micro-batch: `strategy.sync`,
+  `strategy.autocast`, the loop's loss: the fused chunked head when on, else `loss_sum`,
+  `strategy.backward`) and `strategy.step` (clip, step, zero_grad). The batch is a
+  `StepBatch` of random tokens at full length (no padding), as the sampler makes it.
 
-On a GPU machine the same script measures with torch.cuda.max_memory_allocated as well
-(rows are marked with the device); GPU rows are to be added.
+The loop has no single-step function besides `train_step`; this harness calls it and
+`strategy.step` the way `loop.run` does and skips only data loading, logging and
+checkpointing, which hold no tensors at the peak.
+
+Measured: the peak of the second (steady-state) step. On the CPU each rank counts its
+live tensor storages with `shardwise.plan.simulate.LiveBytes` (a TorchDispatchMode,
+entered before the model is built so that DDP's buckets and DeepSpeed's flat buffers,
+which are allocated through the dispatcher, are counted); the table shows the larger
+rank. Each CPU row also records how many bytes of live tensors `gc` finds that the
+tracker did not see (`untracked_end`: tensors allocated outside the dispatcher's view).
+On CUDA: `torch.cuda.max_memory_allocated` (LiveBytes is not used there: it slows the
+step and would trace into torch.compile). Predicted: the planner's tensor peak
+(`plan.memory.estimate(...).peak_tensors`, before the CUDA context / fragmentation
+allowance).
+
+    python benchmarks/plan_accuracy.py [--quick] [--json OUT.json]        # CPU, 2 gloo ranks
+    python benchmarks/plan_accuracy.py --gpu --json OUT.json [--gpu-quick] [--budget-s 270]
+    python benchmarks/plan_accuracy.py --gpu --device cpu --json OUT.json   # the GPU list, tiny, on CPU
+    python benchmarks/plan_accuracy.py --gpu --dry-run                      # list the GPU cases
+    python benchmarks/plan_accuracy.py --table OUT.json                     # re-print with today's planner
+
+`--gpu` runs in this process as one rank (a one-rank NCCL group, as torchrun would give
+it) on cuda:0, one case after another, freeing memory between cases; an OOM or error is
+recorded in the row and the run goes on; rows are written to --json after every case,
+so a run that is cut short keeps what it finished. It stops starting cases after
+--budget-s seconds. `--device cpu` runs the same case list with tiny shapes on the CPU
+(a smoke test of the GPU path: same strategies, compile/fused/checkpointing flags).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(HERE, "..", "src")
+if SRC not in sys.path:
+    sys.path.insert(0, SRC)
+
 MODELS = {  # name: (vocab, hidden, intermediate, layers, heads, kv heads)
+    # CPU table
     "tiny-0.9M": (512, 128, 352, 4, 4, 2),
     "s-5M": (4096, 256, 704, 4, 4, 2),
     "m-27M": (8192, 512, 1408, 8, 8, 4),
+    # H200 table
+    "llama-0.3B": (32000, 1024, 4096, 16, 16, 8),
+    "llama-1.1B": (32000, 2048, 8192, 16, 16, 8),  # the anchor of docs/planner.md's H200 table
+    "llama-3B": (32000, 3072, 8192, 28, 24, 8),  # Llama-3.2-3B's shape, 32k vocab, untied
+    # --gpu --device cpu: the GPU list shrunk (same strategies and flags, CPU-sized)
+    "cpu-a": (512, 128, 352, 4, 4, 2),
+    "cpu-b": (1024, 128, 384, 2, 4, 2),
+    "cpu-c": (1024, 192, 512, 3, 6, 2),
 }
-SHAPES = [(2, 128), (4, 256), (8, 512)]  # (micro-batch, seq len)
+GPU_TO_CPU = {"llama-0.3B": "cpu-a", "llama-1.1B": "cpu-b", "llama-3B": "cpu-c"}
+CPU_STRATEGIES = ("ddp", "fsdp", "fsdp-grad-op", "fsdp-offload", "hybrid", "zero1", "zero2", "zero3",
+                  "zero2-offload", "zero3-offload")
+GiB, MiB = 2**30, 2**20
 
 
-def cases(quick: bool) -> list[dict]:
+# ----------------------------------------------------------------------------- case lists
+
+
+def case(model, strategy, mb, seq, ckpt, compute="fp32", accum=1, compile_=False, fused=False) -> dict:
+    return dict(model=model, strategy=strategy, micro_batch=mb, seq_len=seq, ckpt=ckpt, compute=compute,
+                grad_accum=accum, compile=compile_, fused_loss=fused)
+
+
+def cpu_cases(quick: bool) -> list[dict]:
+    """2 gloo ranks: every preset that runs there, fp32 (what CPU training runs) plus the bf16 regime."""
     out = []
-    for model in (["s-5M"] if quick else list(MODELS)):
-        for mb, seq in (SHAPES[:2] if quick else SHAPES):
-            for strategy in ("ddp", "fsdp"):
+    models = ["s-5M"] if quick else ["tiny-0.9M", "s-5M", "m-27M"]
+    shapes = [(2, 128), (4, 256)] if quick else [(2, 128), (8, 512)]
+    for model in models:
+        for mb, seq in shapes:
+            for strategy in CPU_STRATEGIES:
                 for ckpt in (False, True):
-                    out.append(dict(model=model, strategy=strategy, micro_batch=mb, seq_len=seq, ckpt=ckpt,
-                                    compute="fp32", grad_accum=1))
-    # the GPU regime, on CPU: bf16 compute over fp32 weights (autocast for DDP, MixedPrecisionPolicy for FSDP)
-    for strategy in ("ddp", "fsdp"):
-        out.append(dict(model="s-5M", strategy=strategy, micro_batch=4, seq_len=256, ckpt=False, compute="bf16",
-                        grad_accum=2))
+                    out.append(case(model, strategy, mb, seq, ckpt))
+    # the GPU regime on the CPU: bf16 compute over fp32 weights, the fused head, accumulation
+    for strategy in CPU_STRATEGIES:
+        out.append(case("s-5M", strategy, 4, 256, False, "bf16", 2, fused=True))
     return out
+
+
+def gpu_cases(quick: bool = False) -> list[dict]:
+    """One H200, bf16 compute over fp32 weights, the fused loss head on (the engine's CUDA defaults);
+    eager unless marked. Ordered by value: the anchor's strategies first, compile rows last."""
+    A, S, L = "llama-1.1B", "llama-0.3B", "llama-3B"
+    shapes = {S: [(8, 2048), (2, 4096)], A: [(8, 2048), (2, 4096)], L: [(4, 2048), (1, 4096)]}
+    g = lambda m, s, sh, ck, comp=False: case(m, s, sh[0], sh[1], ck, "bf16", 1, comp, True)  # noqa: E731
+    out = []
+    for strategy in ("single", "fsdp", "ddp", "fsdp-grad-op", "zero2", "zero3"):  # the anchor, first shape
+        for ck in (False, True):
+            out.append(g(A, strategy, shapes[A][0], ck))
+    if quick:
+        out += [g(S, "single", shapes[S][0], False), g(L, "single", shapes[L][0], True),
+                g(A, "single", shapes[A][0], False, True)]
+        return out
+    for strategy in ("single", "fsdp", "zero3"):  # the anchor, second shape
+        for ck in (False, True):
+            out.append(g(A, strategy, shapes[A][1], ck))
+    for m in (S, L):
+        for strategy in ("single", "fsdp"):
+            for sh in shapes[m]:
+                for ck in (False, True):
+                    out.append(g(m, strategy, sh, ck))
+    for m in (S, L):
+        for ck in (False, True):
+            out.append(g(m, "zero3", shapes[m][0], ck))
+    for strategy in ("single", "fsdp", "zero3"):  # torch.compile per block, as the engine runs on CUDA
+        out.append(g(A, strategy, shapes[A][0], False, True))
+    return out
+
+
+def shrink(c: dict) -> dict:
+    """A GPU case at CPU size (for --gpu --device cpu)."""
+    mb, seq = c["micro_batch"], c["seq_len"]
+    return {**c, "model": GPU_TO_CPU.get(c["model"], c["model"]), "micro_batch": max(1, mb // 4),
+            "seq_len": max(64, seq // 16), "gpu_model": c["model"]}
+
+
+# ----------------------------------------------------------------------------- prediction
 
 
 def spec_for(name: str):
@@ -55,146 +152,444 @@ def spec_for(name: str):
     return ModelSpec(name, "benchmark", v, h, i, L, a, k, h // a, False)
 
 
-def predict(case: dict, world: int) -> float:
-    from shardwise.plan.memory import Job, Opts, estimate
+def config_for(c: dict, world: int):
+    """The Config `shardwise train` would run for this case."""
+    from shardwise.config import load_config
 
-    job = Job(world=world, micro_batch=case["micro_batch"], seq_len=case["seq_len"], grad_accum=case["grad_accum"],
-              compute=case["compute"], checkpointing=case["ckpt"], accelerator="cpu")
-    return estimate(spec_for(case["model"]), job, Opts(case["strategy"])).peak_tensors
+    flags = {"model": "random-init", "strategy": c["strategy"], "micro_batch_size": c["micro_batch"],
+             "seq_len": c["seq_len"], "grad_accum": c["grad_accum"], "gradient_checkpointing": c["ckpt"],
+             "mixed_precision": "no" if c["compute"] == "fp32" else c["compute"], "param_dtype": "fp32",
+             "compile": "on" if c["compile"] else "off", "fused_loss": c["fused_loss"], "nproc_per_node": world,
+             "lr": 1e-4, "collective_timeout": 600.0}
+    return load_config(None, {k: (v, "plan_accuracy") for k, v in flags.items()}).cfg
 
 
-# ----------------------------------------------------------------------------- per rank
+def predict(c: dict, world: int, accelerator: str) -> "object":
+    """The planner's Memory for this case (job_from_config's mapping, the preset's Opts)."""
+    from shardwise.plan.decide import opts_for
+    from shardwise.plan.memory import Job, estimate
+
+    cfg = config_for(c, world)
+    job = Job(world=world, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
+              compute=c["compute"], param_dtype=cfg.param_dtype, checkpointing=cfg.gradient_checkpointing,
+              accelerator=accelerator, fused_loss=cfg.fused_loss, compile=c["compile"])
+    return estimate(spec_for(c["model"]), job, opts_for(c["strategy"], cfg))
 
 
-def measure_case(case: dict, mesh) -> dict:
+def predicted_bytes(c: dict, world: int, accelerator: str) -> float:
+    """Tensor peak on the measured device. On the CPU offloaded state shares the measured memory
+    (host = device), so the offload presets are compared with their device peak + host state."""
+    m = predict(c, world, accelerator)
+    return m.peak_tensors + (m.host if accelerator == "cpu" else 0.0)
+
+
+# ----------------------------------------------------------------------------- one case
+
+
+@contextlib.contextmanager
+def random_init_loader(c: dict, device):
+    """Make the loop's build_model get a random-init model of the case's shape (on `device`)."""
+    from shardwise.train import loop
+
+    v, h, i, L, a, k = MODELS[c["model"]]
+
+    def load(model_dir, dtype, trust_remote_code=False):
+        import torch
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        cfg = LlamaConfig(vocab_size=v, hidden_size=h, intermediate_size=i, num_hidden_layers=L,
+                          num_attention_heads=a, num_key_value_heads=k, max_position_embeddings=max(4096, c["seq_len"]),
+                          tie_word_embeddings=False, bos_token_id=2, eos_token_id=3, pad_token_id=1)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+        model.config.use_cache = False
+        return model
+
+    orig = loop.load_model
+    loop.load_model = load
+    try:
+        yield
+    finally:
+        loop.load_model = orig
+
+
+def make_batch(c: dict, world: int, rank: int, vocab: int):
     import torch
-    import torch.nn.functional as F
 
-    from shardwise.plan.simulate import LiveBytes, build_model, wrap_fsdp
-    from shardwise.plan.memory import Opts
+    from shardwise.data.batches import MicroBatch, StepBatch
 
-    torch.manual_seed(0)
-    spec = spec_for(case["model"])
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda") if cuda else torch.device("cpu")
-    compute = torch.bfloat16 if case["compute"] == "bf16" else torch.float32
-    tracker = LiveBytes()
-    with tracker:  # count everything from construction on: DDP's buckets included
-        model = build_model(spec, torch.float32, case["ckpt"]).to(dev)
-        autocast, no_sync = None, None
-        if case["strategy"] == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
+    g = torch.Generator().manual_seed(1000 + rank)
+    B, S = c["micro_batch"], c["seq_len"]
+    micro = []
+    for _ in range(c["grad_accum"]):
+        ids = torch.randint(0, vocab, (B, S), generator=g)
+        tg = torch.randint(0, vocab, (B, S), generator=g)
+        micro.append(MicroBatch(ids, tg, torch.arange(S, dtype=torch.int64).repeat(B, 1)))
+    n = B * S * c["grad_accum"] * world
+    return StepBatch(micro, n, n, list(range(B * c["grad_accum"] * world)))
 
-            model = DDP(model, gradient_as_bucket_view=True)
-            autocast = compute if compute != torch.float32 else None
-            no_sync = None
-        else:
-            model = wrap_fsdp(model, mesh, Opts("fsdp"), compute, torch.float32)
-            no_sync = lambda skip: model.set_requires_gradient_sync(not skip)  # noqa: E731
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        rest = [p for p in model.parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-4,
-                                foreach=not cuda, fused=cuda or None)
-        batches = [(torch.randint(0, spec.vocab_size, (case["micro_batch"], case["seq_len"]), device=dev),
-                    torch.randint(0, spec.vocab_size, (case["micro_batch"], case["seq_len"]), device=dev))
-                   for _ in range(case["grad_accum"])]
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
+
+def untracked_bytes(tracked_sizes) -> int:
+    """Bytes of live tensor storages that gc can reach but the tracker never saw."""
+    import torch
+
+    from shardwise.plan.simulate import _storages
+
+    seen, total = set(), 0
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            try:
+                sts = _storages(o)
+            except Exception:
+                continue
+            for st in sts:
+                key = st.data_ptr()
+                if key in seen or st.nbytes() == 0 or st.device.type == "meta":
+                    continue
+                seen.add(key)
+                if st not in tracked_sizes:
+                    total += st.nbytes()
+    return total
+
+
+def measure_case(c: dict, env, use_tracker: bool) -> dict:
+    """Build, set up and run two steps as the engine does; the peak of the second step."""
+    import torch
+
+    from shardwise.plan.simulate import LiveBytes
+
+    cuda = env.device.type == "cuda"
+    out: dict = {}
+    if cuda:  # anything an earlier case left behind is not this case's (subtracted from the peak)
+        out["allocated_at_start"] = torch.cuda.memory_allocated()
+    holder: dict = {}
+    try:
+        return _steps(c, env, LiveBytes() if use_tracker else None, out, holder)
+    finally:
+        engine = getattr(holder.get("strategy"), "engine", None)
+        if engine is not None and hasattr(engine, "destroy"):
+            try:
+                engine.destroy()  # DeepSpeed: release its hooks and buffers, also after an error
+            except Exception:
+                pass
+        holder.clear()
+
+
+def _steps(c: dict, env, tracker, out: dict, holder: dict) -> dict:
+    import torch
+
+    from shardwise import strategies
+    from shardwise.train import dist as sdist
+    from shardwise.train import loop
+    from shardwise.train.faults import Faults
+
+    cfg = config_for(c, env.world_size)
+    cuda = env.device.type == "cuda"
+    t0 = time.time()
+    with (tracker if tracker is not None else contextlib.nullcontext()):
+        with random_init_loader(c, env.device if cuda else "cpu"):
+            torch.manual_seed(cfg.seed)
+            model = loop.build_model(cfg, "random-init")
+        head = model.get_output_embeddings()
+        fused_head = head if getattr(head, "loss_targets", "absent") is None else None
+        sdist.ensure_same_weights(model, env)
+        strategy = holder["strategy"] = strategies.get(cfg.strategy)(cfg, env)
+        model, optimizer = strategy.setup(model)
+        out["setup_s"] = round(time.time() - t0, 2)
+        batch = make_batch(c, env.world_size, env.rank, MODELS[c["model"]][0])
+        faults = Faults(env.rank)
+        model.train()
+        step_times = []
         for step in range(2):
             if step == 1:
-                tracker.reset_peak()
+                if tracker is not None:
+                    tracker.reset_peak()
                 if cuda:
+                    torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
-            for i, (ids, tg) in enumerate(batches):
-                last = i == len(batches) - 1
-                ctx = model.no_sync() if (case["strategy"] == "ddp" and not last) else _null()
-                if no_sync is not None:
-                    no_sync(not last)
-                with ctx, torch.autocast(dev.type, dtype=autocast, enabled=autocast is not None):
-                    logits = model(input_ids=ids).logits
-                    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tg.view(-1), reduction="sum")
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del logits, loss
-    out = {"peak_bytes": tracker.peak}
+                    out["allocated_before_step2"] = torch.cuda.memory_allocated()
+            ts = time.time()
+            for g in optimizer.param_groups:
+                g["lr"] = loop.lr_at(cfg, step, 2)
+            loss = loop.train_step(model, strategy, batch, env.world_size, env.device, faults, step + 1, fused_head)
+            strategy.step(model, optimizer)
+            out["loss"] = float(loss)  # a host sync: the step has finished
+            if cuda:
+                torch.cuda.synchronize()
+            step_times.append(time.time() - ts)
+        if tracker is not None:
+            out["peak_bytes"] = tracker.peak
+            out["live_end"] = tracker.current
+        if cuda:
+            out["peak_bytes"] = torch.cuda.max_memory_allocated()
+            out["reserved_peak"] = torch.cuda.max_memory_reserved()
+    out["step_s"] = [round(t, 3) for t in step_times]
+    out["tokens_per_s"] = round(c["micro_batch"] * c["seq_len"] * c["grad_accum"] * env.world_size / step_times[-1])
     if cuda:
-        out["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+        out["peak_bytes"] -= out["allocated_at_start"]
+    if tracker is not None:
+        out["untracked_end"] = untracked_bytes(tracker._sizes)
+    del model, optimizer, strategy, batch, head, fused_head
     return out
 
 
-class _null:
-    def __enter__(self):
-        return self
+def cleanup(cuda: bool) -> None:
+    gc.collect()
+    try:
+        import torch._dynamo
 
-    def __exit__(self, *a):
-        return False
+        torch._dynamo.reset()
+    except Exception:
+        pass
+    if cuda:
+        import torch
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
-def worker(out_path: str, cases_json: str) -> None:
-    import torch
+# ----------------------------------------------------------------------------- CPU: 2 gloo ranks
+
+
+def cpu_worker(out_path: str, cases_json: str) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    from torch.distributed.device_mesh import init_device_mesh
+    from shardwise.train import dist as sdist
 
-    mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
+    env = sdist.init_distributed(600.0)
+    quiet()
     rows = []
-    for case in json.loads(cases_json):
+    for i, c in enumerate(json.loads(cases_json)):
         t = time.time()
-        r = measure_case(case, mesh)
-        peaks = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, r)
-        rows.append({**case, "measured": max(p["peak_bytes"] for p in peaks),
-                     "cuda_max_allocated": max(p.get("cuda_max_allocated", 0) for p in peaks) or None,
-                     "seconds": round(time.time() - t, 1)})
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as fh:
-            json.dump(rows, fh)
+        try:
+            r = measure_case(c, env, use_tracker=True)
+            err = None
+        except Exception as e:  # both ranks fail alike (same case, same code)
+            r, err = {}, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            if env.rank == 0:
+                traceback.print_exc()
+        cleanup(False)
+        rs = [None] * env.world_size
+        dist.all_gather_object(rs, {**r, "error": err})
+        row = {**c, "world": env.world_size, "device": "cpu", "seconds": round(time.time() - t, 1),
+               "error": next((x["error"] for x in rs if x["error"]), None)}
+        if row["error"] is None:
+            row.update(measured=max(x["peak_bytes"] for x in rs), per_rank=[x["peak_bytes"] for x in rs],
+                       untracked_end=max(x["untracked_end"] for x in rs), step_s=rs[0]["step_s"],
+                       loss=rs[0]["loss"])
+        rows.append(row)
+        if env.rank == 0:
+            print(f"[{i + 1}] {label(row)}: " + (f"{row['measured'] / MiB:.2f} MiB" if row["error"] is None
+                                                 else row["error"]) + f" ({row['seconds']} s)", flush=True)
+            write_json(out_path, rows)
     dist.destroy_process_group()
+
+
+def run_cpu(a) -> list[dict]:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    sel = cpu_cases(a.quick)
+    if a.only:
+        sel = [c for c in sel if c["strategy"] in a.only.split(",")]
+    if a.limit:
+        sel = sel[:a.limit]
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // a.nproc)))
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=a.nproc, run_id=f"acc-{uuid.uuid4().hex[:6]}",
+                      rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn")
+    out = a.json or os.path.join(tempfile.mkdtemp(), "rows.json")
+    elastic_launch(lc, sys.executable)(os.path.abspath(__file__), "--worker", out, json.dumps(sel))
+    with open(out) as fh:
+        return json.load(fh)
+
+
+# ----------------------------------------------------------------------------- GPU: one rank, in process
+
+
+def run_gpu(a) -> list[dict]:
+    import torch
+
+    sel = gpu_cases(a.gpu_quick)
+    cpu = a.device == "cpu"
+    if cpu:
+        sel = [shrink(c) for c in sel]
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if a.only:
+        sel = [c for c in sel if c["strategy"] in a.only.split(",")]
+    if a.limit:
+        sel = sel[:a.limit]
+    if a.dry_run:
+        for i, c in enumerate(sel):
+            m = predict(c, 1, "cpu" if cpu else "cuda")
+            print(f"[{i + 1}/{len(sel)}] {label(c)}: predicted {m.peak_tensors / GiB:.2f} GiB tensors, "
+                  f"{m.total / GiB:.2f} GiB total", flush=True)
+        return []
+    if not cpu and not torch.cuda.is_available():
+        raise SystemExit("--gpu needs CUDA (or pass --device cpu for the smoke test)")
+    # a one-rank group, as torchrun's agent would set it up (NCCL on cuda:0)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    from shardwise.train import dist as sdist
+
+    env = sdist.init_distributed(600.0)
+    try:
+        import deepspeed  # noqa: F401
+
+        ds_error = None
+    except Exception as e:  # the GPU machine's DeepSpeed comes from carried wheels
+        ds_error = f"deepspeed not importable: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    quiet()
+    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if not cpu else "cpu",
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except Exception:
+        pass
+    if ds_error is None:
+        meta["deepspeed"] = sys.modules["deepspeed"].__version__
+    print(f"plan_accuracy --gpu: {len(sel)} cases on {meta['device']}; torch {meta['torch']}"
+          + (f"; {ds_error}" if ds_error else ""), flush=True)
+    t_start = time.time()
+    rows = []
+    for i, c in enumerate(sel):
+        row = {**c, "world": 1, "device": "cpu" if cpu else "cuda", "meta": meta}
+        elapsed = time.time() - t_start
+        if elapsed > a.budget_s:
+            row["error"] = f"skipped: budget of {a.budget_s:g} s spent"
+        elif c["strategy"].startswith("zero") and ds_error:
+            row["error"] = "skipped: " + ds_error
+        else:
+            t = time.time()
+            try:
+                r = measure_case(c, env, use_tracker=cpu)
+                row.update(measured=r["peak_bytes"], **{k: v for k, v in r.items() if k != "peak_bytes"})
+                row["error"] = None
+            except torch.OutOfMemoryError as e:
+                row["error"] = "OOM: " + str(e).splitlines()[0][:200]
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                traceback.print_exc()
+            cleanup(not cpu)
+            row["seconds"] = round(time.time() - t, 1)
+        m = predict(c, 1, "cpu" if cpu else "cuda")
+        row["predicted"] = m.peak_tensors + (m.host if cpu else 0.0)
+        row["predicted_total"] = m.total
+        rows.append(row)
+        msg = (f"measured {row['measured'] / GiB:.2f} GiB, predicted {row['predicted'] / GiB:.2f} GiB "
+               f"({100 * (row['predicted'] / row['measured'] - 1):+.1f}%), {row.get('tokens_per_s', 0)} tok/s"
+               if row["error"] is None else row["error"])
+        print(f"[{i + 1}/{len(sel)} {time.time() - t_start:.0f}s] {label(c)}: {msg} ({row.get('seconds', 0)} s)",
+              flush=True)
+        if a.json:
+            write_json(a.json, rows)
+    return rows
+
+
+def quiet() -> None:
+    """Keep the per-case output to one progress line: no FutureWarnings, no DeepSpeed INFO logs."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("DeepSpeed", "deepspeed", "torch._dynamo", "torch._inductor"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def label(c: dict) -> str:
+    return (f"{c['model']} {c['strategy']} {c['micro_batch']}x{c['seq_len']} ckpt={'on' if c['ckpt'] else 'off'} "
+            f"{c['compute']}{' accum=' + str(c['grad_accum']) if c['grad_accum'] > 1 else ''}"
+            f"{' fused' if c['fused_loss'] else ''}{' compile' if c['compile'] else ''}")
+
+
+def write_json(path: str, rows) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(rows, fh, indent=1)
+    os.replace(tmp, path)
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown rows, with predictions from the planner as it is now."""
+    lines = []
+    gpu = any(r.get("device") == "cuda" for r in rows)
+    unit, div = ("GiB", GiB) if gpu else ("MiB", MiB)
+    lines.append(f"| device | model | strategy | micro-batch × seq | ckpt | compute | accum | loss head | compile | "
+                 f"predicted {unit} | measured {unit} | error |" + (" tokens/s |" if gpu else ""))
+    lines.append("|---" * (13 if gpu else 12) + "|")
+    errs = []
+    for r in rows:
+        dev = "H200 (cuda)" if r.get("device") == "cuda" else f"cpu (gloo) ×{r['world']}"
+        if r["world"] == 1 and r.get("device") == "cpu":
+            dev = "cpu ×1"
+        pred = predicted_bytes(r, r["world"], "cuda" if r.get("device") == "cuda" else "cpu")
+        head = f"| {dev} | {r['model']} | {r['strategy']} | {r['micro_batch']} × {r['seq_len']} | " \
+               f"{'on' if r['ckpt'] else 'off'} | {r['compute']} | {r['grad_accum']} | " \
+               f"{'fused' if r['fused_loss'] else 'plain'} | {'on' if r['compile'] else 'off'} | {pred / div:.2f} | "
+        if r.get("error"):
+            lines.append(head + f"— | {r['error'][:60]} |" + (" |" if gpu else ""))
+            continue
+        e = 100 * (pred / r["measured"] - 1)
+        errs.append(abs(e))
+        lines.append(head + f"{r['measured'] / div:.2f} | {e:+.1f}% |" + (f" {r.get('tokens_per_s', 0) / 1e3:.1f}k |"
+                                                                           if gpu else ""))
+    if errs:
+        lines.append(f"\n{len(errs)} cases measured ({len(rows) - len(errs)} not): mean |error| "
+                     f"{sum(errs) / len(errs):.1f}%, max {max(errs):.1f}%; within 10%: "
+                     f"{sum(e <= 10 for e in errs)}/{len(errs)}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="A few cases only.")
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--json", help="Also write the rows here.")
+    ap.add_argument("--quick", action="store_true", help="CPU: a few cases only.")
+    ap.add_argument("--nproc", type=int, default=2, help="CPU: ranks.")
+    ap.add_argument("--gpu", action="store_true", help="The GPU case list, one rank in this process.")
+    ap.add_argument("--gpu-quick", action="store_true", help="--gpu: the anchor's strategies + 3 other rows.")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="--gpu: cpu runs the GPU list at tiny sizes on the CPU (smoke test).")
+    ap.add_argument("--dry-run", action="store_true", help="--gpu: list the cases and predictions, run nothing.")
+    ap.add_argument("--budget-s", type=float, default=220.0, help="--gpu: start no case after this many seconds.")
+    ap.add_argument("--limit", type=int, default=0, help="Run only the first N cases.")
+    ap.add_argument("--only", default="", help="Comma-separated strategies to keep.")
+    ap.add_argument("--json", help="Write the rows here (after every case).")
+    ap.add_argument("--table", metavar="ROWS.json", help="Print the Markdown table of saved rows and exit.")
     a = ap.parse_args()
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    sel = cases(a.quick)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // a.nproc)))
-    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=a.nproc, run_id=f"acc-{uuid.uuid4().hex[:6]}",
-                      rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn")
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "rows.json")
-        elastic_launch(lc, sys.executable)(os.path.abspath(__file__), "--worker", out, json.dumps(sel))
-        rows = json.load(open(out))
+    if a.table:
+        with open(a.table) as fh:
+            print(table(json.load(fh)))
+        return
+    rows = run_gpu(a) if a.gpu else run_cpu(a)
+    if not rows:
+        return
     import torch
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu (gloo)"
-    print(f"| device | model | strategy | micro-batch x seq | ckpt | compute | accum | predicted MiB | measured MiB | error |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        r["predicted"] = predict(r, a.nproc)
-        r["error_pct"] = 100 * (r["predicted"] / r["measured"] - 1)
-        print(f"| {dev} ×{a.nproc} | {r['model']} | {r['strategy']} | {r['micro_batch']} × {r['seq_len']} | "
-              f"{'on' if r['ckpt'] else 'off'} | {r['compute']} | {r['grad_accum']} | {r['predicted'] / 2**20:.2f} | "
-              f"{r['measured'] / 2**20:.2f} | {r['error_pct']:+.1f}% |")
-    errs = [abs(r["error_pct"]) for r in rows]
-    print(f"\n{len(rows)} cases; mean |error| {sum(errs) / len(errs):.1f}%, max {max(errs):.1f}%; "
-          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    print()
+    print(table(rows))
+    print(f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+        write_json(a.json, rows)
+        with open(os.path.splitext(a.json)[0] + ".md", "w") as fh:
+            fh.write(table(rows) + "\n")
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-        worker(sys.argv[2], sys.argv[3])
+        cpu_worker(sys.argv[2], sys.argv[3])
     else:
         main()
