@@ -14,7 +14,7 @@ ANCHOR = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hi
               num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
 
 
-def build_model_dir(path: str, shape: dict = ANCHOR, seed: int = 0) -> str:
+def build_model_dir(path: str, shape: dict = ANCHOR, seed: int = 0, disk_dtype: str = "float32") -> str:
     """A Hugging Face directory: random-init LlamaForCausalLM (safetensors) + a word-level
     tokenizer whose vocabulary is w0 ... w{V-6} plus special tokens and a chat template."""
     import torch
@@ -33,10 +33,10 @@ def build_model_dir(path: str, shape: dict = ANCHOR, seed: int = 0) -> str:
                                    eos_token="</s>")
     fast.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
                           "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
-    config = LlamaConfig(**shape, bos_token_id=2, eos_token_id=3, pad_token_id=1, tie_word_embeddings=False)
+    config = LlamaConfig(**{"tie_word_embeddings": False, **shape}, bos_token_id=2, eos_token_id=3, pad_token_id=1)
     torch.manual_seed(seed)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config).to(getattr(torch, disk_dtype))
     model.save_pretrained(path)
     fast.save_pretrained(path)
     return path

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The H200 runs of one session, in the order they were made (device tool: one H200, torch
+# 2.11, transformers 5.17, no DeepSpeed/bitsandbytes installed: their wheels are carried in
+# .whl/, see README "GPU benchmarks"). Usage on the GPU machine, from the repo root:
+#   bash benchmarks/h200_session.sh setup PART...     PART: tests strategies offload qlora accuracy bench3b
+# Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
+# to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+setup() {
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  fi
+  export PYTHONPATH=/tmp/site:$PWD/src:$PWD NCCL_NVLS_ENABLE=0 SHARDWISE_CACHE_DIR=/tmp/swcache PYTHONUNBUFFERED=1
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+  python3 -c "import deepspeed, bitsandbytes; print('deepspeed', deepspeed.__version__, 'bitsandbytes', bitsandbytes.__version__)" 2>&1 | tail -1
+}
+tests() { python3 -m pytest -q -rs tests/gpu; }
+strategies() { python3 benchmarks/strategies_gpu.py --strategies single,ddp,fsdp --steps 15 --tag ddpfix --out "$OUT"; }
+offload() {
+  python3 benchmarks/strategies_gpu.py --strategies fsdp-offload,zero2-offload,zero3-offload --steps 6 --log-every 2 \
+    --timeout 200 --tag offload --out "$OUT"
+}
+qlora() {
+  python3 benchmarks/strategies_gpu.py --strategies single --steps 15 --tag qlora --out "$OUT" -- --tuner qlora --lora-r 16
+}
+accuracy() { python3 benchmarks/plan_accuracy.py --gpu --json "$OUT/acc_gpu.json"; }  # + acc_gpu.md
+bench3b() {
+  python3 benchmarks/bench_gpu.py --shape llama3.2-3b --strategies single,ddp,fsdp,zero2,zero3 --steps 6 --warmup 2 \
+    --micro-batch-size 4 --timeout 170 --report-dir "$OUT"
+}
+setup
+LOGF="$OUT/logs-$(date +%H%M%S).txt"
+for part in "$@"; do
+  [ "$part" = setup ] && continue
+  echo "=== $part $(date +%T)"
+  mkdir -p /tmp/logs
+  "$part" > "/tmp/logs/$part.log" 2>&1
+  echo "=== $part exit $? $(date +%T)"
+  grep -v "Writing model shards" "/tmp/logs/$part.log" | tail -25
+  { echo "=== $part"; grep -v "Writing model shards" "/tmp/logs/$part.log" | tail -150; } >> "$LOGF"
+done
+echo "=== done $(date +%T)"
