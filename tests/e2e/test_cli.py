@@ -23,9 +23,12 @@ def test_demo_command_trains_and_the_loss_falls(tmp_path):
     assert (out / "final" / "model.safetensors").is_file() and (out / "config.yaml").is_file()
     assert os.listdir(out / "tensorboard")
     assert "loss" in p.stdout and str(out) in p.stdout
-    # the written config repeats the run
-    again = run_cli("train", str(out / "config.yaml"), "--max-steps", "3", "--output-dir", str(tmp_path / "again"))
-    assert read_metrics(str(tmp_path / "again"))[-1]["step"] == 3
+    # the written config repeats the run; a profiled step is logged on its own whatever log_every (10 here)
+    again = run_cli("train", str(out / "config.yaml"), "--max-steps", "3", "--output-dir", str(tmp_path / "again"),
+                    "--profile-steps", "1", "--profile-start", "2")
+    recs = read_metrics(str(tmp_path / "again"))
+    assert [(r["step"], r.get("profiled", False)) for r in recs] == [(1, False), (2, True), (3, False)]
+    assert 0 <= recs[1]["comm_exposed_s"] <= recs[1]["comm_total_s"] and recs[1]["comm_total_s"] > 0
     assert again.returncode == 0
 
 

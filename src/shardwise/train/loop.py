@@ -32,6 +32,7 @@ from shardwise.train import checkpoint as ckpt
 from shardwise.train import dist as sdist
 from shardwise.train.faults import Faults
 from shardwise.train.metrics import Reporter, Window, flops_per_token, peak_memory_gib
+from shardwise.train.profile import StepProfiler
 
 
 @dataclass
@@ -216,6 +217,7 @@ def run(job: Job) -> dict:
                           cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32")
     world = env.world_size
     control = Control(env, cfg.save_every_minutes)
+    profiler = StepProfiler.from_config(cfg, env.device, total)
     save = lambda: save_checkpoint(cfg, env, strategy, model, optimizer, out, step, pos, tokens_seen,  # noqa: E731
                                    job.model_dir, tokenizer)
     window, loss_acc, seq_acc = Window(), torch.zeros((), device=env.device), 0.0
@@ -230,9 +232,10 @@ def run(job: Job) -> dict:
             batch, next_pos = sampler.next(pos)
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(cfg, step, total)
-            step_loss = train_step(model, strategy, batch, world, env.device, faults, step + 1, fused_head)
-            phase = f"step {step + 1}: optimizer step (gradient-norm reduction)"
-            grad_norm = strategy.step(model, optimizer)
+            with profiler.step(step + 1):  # a null context unless this step is profiled
+                step_loss = train_step(model, strategy, batch, world, env.device, faults, step + 1, fused_head)
+                phase = f"step {step + 1}: optimizer step (gradient-norm reduction)"
+                grad_norm = strategy.step(model, optimizer)
             step, pos = step + 1, next_pos
             tokens_seen += batch.tokens
             if strategy.nonfinite_steps > skipped:
@@ -244,11 +247,15 @@ def run(job: Job) -> dict:
             tokens_run += batch.tokens
             window.add(batch.tokens)
             seq_acc += batch.tokens / len(batch.rows)
-            if step % cfg.log_every == 0 or step == total:
+            # a profiled step is logged on its own: the step before it closes the window
+            if step % cfg.log_every == 0 or step == total or profiler.wants(step) or profiler.wants(step + 1):
                 phase = f"step {step}: metrics reduction"
                 rec = log_record(env, cfg, window, loss_acc, loss_n, seq_acc, step, total, grad_norm, pos, tokens_seen,
-                                 skipped, peak, n_params, hf_config)
+                                 skipped, peak, n_params, hf_config, profiler.take())
                 rep.log(rec)
+                if rec.get("profiled"):
+                    rep.say(f"shardwise: step {step} profiled: communication {rec['comm_total_s'] * 1e3:.1f} ms, "
+                            f"exposed {rec['comm_exposed_s'] * 1e3:.1f} ms (max over ranks; {rec['comm_method']})")
                 first_loss = rec["loss"] if first_loss is None else first_loss
                 last_rec = rec
                 window, loss_acc, seq_acc, loss_n = Window(), torch.zeros((), device=env.device), 0.0, 0
@@ -328,11 +335,14 @@ def train_step(model, strategy, batch: StepBatch, world: int, device, faults: Fa
 
 
 def log_record(env, cfg, window, loss_acc, loss_n, seq_acc, step, total, grad_norm, pos, tokens_seen, skipped, peak,
-               n_params, hf_config) -> dict:
-    """The logged metrics; the only host syncs of the loop (besides the non-finite check)."""
+               n_params, hf_config, comm: dict | None = None) -> dict:
+    """The logged metrics; the only host syncs of the loop (besides the non-finite check and
+    a profiled step's). `comm`: this rank's times of a profiled step (train/profile.py)."""
     sdist.all_reduce(loss_acc)
     peak_here = peak_memory_gib(env.device)
-    mem = torch.tensor([peak_here, -peak_here], device=env.device)  # max and min over ranks in one reduction
+    # max and min over ranks in one reduction (and a profiled step's communication times, max over ranks)
+    mem = torch.tensor([peak_here, -peak_here] + ([comm["comm_total_s"], comm["comm_exposed_s"]] if comm else []),
+                       dtype=torch.float64, device=env.device)
     sdist.all_reduce(mem, dist.ReduceOp.MAX)
     step_time, tps = window.read()
     rec = {"step": step, "loss": loss_acc.item() / loss_n if loss_n else float("nan"), "lr": lr_at(cfg, step - 1, total),
@@ -340,6 +350,9 @@ def log_record(env, cfg, window, loss_acc, loss_n, seq_acc, step, total, grad_no
            "peak_mem_gib": mem[0].item(), "peak_mem_gib_min": -mem[1].item(), "epoch": pos.epoch, "tokens_seen": tokens_seen}
     if skipped:
         rec["skipped_nonfinite_steps"] = skipped
+    if comm:
+        rec.update(comm_total_s=mem[2].item(), comm_exposed_s=mem[3].item(), comm_method=comm["comm_method"],
+                   profiled=True)
     if peak:
         fpt = flops_per_token(n_params, hf_config.num_hidden_layers, hf_config.hidden_size, seq_acc / window.steps)
         rec["mfu"] = fpt * tps / (peak * env.world_size)
