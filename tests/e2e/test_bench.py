@@ -9,7 +9,7 @@ import json
 import os
 import time
 
-from tests.helpers import run_cli
+from tests.helpers import read_metrics, run_cli
 
 
 @contextlib.contextmanager
@@ -28,7 +28,8 @@ def logs_on_failure(rep_dir):
 def test_bench_reports_every_strategy_even_when_some_fail(tmp_path):
     """fsdp runs out of memory at step 2 (the loop's fault injection raises
     torch.OutOfMemoryError through the real worker path), `single` cannot run on 2 ranks, and
-    ddp still runs; the report names its files model_hardware_date and has a row for each."""
+    ddp still runs; the report names its files model_hardware_date and has a row for each. The
+    bench's default 2 profiled steps (after the counted ones) measure ddp's communication."""
     rep_dir = tmp_path / "rep"
     p = run_cli("bench", "--strategies", "fsdp,single,ddp", "--nproc-per-node", "2", "--steps", "2",
                 "--warmup", "1", "--report-dir", str(rep_dir), "--report-name", "auto", "--timeout", "180",
@@ -47,7 +48,18 @@ def _check_report(rep_dir, stdout):
     assert "OutOfMemoryError" in rows["fsdp"]["reason"] or "out of memory" in rows["fsdp"]["reason"]
     assert rows["single"]["status"] == "unavailable" and "one process" in rows["single"]["reason"]
     ddp = rows["ddp"]
-    assert ddp["status"] == "ok" and ddp["measured"]["steps_counted"] == 2 and ddp["measured"]["last_step"] == 3
+    assert ddp["status"] == "ok" and ddp["measured"]["steps_counted"] == 2 and ddp["measured"]["last_step"] == 5
+    # steps 4-5 ran under torch.profiler: gloo's all-reduces were seen, and never more exposed than in all
+    recs = read_metrics(ddp["run_dir"])
+    assert [r["step"] for r in recs if r.get("profiled")] == [4, 5]
+    for r in recs:
+        if r["step"] <= 3:
+            assert not {"profiled", "comm_total_s", "comm_exposed_s"} & set(r), r
+        else:
+            assert r["comm_total_s"] > 0 and 0 <= r["comm_exposed_s"] <= r["comm_total_s"], r
+            assert r["comm_method"].startswith("cpu: gloo collectives")
+    comm = ddp["measured"]["comm_exposed_s"]
+    assert comm["n"] == 2 and comm["median"] <= ddp["measured"]["comm_total_s"]["median"]
     assert ddp["measured"]["tokens_per_s"]["median"] > 0 and ddp["measured"]["final_loss"] > 0
     mem = ddp["measured"]["peak_mem_gib"]
     assert 0 < mem["min"] <= mem["max"] and set(mem["per_rank"]) == {"0", "1"}
@@ -62,6 +74,7 @@ def _check_report(rep_dir, stdout):
 
     md = open(rep_dir / f"{stem}.md").read()
     assert "| fsdp | does not fit |" in md and "| ddp | ok |" in md and f"]({stem}.png)" in md
+    assert "then 2 profiled steps" in md and "Method: cpu: gloo collectives" in md
     assert "ddp" in stdout and "does not fit" in stdout and "cannot run here" in stdout  # terminal table
 
 

@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
                         f"DeepSpeed is installed). Known: {', '.join(presets.PRESETS)}.")
     b.add_argument("--steps", type=int, default=30, help="Counted steps per strategy (default 30).")
     b.add_argument("--warmup", type=int, default=5, help="Uncounted steps before them (default 5).")
+    b.add_argument("--profile-steps", type=int, default=2,
+                   help="Steps after the counted ones that run under torch.profiler to measure communication and "
+                        "the part of it no compute hides (default 2; 0 = none, and that column is n/a).")
     b.add_argument("--report-dir", default="", help="Where the report goes (default runs/bench-<date>-<time>).")
     b.add_argument("--report-name", default="report",
                    help="File name stem of the report files (default 'report'); 'auto' names them "
@@ -60,6 +63,8 @@ def spec_from_args(args):
         raise ShardwiseError(f"--steps must be >= 1, got {args.steps}")
     if args.warmup < 0:
         raise ShardwiseError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.profile_steps < 0:
+        raise ShardwiseError(f"--profile-steps must be >= 0 (0 = no profiled steps), got {args.profile_steps}")
     if args.timeout <= 0:
         raise ShardwiseError(f"--timeout must be > 0 seconds, got {args.timeout}")
     flags = config.flags_from_namespace(args)
@@ -69,7 +74,7 @@ def spec_from_args(args):
     return BenchSpec(config_path=args.config, flags=flags, strategies=names, steps=args.steps,
                      warmup=args.warmup, report_dir=report_dir,
                      runs_dir=args.runs_dir or os.path.join(report_dir, "runs"),
-                     report_name=args.report_name, timeout_s=args.timeout)
+                     report_name=args.report_name, timeout_s=args.timeout, profile_steps=args.profile_steps)
 
 
 def say(msg: str) -> None:
@@ -86,7 +91,8 @@ def run(args) -> int:
     started = time.time()
     hw = report.hardware()
     say(f"{len(spec.strategies)} strategies ({', '.join(spec.strategies)}), {spec.warmup} warm-up + "
-        f"{spec.steps} counted steps each; runs in {spec.runs_dir}")
+        f"{spec.steps} counted" + (f" + {spec.profile_steps} profiled" if spec.profile_steps else "")
+        + f" steps each; runs in {spec.runs_dir}")
     outcomes: list[Outcome] = []
     interrupted = False
     for i, name in enumerate(spec.strategies, 1):

@@ -58,8 +58,8 @@ def summarize(records: list[dict], warmup: int, rank_peak_gib: dict[int, float] 
     every rank, that is used instead, because the loop's CPU figure (ru_maxrss) also counts the launcher's memory
     that the forked worker inherited before exec.
     """
-    # Steps the loop profiled (once it can; `profiled: true`) are slower: they count for the
-    # exposed communication only, not for throughput or step time.
+    # Steps the loop profiled (`profiled: true`, train/profile.py) are slower: they count for
+    # the communication times only, not for throughput or step time.
     after = [r for r in records if r.get("step", 0) > warmup]
     counted = [r for r in after if not r.get("profiled")]
     out: dict = {"steps_logged": len(records), "steps_counted": len(counted),
@@ -73,8 +73,12 @@ def summarize(records: list[dict], warmup: int, rank_peak_gib: dict[int, float] 
     out["tokens_per_s"] = spread(col("tokens_per_s"))
     out["step_time_s"] = spread(col("step_time_s"))
     out["mfu"] = spread(col("mfu"))
-    out["comm_exposed_s"] = spread([r["comm_exposed_s"] for r in after  # logged once the loop has the hook
+    out["comm_exposed_s"] = spread([r["comm_exposed_s"] for r in after
                                     if isinstance(r.get("comm_exposed_s"), (int, float))])
+    out["comm_total_s"] = spread([r["comm_total_s"] for r in after if isinstance(r.get("comm_total_s"), (int, float))])
+    methods = sorted({r["comm_method"] for r in after if r.get("comm_method")})
+    if methods:
+        out["comm_method"] = "; ".join(methods)
     out["final_loss"] = counted[-1].get("loss")
     out["losses"] = [r.get("loss") for r in records]
     if rank_peak_gib and len(rank_peak_gib) >= world_size:

@@ -102,7 +102,7 @@ def build(spec, outcomes: list, hw: dict, vers: dict, command: str, started: flo
         "duration_s": round(time.time() - started, 1),
         "command": command,
         "settings": {"strategies": spec.strategies, "steps": spec.steps, "warmup": spec.warmup,
-                     "config_file": spec.config_path, "flags": {k: v for k, (v, _) in spec.flags.items()},
+                     "profile_steps": getattr(spec, "profile_steps", 0), "config_file": spec.config_path, "flags": {k: v for k, (v, _) in spec.flags.items()},
                      "timeout_s": spec.timeout_s, "runs_dir": os.path.abspath(spec.runs_dir)},
         "hardware": hw,
         "versions": vers,
@@ -224,6 +224,12 @@ def verdict(rep: dict) -> list[str]:
             else:
                 out.append(f"Final losses DISAGREE (up to {d:.1%} relative): {losses}; the strategies should "
                            "train the same model on the same data, so this is worth a bug report.")
+        with_comm = [r for r in ok if _m(r, "comm_exposed_s") is not None]
+        if with_comm:
+            out.append("Communication per step (profiled steps, median; max over ranks): " + "; ".join(
+                f"{r['strategy']} {_fmt('comm_exposed_s', _m(r, 'comm_exposed_s'))} exposed"
+                + (f" of {_fmt('comm_exposed_s', _m(r, 'comm_total_s'))}" if _m(r, "comm_total_s") is not None else "")
+                for r in with_comm) + ".")
     out += _planner_lines(rep)
     bad = [r for r in rows if r["status"] != "ok"]
     if bad:
@@ -330,9 +336,14 @@ def table_cells(r: dict) -> dict:
     else:
         c["mem_pred"] = "n/a"
     c["mem_err"] = _err(e.get("peak_mem_gib"))
-    comm = r["measured"].get("comm_exposed_s")
-    c["comm"] = _fmt("comm_exposed_s", comm["median"]) if ok and comm else ("n/a" if ok else "—")
+    comm, comm_total = r["measured"].get("comm_exposed_s"), r["measured"].get("comm_total_s")
+    if ok and comm:
+        c["comm"] = _fmt("comm_exposed_s", comm["median"]) + (
+            f" of {_fmt('comm_exposed_s', comm_total['median'])}" if comm_total else "")
+    else:
+        c["comm"] = "n/a" if ok else "—"
     c["comm_pred"] = _fmt("comm_exposed_s", p.get("exposed_comm_s")) if p else "n/a"
+    c["comm_err"] = _err(e.get("comm_exposed_s"))
     mfu = r["measured"].get("mfu")
     c["mfu"] = _fmt("mfu", mfu["median"]) if ok and mfu else ("n/a" if ok else "—")
     fl = r["measured"].get("final_loss")
@@ -343,11 +354,11 @@ def table_cells(r: dict) -> dict:
 MD_COLUMNS = [("strategy", "strategy"), ("result", "result"), ("tps", "tokens/s median (p10–p90)"),
               ("tps_pred", "predicted"), ("tps_err", "error"), ("step", "step time p50 / p90"),
               ("step_pred", "predicted"), ("step_err", "error"), ("mem", "peak GiB/rank max / min"),
-              ("mem_pred", "predicted"), ("mem_err", "error"), ("comm", "exposed comm/step"),
-              ("comm_pred", "predicted"), ("mfu", "MFU"), ("loss", "final loss")]
+              ("mem_pred", "predicted"), ("mem_err", "error"), ("comm", "exposed comm/step (of total)"),
+              ("comm_pred", "predicted"), ("comm_err", "error"), ("mfu", "MFU"), ("loss", "final loss")]
 TERM_COLUMNS = [("strategy", "strategy"), ("result", "result"), ("tps", "tok/s p50 (p10-p90)"),
                 ("tps_pred", "pred"), ("tps_err", "err"), ("step", "step p50/p90"), ("step_pred", "pred"),
-                ("mem", "GiB max/min"), ("mem_pred", "pred"), ("mem_err", "err"), ("comm", "comm"),
+                ("mem", "GiB max/min"), ("mem_pred", "pred"), ("mem_err", "err"), ("comm", "comm exposed"),
                 ("mfu", "MFU"), ("loss", "loss")]
 
 
@@ -377,8 +388,10 @@ def markdown(rep: dict, png_name: str) -> str:
         f"micro-batch {cfg.get('micro_batch_size')} x grad_accum {cfg.get('grad_accum')} per rank, "
         f"mixed precision {cfg.get('mixed_precision')}, params {cfg.get('param_dtype')}, "
         f"gradient checkpointing {'on' if cfg.get('gradient_checkpointing') else 'off'}, tuner {cfg.get('tuner')}, seed {cfg.get('seed')}",
-        f"- **Measured:** {s['steps']} steps after {s['warmup']} uncounted warm-up steps, each strategy in fresh "
-        f"processes through `shardwise train` (same data, seed and config); took {rep['duration_s']:.0f} s in all",
+        f"- **Measured:** {s['steps']} steps after {s['warmup']} uncounted warm-up steps"
+        + (f", then {s['profile_steps']} profiled steps (communication only)" if s.get("profile_steps") else "")
+        + ", each strategy in fresh processes through `shardwise train` (same data, seed and config); "
+        f"took {rep['duration_s']:.0f} s in all",
         "", "## Verdict", "",
     ]
     lines += [f"- {x}" for x in rep["verdict"]]
@@ -403,13 +416,24 @@ def markdown(rep: dict, png_name: str) -> str:
               "- tokens/s and step time: the training loop's own per-step records (`metrics.jsonl`, logged every "
               "step), warm-up steps dropped; the spread is the 10th–90th percentile over steps.",
               f"- peak memory: {src or 'n/a'}.",
-              "- exposed communication: " + ("from `comm_exposed_s` in metrics.jsonl." if any(
-                  r["measured"].get("comm_exposed_s") for r in rep["results"]) else
-                  "n/a: the training loop does not record it yet."),
+              "- exposed communication: " + _comm_how(rep),
               "- MFU: the loop's `mfu` (GPU only; 6N + 12·L·H·T FLOPs per token against the GPU's dense peak).",
               "- predictions: `shardwise plan` for the same config and world size.",
               f"- every number: `{os.path.basename(png_name)[:-4]}.json`; run directories: `{s['runs_dir']}`.", ""]
     return "\n".join(lines)
+
+
+def _comm_how(rep: dict) -> str:
+    methods = sorted({r["measured"]["comm_method"] for r in rep["results"] if r["measured"].get("comm_method")})
+    n = rep["settings"].get("profile_steps", 0)
+    if methods:
+        return (f"the last {n} steps of each run ran under torch.profiler (`profile_steps`; left out of "
+                "tokens/s and step time); per step, the communication time no compute overlaps "
+                "(`comm_exposed_s`, max over ranks) and all communication time (`comm_total_s`), median over "
+                "those steps. Method: " + "; ".join(methods) + ". See docs/bench.md.")
+    if not n:
+        return "n/a: no profiled steps (`--profile-steps 0`)."
+    return "n/a: no run logged a profiled step."
 
 
 def write_all(rep: dict, report_dir: str, stem: str) -> dict:

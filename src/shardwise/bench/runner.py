@@ -41,7 +41,7 @@ from shardwise.errors import ShardwiseError
 
 # Config keys the bench sets itself for every strategy.
 CONTROLLED = ("strategy", "max_steps", "epochs", "log_every", "output_dir", "resume", "overwrite",
-              "save_final", "save_every", "keep_checkpoints", "max_restarts")
+              "save_final", "save_every", "keep_checkpoints", "max_restarts", "profile_steps", "profile_start")
 SECTION_BASE = {"fsdp": "fsdp", "deepspeed": "deepspeed"}  # section -> the base strategy it belongs to
 CAP_ENV = "SHARDWISE_BENCH_MEMORY_CAP_GIB"
 FAULT_ENV = "SHARDWISE_BENCH_FAULT"
@@ -61,6 +61,7 @@ class BenchSpec:
     runs_dir: str
     report_name: str = "report"
     timeout_s: float = 1800.0
+    profile_steps: int = 0  # profiled steps after the counted ones (`shardwise bench --profile-steps`, default 2)
 
 
 @dataclass
@@ -105,9 +106,11 @@ def strategy_flags(spec: BenchSpec, name: str, output_dir: str) -> dict[str, tup
     """The user's flags (less another strategy's section options) plus what the bench sets."""
     base = presets.base_strategy(name)
     flags = {k: v for k, v in spec.flags.items() if _applies(k, base) and k not in CONTROLLED}
-    control = {"strategy": name, "max_steps": spec.warmup + spec.steps, "log_every": 1,
+    control = {"strategy": name, "max_steps": spec.warmup + spec.steps + spec.profile_steps, "log_every": 1,
                "output_dir": output_dir, "resume": "none", "overwrite": True, "save_final": False,
-               "save_every": 0, "max_restarts": 0}
+               "save_every": 0, "max_restarts": 0,
+               # the last profile_steps steps are profiled (train/profile.py): `profiled: true` in their records
+               "profile_steps": spec.profile_steps, "profile_start": 0}
     flags.update({k: (v, "set by shardwise bench") for k, v in control.items()})
     return flags
 
