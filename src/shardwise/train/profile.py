@@ -202,7 +202,12 @@ class StepProfiler:
                 sync()  # this step's kernels end inside the marker
         finally:
             prof.stop()
-        self._result = comm_times(prof.events(), self.device)
+        try:
+            self._result = comm_times(prof.events(), self.device)
+        except Exception as e:  # a measurement must not end the run, nor leave the ranks' records unlike
+            nan = float("nan")
+            self._result = {"comm_total_s": nan, "comm_exposed_s": nan,
+                            "comm_method": f"failed: {type(e).__name__}: {str(e)[:120]}"}
 
     def take(self) -> dict | None:
         r, self._result = self._result, None
