@@ -22,8 +22,14 @@ from shardwise.plan.model_spec import ModelSpec
 
 GiB = 2**30
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP bucket_cap_mb default
-DS_REDUCE_BUCKET = 5e8  # DeepSpeed reduce_bucket_size default (elements)
+# DeepSpeed (0.19) reduce_bucket_size default, in elements. It allocates its gradient (IPG) bucket at this size whatever
+# the model's: ZeRO-1/2 in the parameters' dtype when the backward starts, freed at its end (stage_1_and_2.py
+# setup_buckets); ZeRO-3 once at initialisation, in the reduce dtype, for good (stage3.py, `ipg_buckets`).
+DS_REDUCE_BUCKET = 5e8
 DS_PREFETCH_BUCKET = 5e7  # DeepSpeed stage3_prefetch_bucket_size default (elements)
+# stage3_max_reuse_distance default (elements): ZeRO-3 does not release a module's gathered parameters when they are
+# used again within this many parameters of its recorded module trace (partitioned_param_coordinator.py).
+DS_MAX_REUSE_DISTANCE = 1e9
 QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # NF4 + double-quantised absmax per 64-block
 CUDA_CONTEXT_GIB = 0.75  # CUDA context + cuBLAS/NCCL workspaces, outside the allocator's count
 FRAGMENTATION = 0.07  # caching allocator: reserved exceeds allocated by a few percent
@@ -60,7 +66,7 @@ class Job:
     device_mem_gib: float = 80.0
     host_mem_gib: float = 512.0  # per node
     accelerator: str = "cuda"  # cuda | cpu
-    hold_outputs: bool = True  # the loop keeps model outputs (logits) alive until backward
+    hold_outputs: bool = False  # the loop keeps model outputs (logits) alive until backward (train_step does not)
     fused_loss: bool = False  # chunked linear + cross-entropy head, gradients in the forward (config `fused_loss`)
     compile: bool = False  # torch.compile of each decoder block (config `compile`, resolved for the device)
 
@@ -207,7 +213,9 @@ def head_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     else:
         # logits in compute dtype (kept by the model output), log_softmax output in fp32 (saved), and during the
         # loss backward its incoming gradient and its result, both fp32: c*T*V + 3 * 4*T*V at the peak
-        d["logits"] = (c * T * V if job.hold_outputs or c == 4 else 0) + 12 * T * V
+        # (the c-dtype logits are freed after forward unless the caller keeps the output: log_softmax saves its own
+        # fp32 result, and .float() keeps nothing)
+        d["logits"] = (c * T * V if job.hold_outputs else 0) + 12 * T * V
         if spec.family == "gemma2":  # final logit softcapping keeps two more T*V tensors
             d["logits"] += 2 * c * T * V
     if job.packing:  # block-diagonal attention mask, bool, shared by the layers
@@ -246,6 +254,20 @@ def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     if o.base == "fsdp":  # the root unit (embeddings, norm, head) is gathered while the head runs, both ways
         d["loss_root_gathered"] = c * spec.root_params
     return d
+
+
+def zero3_kept_gathered(spec: ModelSpec) -> float:
+    """Parameters ZeRO-3 still holds gathered at the end of forward. A module's parameters are released after its
+    forward unless the trace uses them again within DS_MAX_REUSE_DISTANCE parameters; a module's next use is its
+    backward, 2 x (the parameters run after it in forward) away. So the head and the last blocks stay gathered
+    (all of a model under 5e8 parameters); walking back from the head, a module is kept while the parameters after
+    it are under half the distance (block by block, the boundary block in part)."""
+    half = DS_MAX_REUSE_DISTANCE / 2
+    kept, after = 0.0, 0.0
+    for n in [spec.head_params + spec.hidden_size] + [spec.layer_params] * spec.num_layers + [spec.embed_params]:
+        kept += min(n, max(0.0, half - after))
+        after += n
+    return kept
 
 
 def compile_factor(job: Job, o: Opts) -> float:
@@ -293,6 +315,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     persist = {}  # buffers alive all step
 
     grads_persist = False
+    offload_moves = job.accelerator != "cpu"  # on CPU ranks "offloaded" state stays in the same memory
     root_bwd = 0.0  # FSDP: the root unit's gathered params + unsharded grads at the end of backward
     if o.base in ("single", "ddp"):
         params, grads, opt = frozen + tw * P_t, tw * P_t, 2 * tw * P_t
@@ -321,11 +344,10 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
         root_bwd = root + (c + rd) * (spec.root_params if full else 0)
         if job.grad_accum > 1:  # no-sync micro-batches keep unsharded gradients, accumulated in the reduce dtype
             extraA["unsharded_accumulated_grads"] = rd * P_t  # (freed unit by unit in the last backward)
-        if o.cpu_offload:
+        if o.cpu_offload and offload_moves:
             host = params + grads + opt
             params = grads = opt = 0.0
     elif o.base == "deepspeed":
-        bucket = min(DS_REDUCE_BUCKET, P_t) * c
         master = 4 * P_t / N
         opt = 8 * P_t / N + master
         if full:
@@ -333,16 +355,26 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
         else:
             params = (frozen + c * P_t) / (N if o.stage == 3 else 1)
         grads = c * P_t / (1 if o.stage == 1 else N)
-        persist["reduce_bucket"] = bucket
         extraB["fp32_grad_partition"] = 4 * P_t / N
         if o.stage == 3:
+            # reduce dtype: fp32 over fp32 weights (the engine sets communication_data_type fp32), else the weights'
+            persist["reduce_bucket"] = DS_REDUCE_BUCKET * w
+            grads_persist = True  # grad_partitions_flat_buffer: allocated (zeros) at initialisation, kept
             gathered = c * (max(U, spec.embed_params) + min(DS_PREFETCH_BUCKET, U))
-            extraA["gathered"] = gathered
+            extraA["gathered"] = c * max(zero3_kept_gathered(spec), max(U, spec.embed_params))
             extraB["gathered"] = gathered
+        else:
+            persist["reduce_bucket"] = DS_REDUCE_BUCKET * c
+        if o.offload_optimizer and o.stage < 3:  # ZeRO-2 offload's staging buffers of the largest parameter's size
+            largest = max(spec.embed_params, spec.hidden_size * spec.intermediate_size)
+            persist["offload_staging"] = c * largest * (1 if offload_moves else 2)  # device one (+ the host one)
         if o.offload_optimizer:
-            host += opt + extraB.pop("fp32_grad_partition")
-            opt = 0.0
-        if o.offload_params and o.stage == 3:
+            if offload_moves:
+                host += opt + extraB.pop("fp32_grad_partition")
+                opt = 0.0
+            else:  # CPU ranks: the offloaded fp32 gradient partition is allocated once and kept
+                persist["fp32_grad_partition"] = extraB.pop("fp32_grad_partition")
+        if o.offload_params and o.stage == 3 and offload_moves:
             host += params
             params = 0.0
     else:
@@ -361,7 +393,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     # a block's backward: its saved activations (recomputed under checkpointing) plus the gradients in flight
     workspace = per_layer + job.tokens * (3 * spec.intermediate_size * job.c + 8 * spec.hidden_size)
     step_tmp = 0.0
-    if o.base in ("single", "ddp", "fsdp") and not (o.base == "fsdp" and o.cpu_offload):
+    if o.base in ("single", "ddp", "fsdp") and not (o.base == "fsdp" and o.cpu_offload and offload_moves):
         # torch AdamW: fused on GPU needs no full-size temporaries; foreach (CPU) makes one sqrt(v) list
         step_tmp = 0.0 if job.accelerator == "cuda" else tw * P_t / (N if o.base == "fsdp" else 1)
     g = 0.0 if grads_persist else grads

@@ -136,8 +136,6 @@ def train_steps(model, optimizer, batches, tracker: LiveBytes, autocast_dtype=No
                 persistent_grads: bool = False, fused_head=None) -> int:
     """Run `steps` optimizer steps of len(batches) micro-batches; the peak of the last step, in bytes.
     fused_head: the output head with the engine's fused loss installed (models/speed.py), as train_step uses it."""
-    import torch.nn.functional as F
-
     for step in range(steps):
         if step == steps - 1:
             tracker.reset_peak()
@@ -148,17 +146,21 @@ def train_steps(model, optimizer, batches, tracker: LiveBytes, autocast_dtype=No
             with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 if fused_head is not None:
                     fused_head.loss_targets = tg
-                    logits = loss = model(input_ids=ids).logits  # the summed loss
+                    loss = model(input_ids=ids).logits  # the summed loss
                     fused_head.loss_targets = None
-                else:
-                    logits = model(input_ids=ids).logits
-                    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tg.view(-1), reduction="sum")
+                else:  # as train.loop.train_step: the logits are not kept past the loss
+                    loss = _loss_sum(model(input_ids=ids).logits, tg)
             loss.backward()
             del loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=not persistent_grads)
-        del logits
     return tracker.peak
+
+
+def _loss_sum(logits, targets):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), reduction="sum")
 
 
 def build_model(spec: ModelSpec, dtype: torch.dtype, checkpointing: bool):
