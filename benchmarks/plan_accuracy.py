@@ -165,22 +165,23 @@ def config_for(c: dict, world: int):
     return load_config(None, {k: (v, "plan_accuracy") for k, v in flags.items()}).cfg
 
 
-def predict(c: dict, world: int, accelerator: str) -> "object":
-    """The planner's Memory for this case (job_from_config's mapping, the preset's Opts)."""
+def predict(c: dict, world: int, accelerator: str, ds_linear: bool = False) -> "object":
+    """The planner's Memory for this case (job_from_config's mapping, the preset's Opts). `ds_linear`: the case ran
+    with DeepSpeed's linear installed by an earlier ZeRO-3 case of the same process (see `ran_with_ds_linear`)."""
     from shardwise.plan.decide import opts_for
     from shardwise.plan.memory import Job, estimate
 
     cfg = config_for(c, world)
     job = Job(world=world, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
               compute=c["compute"], param_dtype=cfg.param_dtype, checkpointing=cfg.gradient_checkpointing,
-              accelerator=accelerator, fused_loss=cfg.fused_loss, compile=c["compile"])
+              accelerator=accelerator, fused_loss=cfg.fused_loss, compile=c["compile"], ds_linear=ds_linear)
     return estimate(spec_for(c["model"]), job, opts_for(c["strategy"], cfg))
 
 
-def predicted_bytes(c: dict, world: int, accelerator: str) -> float:
+def predicted_bytes(c: dict, world: int, accelerator: str, ds_linear: bool = False) -> float:
     """Tensor peak on the measured device. On the CPU offloaded state shares the measured memory
     (host = device), so the offload presets are compared with their device peak + host state."""
-    m = predict(c, world, accelerator)
+    m = predict(c, world, accelerator, ds_linear)
     return m.peak_tensors + (m.host if accelerator == "cpu" else 0.0)
 
 
@@ -254,9 +255,29 @@ def untracked_bytes(tracked_sizes) -> int:
     return total
 
 
+TORCH_LINEAR = None  # torch.nn.functional.linear as torch defines it (saved before the first case)
+
+
+def restore_linear() -> None:
+    """DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear process-wide when it converts a model
+    (partition_parameters.Init(module=...) -> _enable_mem_efficient_linear: "persists unless manually reset").
+    Every later case would run DeepSpeed's LinearFunctionForZeroStage3 (no autocast weight copies saved, shared
+    inputs saved once): put torch's back after each case. Rows measured so carry linear_restored: true; rows of
+    older runs without it ran after a ZeRO-3 case with DeepSpeed's linear (`ran_with_ds_linear`)."""
+    global TORCH_LINEAR
+    import torch
+
+    if TORCH_LINEAR is None:
+        TORCH_LINEAR = torch.nn.functional.linear
+    elif torch.nn.functional.linear is not TORCH_LINEAR:
+        torch.nn.functional.linear = TORCH_LINEAR
+
+
 def measure_case(c: dict, env, use_tracker: bool) -> dict:
     """Build, set up and run two steps as the engine does; the peak of the second step."""
     import torch
+
+    restore_linear()
 
     from shardwise.plan.simulate import LiveBytes
 
@@ -272,6 +293,8 @@ def measure_case(c: dict, env, use_tracker: bool) -> dict:
         if engine is not None:
             release_deepspeed(engine)
         holder.clear()
+        restore_linear()
+        out["linear_restored"] = True
 
 
 def release_deepspeed(engine) -> None:
@@ -402,6 +425,7 @@ def cpu_worker(out_path: str, cases_json: str) -> None:
                "error": next((x["error"] for x in rs if x["error"]), None)}
         if row["error"] is None:
             row.update(measured=max(x["peak_bytes"] for x in rs), per_rank=[x["peak_bytes"] for x in rs],
+                       linear_restored=all(x.get("linear_restored") for x in rs),
                        untracked_end=max(x["untracked_end"] for x in rs), step_s=rs[0]["step_s"],
                        loss=rs[0]["loss"])
         rows.append(row)
@@ -549,8 +573,44 @@ def write_json(path: str, rows) -> None:
     os.replace(tmp, path)
 
 
+def ran_with_ds_linear(rows: list[dict]) -> list[bool]:
+    """Per row (in run order, one process): whether it ran with DeepSpeed's linear, i.e. after a ZeRO-3 case
+    that got as far as building its engine, in a run that did not restore torch's (no `linear_restored`)."""
+    out, installed = [], False
+    for r in rows:
+        out.append(installed and not r.get("linear_restored"))
+        started = not str(r.get("error") or "").startswith("skipped")
+        if r["strategy"].startswith("zero3") and started and not r.get("linear_restored"):
+            installed = True
+    return out
+
+
+def freed_leak(rows: list[dict]) -> list[float]:
+    """GPU rows: bytes of an earlier case's leak that were freed during this case. The harness subtracts
+    `allocated_at_start` from the peak; when leaked memory is freed mid-case, that under-counts the peak by the
+    freed bytes. Seen in the state before the second step: cases of one model and strategy hold the same state
+    there, so a row whose (allocated_before_step2 - allocated_at_start) is lower than its twin's lost the
+    difference. (From the measurements alone, no planner.)"""
+    at_rest: dict = {}
+    for r in rows:  # (not the process's first case: it also allocates the persistent cuBLAS workspace)
+        if r.get("allocated_before_step2") is not None and r.get("allocated_at_start"):
+            k = (r["model"], r["strategy"], r.get("compile"))
+            at_rest[k] = max(at_rest.get(k, 0), r["allocated_before_step2"] - r["allocated_at_start"])
+    out = []
+    for r in rows:
+        if r.get("allocated_before_step2") is None:
+            out.append(0.0)
+            continue
+        d = at_rest.get((r["model"], r["strategy"], r.get("compile")), 0) \
+            - (r["allocated_before_step2"] - r["allocated_at_start"])
+        out.append(float(d) if d > MiB else 0.0)
+    return out
+
+
 def table(rows: list[dict]) -> str:
-    """Markdown rows, with predictions from the planner as it is now."""
+    """Markdown rows, with predictions from the planner as it is now. ᵈ: the case ran with DeepSpeed's linear
+    (installed by an earlier ZeRO-3 case of the same process; predicted with Job.ds_linear). ᶠ: measured corrected
+    for an earlier case's leak that was freed during this case (`freed_leak`)."""
     lines = []
     gpu = any(r.get("device") == "cuda" for r in rows)
     unit, div = ("GiB", GiB) if gpu else ("MiB", MiB)
@@ -558,26 +618,29 @@ def table(rows: list[dict]) -> str:
                  f"predicted {unit} | measured {unit} | error |" + (" tokens/s |" if gpu else ""))
     lines.append("|---" * (13 if gpu else 12) + "|")
     errs = []
-    for r in rows:
+    dsl = ran_with_ds_linear(rows)
+    freed = freed_leak(rows) if gpu else [0.0] * len(rows)
+    for r, ds, fr in zip(rows, dsl, freed):
         dev = "H200 (cuda)" if r.get("device") == "cuda" else f"cpu (gloo) ×{r['world']}"
         if r["world"] == 1 and r.get("device") == "cpu":
             dev = "cpu ×1"
         try:
-            pred = predicted_bytes(r, r["world"], "cuda" if r.get("device") == "cuda" else "cpu")
+            pred = predicted_bytes(r, r["world"], "cuda" if r.get("device") == "cuda" else "cpu", ds)
         except Exception as e:  # a case the config refuses (e.g. hybrid on one node)
             lines.append(f"| {dev} | {r['model']} | {r['strategy']} | — | — | — | — | — | — | — | — | "
                          f"{type(e).__name__} |" + (" |" if gpu else ""))
             continue
-        head = f"| {dev} | {r['model']} | {r['strategy']} | {r['micro_batch']} × {r['seq_len']} | " \
+        head = f"| {dev} | {r['model']} | {r['strategy']}{' ᵈ' if ds and not r['strategy'].startswith('zero3') else ''} | {r['micro_batch']} × {r['seq_len']} | " \
                f"{'on' if r['ckpt'] else 'off'} | {r['compute']} | {r['grad_accum']} | " \
                f"{'fused' if r['fused_loss'] else 'plain'} | {'on' if r['compile'] else 'off'} | {pred / div:.2f} | "
         if r.get("error"):
             lines.append(head + f"— | {r['error'][:60]} |" + (" |" if gpu else ""))
             continue
-        e = 100 * (pred / r["measured"] - 1)
+        measured = r["measured"] + fr
+        e = 100 * (pred / measured - 1)
         errs.append(abs(e))
-        lines.append(head + f"{r['measured'] / div:.2f} | {e:+.1f}% |" + (f" {r.get('tokens_per_s', 0) / 1e3:.1f}k |"
-                                                                           if gpu else ""))
+        lines.append(head + f"{measured / div:.2f}{' ᶠ' if fr else ''} | {e:+.1f}% |"
+                     + (f" {r.get('tokens_per_s', 0) / 1e3:.1f}k |" if gpu else ""))
     if errs:
         lines.append(f"\n{len(errs)} cases measured ({len(rows) - len(errs)} not): mean |error| "
                      f"{sum(errs) / len(errs):.1f}%, max {max(errs):.1f}%; within 10%: "

@@ -39,11 +39,16 @@ FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused linear + cross-entropy 
 # activations of a block, compiled / eager. Calibrated on one H200 run (docs/planner.md, "Accuracy"): 1.14B Llama,
 # 8 x 2048, fused loss, single: 37.08 GiB compiled vs 49.08 GiB eager = 12.0 GiB over 16 blocks of 2.06 GiB each.
 COMPILE_ACT_FACTOR = 0.64
-# Under DDP, dynamo's DDPOptimizer splits each compiled block at the 25 MiB bucket boundaries (DDP is active when the
-# block is first traced), so each piece saves its own outputs and less is fused away. Calibrated on the one DDP row
-# of that run: ddp - single = 48.32 - 37.08 = 11.24 GiB = fp32 gradient buckets 4.24 + 7.0 GiB more activations
-# = (0.85 - 0.64) x 33.0 GiB. In-sample; the mechanism is read from torch/_dynamo/convert_frame.py, not measured apart.
-COMPILE_ACT_FACTOR_DDP = 0.85
+# ZeRO-3 (and zero3-offload): DeepSpeed's fetch/release hooks run around every submodule and dynamo breaks the graph
+# at them, so a compiled block is fused only between its linears and saves more. Calibrated on the one compiled
+# ZeRO-3 row of the 1.14B anchor (43.93 GiB; benchmarks/results/strategies-gpu-2026-11-29.md); out of sample: the
+# Llama-3.2-3B-shaped bench row (80.15 GiB) and zero3-offload (28.84 GiB).
+COMPILE_ACT_FACTOR_ZERO3 = 0.80
+# Under DDP the engine turns dynamo's DDPOptimizer off (strategies/ddp.py: optimize_ddp = False), so each block stays
+# one graph and saves what it saves under single: on one H200 ddp = single + the fp32 gradient buckets, 41.32 =
+# 37.08 + 4.24 GiB (1.14B; benchmarks/results/strategies-gpu-2026-11-29-ddpfix.md) and 82.28 = 70.31 + 11.97 GiB
+# (Llama-3.2-3B shape; docs/benchmarks/llama32-3b_h200_2026-11-29.md). Kept as a name for callers that import it.
+COMPILE_ACT_FACTOR_DDP = COMPILE_ACT_FACTOR
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,12 @@ class Job:
     hold_outputs: bool = False  # the loop keeps model outputs (logits) alive until backward (train_step does not)
     fused_loss: bool = False  # chunked linear + cross-entropy head, gradients in the forward (config `fused_loss`)
     compile: bool = False  # torch.compile of each decoder block (config `compile`, resolved for the device)
+    # torch.nn.functional.linear is DeepSpeed's LinearFunctionForZeroStage3 (ZeRO-3 installs it process-wide when it
+    # converts a model: partition_parameters.Init(module=...) -> _enable_mem_efficient_linear, "persists unless manually
+    # reset"). It saves the linear's input and weight as passed and casts inside: no autocast weight copies are kept,
+    # and projections that share an input save it once. On for zero3 itself; plan_accuracy sets it for the cases that
+    # ran after a ZeRO-3 case in the same process.
+    ds_linear: bool = False
 
     @property
     def gpus_per_node(self) -> int:
@@ -160,6 +171,11 @@ def unit_params(spec: ModelSpec, o: Opts) -> tuple[float, int]:
 # ----------------------------------------------------------------------------- activations
 
 
+def uses_ds_linear(job: Job, o: Opts) -> bool:
+    """Whether the linears run through DeepSpeed's LinearFunctionForZeroStage3 (Job.ds_linear)."""
+    return job.ds_linear or (o.base == "deepspeed" and o.stage == 3)
+
+
 def residual_bytes(job: Job, o: Opts) -> int:
     """dtype of the residual stream: fp32 under autocast with fp32 weights (DDP/single), else compute."""
     if job.tuner != "full" or o.base in ("fsdp", "deepspeed"):
@@ -171,7 +187,9 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     """Saved-for-backward bytes of one decoder block, without checkpointing (HF Llama, SDPA)."""
     T, h, i, c = job.tokens, spec.hidden_size, spec.intermediate_size, job.c
     r = residual_bytes(job, o)
-    autocast = r != c  # inputs of linears are cast per consumer; nothing shares them
+    # inputs of linears are cast per consumer under autocast (nothing shares them), unless DeepSpeed's linear saves
+    # the uncast input, once for the projections that share it
+    autocast = r != c and not uses_ds_linear(job, o)
     gqa_native = not job.packing and spec.head_dim <= 256  # transformers uses enable_gqa when there is no mask
     kv = spec.kv_dim if gqa_native else spec.q_dim
     nrm = spec.norms_per_layer
@@ -274,6 +292,8 @@ def compile_factor(job: Job, o: Opts) -> float:
     """Saved activations of a compiled block relative to eager (1.0 when not compiled)."""
     if not job.compile:
         return 1.0
+    if o.base == "deepspeed" and o.stage == 3:
+        return COMPILE_ACT_FACTOR_ZERO3
     return COMPILE_ACT_FACTOR_DDP if o.base == "ddp" else COMPILE_ACT_FACTOR
 
 
@@ -324,8 +344,9 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
                 grads_persist = True
             else:
                 persist["ddp_buckets"] = tw * P_t  # a flat bucket copy besides the gradients
-        if w > c:  # autocast keeps a compute-dtype copy of each linear weight for backward
-            # (the fused head runs with autocast off and casts its weight itself: counted in its terms)
+        if w > c and not uses_ds_linear(job, o):  # autocast keeps a compute-dtype copy of each linear weight
+            # (its weight cache holds them to the end of the autocast region, i.e. the end of forward, checkpointing or
+            # not; the fused head runs with autocast off and casts its weight itself: counted in its terms)
             head = spec.vocab_size * spec.hidden_size if fused_head(spec, job) else 0
             extraA["autocast_weights"] = c * (spec.linear_params - head)
     elif o.base == "fsdp":
@@ -363,8 +384,8 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
             gathered = c * (max(U, spec.embed_params) + min(DS_PREFETCH_BUCKET, U))
             extraA["gathered"] = c * max(zero3_kept_gathered(spec), max(U, spec.embed_params))
             extraB["gathered"] = gathered
-        else:
-            persist["reduce_bucket"] = DS_REDUCE_BUCKET * c
+        else:  # ZeRO-1/2: allocated at the first gradient hook, freed at the end of backward (not alive at A)
+            extraB["reduce_bucket"] = DS_REDUCE_BUCKET * c
         if o.offload_optimizer and o.stage < 3:  # ZeRO-2 offload's staging buffers of the largest parameter's size
             largest = max(spec.embed_params, spec.hidden_size * spec.intermediate_size)
             persist["offload_staging"] = c * largest * (1 if offload_moves else 2)  # device one (+ the host one)
