@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from shardwise import hardware, presets
 from shardwise.errors import ShardwiseError
 from shardwise.plan.comm import Compute, Links, Timing, step_time
-from shardwise.plan.memory import (COMPILE_ACT_FACTOR, COMPILE_ACT_FACTOR_DDP, GiB, Job, Memory, Opts, estimate,
+from shardwise.plan.memory import (COMPILE_ACT_FACTOR, COMPILE_ACT_FACTOR_ZERO3, GiB, Job, Memory, Opts, estimate,
                                    shard_ranks)
 from shardwise.plan.model_spec import ModelSpec
 
@@ -325,7 +325,7 @@ def assumptions(plan: Plan) -> list[str]:
            ("fused loss head: chunks of 4096 tokens, no T x V logits; " if j.fused_loss else
             "the loss upcasts the full logits to fp32; ")
            + ("decoder blocks compiled (torch.compile): block activations x "
-              f"{COMPILE_ACT_FACTOR} (x {COMPILE_ACT_FACTOR_DDP} under DDP, whose DDPOptimizer splits them)"
+              f"{COMPILE_ACT_FACTOR} (x {COMPILE_ACT_FACTOR_ZERO3} under ZeRO-3, whose hooks split them)"
               if j.compile else "decoder blocks eager (no torch.compile)"),
            "DDP: 25 MiB buckets, gradient_as_bucket_view=True (gradients are views of the buckets, alive all step); "
            "FSDP2: each decoder layer a unit, embeddings/norm/head in the root unit, two units gathered at a time; "

@@ -384,8 +384,10 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
             gathered = c * (max(U, spec.embed_params) + min(DS_PREFETCH_BUCKET, U))
             extraA["gathered"] = c * max(zero3_kept_gathered(spec), max(U, spec.embed_params))
             extraB["gathered"] = gathered
-        else:  # ZeRO-1/2: allocated at the first gradient hook, freed at the end of backward (not alive at A)
-            extraB["reduce_bucket"] = DS_REDUCE_BUCKET * c
+        else:  # ZeRO-1/2: allocated at the first gradient hook, when the activations are still all alive (so it
+            # counts at the start of backward, moment A), freed at the end of backward: not alive between steps
+            # (the H200 rows' state before the second step lacks it), which the peak does not see
+            persist["reduce_bucket"] = DS_REDUCE_BUCKET * c
         if o.offload_optimizer and o.stage < 3:  # ZeRO-2 offload's staging buffers of the largest parameter's size
             largest = max(spec.embed_params, spec.hidden_size * spec.intermediate_size)
             persist["offload_staging"] = c * largest * (1 if offload_moves else 2)  # device one (+ the host one)
