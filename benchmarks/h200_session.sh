@@ -27,8 +27,8 @@ qlora() {
 }
 accuracy() { python3 benchmarks/plan_accuracy.py --gpu --json "$OUT/acc_gpu.json"; }  # + acc_gpu.md
 bench3b() {
-  python3 benchmarks/bench_gpu.py --shape llama3.2-3b --strategies single,ddp,fsdp,zero2,zero3 --steps 6 --warmup 2 \
-    --micro-batch-size 4 --timeout 170 --report-dir "$OUT"
+  python3 benchmarks/bench_gpu.py --shape llama3.2-3b --strategies single,fsdp,zero3,ddp,zero2 --steps 6 --warmup 2 \
+    --micro-batch-size 4 --timeout 110 --report-dir "$OUT"
 }
 setup
 LOGF="$OUT/logs-$(date +%H%M%S).txt"
