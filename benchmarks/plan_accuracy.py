@@ -436,14 +436,19 @@ def cpu_worker(out_path: str, cases_json: str) -> None:
     dist.destroy_process_group()
 
 
+def select(sel: list[dict], a) -> list[dict]:
+    """The cases that --only/--models/--compute/--limit keep (to re-run part of a table)."""
+    for flag, key in ((a.only, "strategy"), (a.models, "model"), (a.compute, "compute")):
+        if flag:
+            sel = [c for c in sel if c[key] in flag.split(",")]
+    return sel[:a.limit] if a.limit else sel
+
+
 def run_cpu(a) -> list[dict]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     sel = cpu_cases(a.quick)
-    if a.only:
-        sel = [c for c in sel if c["strategy"] in a.only.split(",")]
-    if a.limit:
-        sel = sel[:a.limit]
+    sel = select(sel, a)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // a.nproc)))
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=a.nproc, run_id=f"acc-{uuid.uuid4().hex[:6]}",
@@ -465,10 +470,7 @@ def run_gpu(a) -> list[dict]:
     if cpu:
         sel = [shrink(c) for c in sel]
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if a.only:
-        sel = [c for c in sel if c["strategy"] in a.only.split(",")]
-    if a.limit:
-        sel = sel[:a.limit]
+    sel = select(sel, a)
     if a.dry_run:
         for i, c in enumerate(sel):
             m = predict(c, 1, "cpu" if cpu else "cuda")
@@ -659,6 +661,8 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="--gpu: list the cases and predictions, run nothing.")
     ap.add_argument("--budget-s", type=float, default=220.0, help="--gpu: start no case after this many seconds.")
     ap.add_argument("--limit", type=int, default=0, help="Run only the first N cases.")
+    ap.add_argument("--models", help="Comma-separated model names to keep (e.g. m-27M).")
+    ap.add_argument("--compute", help="Comma-separated compute dtypes to keep (fp32, bf16).")
     ap.add_argument("--only", default="", help="Comma-separated strategies to keep.")
     ap.add_argument("--json", help="Write the rows here (after every case).")
     ap.add_argument("--table", metavar="ROWS.json", help="Print the Markdown table of saved rows and exit.")
