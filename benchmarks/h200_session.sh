@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # The H200 runs of one session, in the order they were made (device tool: one H200, torch
 # 2.11, transformers 5.17, no DeepSpeed/bitsandbytes installed: their wheels are carried in
-# .whl/, see README "GPU benchmarks"). Usage on the GPU machine, from the repo root:
+# the git-ignored .whl/, built on the CPU machine with
+#   pip wheel --no-deps -w .whl deepspeed==0.19.8
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl hjson pydantic==2.14.4 pydantic-core==2.50.5 annotated-types \
+#     typing-inspection typing_extensions bitsandbytes==0.50.2
+# and carried to the device, 48 MB in all). Usage on the GPU machine, from the repo root:
 #   bash benchmarks/h200_session.sh setup PART...     PART: tests strategies offload qlora accuracy bench3b
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
