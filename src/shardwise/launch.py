@@ -210,7 +210,7 @@ class Interrupted(Exception):
 def launch(p: Prepared) -> dict | None:
     cfg = p.cfg
     quiet_libraries()
-    if p.world_size == 1 and presets.base_strategy(cfg.strategy) == "single":
+    if presets.trains_in_process(cfg.strategy, p.world_size):
         import signal
 
         from shardwise.train.loop import Preempted

@@ -38,5 +38,11 @@ def base_strategy(name: str) -> str:
     return PRESETS[name][0]
 
 
+def trains_in_process(name: str, world_size: int) -> bool:
+    """Whether `shardwise train` trains in its own process (one `single` rank) rather than in
+    workers started by torchrun's elastic agent (every other strategy, even on one rank)."""
+    return world_size == 1 and base_strategy(name) == "single"
+
+
 def known_names() -> list[str]:
     return list(PRESETS) + list(SPECIAL)

@@ -306,3 +306,36 @@ def test_a_hung_run_is_stopped_at_the_timeout(monkeypatch, tmp_path):
 def test_a_run_that_exits_0_without_metrics_is_not_ok(monkeypatch, tmp_path):
     o = _run_with(monkeypatch, tmp_path, "pass")
     assert o.status == "failed" and "no metrics.jsonl" in o.reason
+
+
+def test_one_rank_fsdp_memory_is_sampled_from_its_worker_not_the_launcher(tmp_path):
+    """A one-rank `fsdp` run trains in an agent-started worker (only `single` trains in the
+    `shardwise train` process): bench must read the worker's peak RSS, not the launcher's."""
+    import subprocess
+    import sys
+    import time
+
+    from shardwise import presets
+    from shardwise.bench.runner import sample_worker_peaks
+
+    assert presets.trains_in_process("single", 1) and not presets.trains_in_process("fsdp", 1)
+    assert not presets.trains_in_process("zero3", 1)
+    # a launcher (small) whose child, named like a training worker, holds ~300 MiB
+    worker = ("import time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+              "open('READY', 'w').close(); time.sleep(60)")
+    launcher = (f"import os, subprocess, sys; subprocess.run([sys.executable, '-c', {worker!r}, "
+                "'-m', 'shardwise.train.worker'], env={**os.environ, 'RANK': '0'})")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], start_new_session=True, cwd=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "READY").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        peaks: dict[int, float] = {}
+        sample_worker_peaks(proc.pid, peaks, root_is_rank0=presets.trains_in_process("fsdp", 1))
+        assert peaks[0] > 0.28  # GiB: the worker's 300 MiB, not the launcher's few MiB
+        launcher_only: dict[int, float] = {}
+        sample_worker_peaks(proc.pid, launcher_only, root_is_rank0=True)  # what bench used to read
+        assert launcher_only[0] < 0.1
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()

@@ -268,7 +268,10 @@ def run_strategy(spec: BenchSpec, name: str, sample_rss: bool, say=print) -> Out
                 except subprocess.TimeoutExpired:
                     pass
                 if sample_rss:
-                    sample_worker_peaks(proc.pid, oc.rank_peak_gib, root_is_rank0=oc.world_size == 1)
+                    # a one-rank `single` trains in the `shardwise train` process itself; any other
+                    # strategy in agent-started workers, even on one rank
+                    sample_worker_peaks(proc.pid, oc.rank_peak_gib,
+                                        root_is_rank0=presets.trains_in_process(cfg.strategy, oc.world_size))
                 if time.monotonic() - t0 > spec.timeout_s:
                     timed_out = True
                     stop(proc)
