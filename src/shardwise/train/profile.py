@@ -139,14 +139,14 @@ def comm_times(events, device: torch.device) -> dict:
     if mark is None:
         raise RuntimeError(f"profiler events lack the step marker {MARK!r}")
     if device.type == "cuda":
+        # GPU timestamps are not clipped to the CPU marker's range (clock skew); the session
+        # holds this step's kernels only (synced before and after)
         comm, compute = split_cuda(events, device.index if device.index is not None else torch.cuda.current_device())
         method = METHOD_CUDA
     else:
-        comm, compute = split_cpu(events, mark.thread)
+        lo, hi = _span(mark)
+        comm, compute = (clip(x, lo, hi) for x in split_cpu(events, mark.thread))
         method = METHOD_CPU
-    if device.type != "cuda":  # GPU timestamps are not clipped to a CPU range (clock skew); the
-        lo, hi = _span(mark)    # session holds this step's kernels only (synced before and after)
-        comm, compute = clip(comm, lo, hi), clip(compute, lo, hi)
     total, exp = exposed(comm, compute)
     return {"comm_total_s": total * 1e-6, "comm_exposed_s": exp * 1e-6, "comm_method": method}
 
