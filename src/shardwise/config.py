@@ -165,13 +165,14 @@ def add_flags(parser: argparse.ArgumentParser, only: list[str] | None = None) ->
         if only is not None and fi.key not in only:
             continue
         dest = "cfg:" + fi.key
+        text = fi.help + (f" Choices: {', '.join(map(str, fi.choices))}." if fi.choices and fi.type is not bool else "")
+        text = text.replace("%", "%%")  # argparse %-formats help strings
         if fi.type is bool:
             parser.add_argument(fi.flag, dest=dest, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=fi.help.replace("%", "%%"))
+                                default=argparse.SUPPRESS, help=text)
         else:
             parser.add_argument(fi.flag, dest=dest, default=argparse.SUPPRESS, metavar=fi.type.__name__.upper(),
-                                help=(fi.help + (f" Choices: {', '.join(map(str, fi.choices))}." if fi.choices
-                                                 else "")).replace("%", "%%"))  # argparse %-formats help
+                                help=text)
 
 
 def flags_from_namespace(ns: argparse.Namespace) -> dict[str, tuple[Any, str]]:
