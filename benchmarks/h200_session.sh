@@ -9,6 +9,7 @@
 #     typing-inspection typing_extensions bitsandbytes==0.50.2
 # and carried to the device, 48 MB in all). Usage on the GPU machine, from the repo root:
 #   bash benchmarks/h200_session.sh setup PART...     PART: tests strategies offload qlora accuracy bench3b
+#                                                    accuracy3 levers fsdp1 proftest (third session)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
 set -u
@@ -36,6 +37,14 @@ bench3b() {
   python3 benchmarks/bench_gpu.py --shape llama3.2-3b --strategies single,fsdp,zero3,ddp,zero2 --steps 6 --warmup 2 \
     --micro-batch-size 4 --timeout 110 --report-dir "$OUT"
 }
+# third session: the GPU table again with the leak-free harness, per-step peaks over 3 steps
+accuracy3() { python3 benchmarks/plan_accuracy.py --gpu --steps 3 --budget-s 480 --json "$OUT/acc_gpu.json"; }
+levers() {
+  python3 benchmarks/one_gpu_levers.py --variants single,fsdp,fsdp-grad-op,fsdp+bf16reduce,fsdp+nosync,single+nosync,fsdp-grad-op+bf16reduce+nosync \
+    --repeat 2 --steps 10 --warmup 3 --profile single,fsdp --json "$OUT/levers.json"
+}
+fsdp1() { python3 benchmarks/strategies_gpu.py --strategies single,fsdp,fsdp-grad-op --steps 20 --tag fsdp1 --out "$OUT"; }
+proftest() { python3 -m pytest -q -rs -x tests/gpu/test_profile_cuda.py; }
 setup
 LOGF="$OUT/logs-$(date +%H%M%S).txt"
 for part in "$@"; do

@@ -9,7 +9,7 @@ Every case builds what `shardwise train` builds and runs what its loop runs:
 * `train.dist.init_distributed` and `ensure_same_weights`, then the strategy from the
   registry (`shardwise.strategies.get(preset)(cfg, env)`) and `strategy.setup(model)`,
   the Config built by `config.load_config` (preset options under the case's flags);
-* two optimizer steps of `train.loop.train_step` (per micro-batch: `strategy.sync`,
+* two (or --steps) optimizer steps of `train.loop.train_step` (per micro-batch: `strategy.sync`,
   `strategy.autocast`, the loop's loss: the fused chunked head when on, else `loss_sum`,
   `strategy.backward`) and `strategy.step` (clip, step, zero_grad). The batch is a
   `StepBatch` of random tokens at full length (no padding), as the sampler makes it.
@@ -18,7 +18,8 @@ The loop has no single-step function besides `train_step`; this harness calls it
 `strategy.step` the way `loop.run` does and skips only data loading, logging and
 checkpointing, which hold no tensors at the peak.
 
-Measured: the peak of the second (steady-state) step. On the CPU each rank counts its
+Measured: the largest peak of the steps after the first (the steady state; each step's own peak is
+kept in the row as `step_peaks`). On the CPU each rank counts its
 live tensor storages with `shardwise.plan.simulate.LiveBytes` (a TorchDispatchMode,
 entered before the model is built so that DDP's buckets and DeepSpeed's flat buffers,
 which are allocated through the dispatcher, are counted); the table shows the larger
@@ -274,7 +275,7 @@ def restore_linear() -> None:
 
 
 def measure_case(c: dict, env, use_tracker: bool) -> dict:
-    """Build, set up and run two steps as the engine does; the peak of the second step."""
+    """Build, set up and run c["steps"] (at least two) steps as the engine does; the largest peak after the first."""
     import torch
 
     restore_linear()
@@ -348,34 +349,38 @@ def _steps(c: dict, env, tracker, out: dict, holder: dict) -> dict:
         batch = make_batch(c, env.world_size, env.rank, MODELS[c["model"]][0])
         faults = Faults(env.rank)
         model.train()
-        step_times = []
-        for step in range(2):
-            if step == 1:
-                if tracker is not None:
-                    tracker.reset_peak()
-                if cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
+        step_times, step_peaks = [], []
+        n_steps = max(2, int(c.get("steps", 2)))
+        for step in range(n_steps):
+            if tracker is not None:
+                tracker.reset_peak()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                if step == 1:
                     out["allocated_before_step2"] = torch.cuda.memory_allocated()
             ts = time.time()
             for g in optimizer.param_groups:
-                g["lr"] = loop.lr_at(cfg, step, 2)
+                g["lr"] = loop.lr_at(cfg, step, n_steps)
             loss = loop.train_step(model, strategy, batch, env.world_size, env.device, faults, step + 1, fused_head)
             strategy.step(model, optimizer)
             out["loss"] = float(loss)  # a host sync: the step has finished
             if cuda:
                 torch.cuda.synchronize()
             step_times.append(time.time() - ts)
+            step_peaks.append(tracker.peak if tracker is not None else torch.cuda.max_memory_allocated())
+        # the steady state: the largest peak after the first step (the first also builds optimizer states)
+        out["peak_bytes"] = max(step_peaks[1:])
+        out["step_peaks"] = step_peaks
         if tracker is not None:
-            out["peak_bytes"] = tracker.peak
             out["live_end"] = tracker.current
         if cuda:
-            out["peak_bytes"] = torch.cuda.max_memory_allocated()
             out["reserved_peak"] = torch.cuda.max_memory_reserved()
     out["step_s"] = [round(t, 3) for t in step_times]
     out["tokens_per_s"] = round(c["micro_batch"] * c["seq_len"] * c["grad_accum"] * env.world_size / step_times[-1])
     if cuda:
         out["peak_bytes"] -= out["allocated_at_start"]
+        out["step_peaks"] = [p - out["allocated_at_start"] for p in out["step_peaks"]]
     if tracker is not None:
         out["untracked_end"] = untracked_bytes(tracker._sizes)
     del model, optimizer, strategy, batch, head, fused_head
@@ -437,7 +442,11 @@ def cpu_worker(out_path: str, cases_json: str) -> None:
 
 
 def select(sel: list[dict], a) -> list[dict]:
-    """The cases that --only/--models/--compute/--limit keep (to re-run part of a table)."""
+    """The cases that --only/--models/--compute/--pick/--limit keep (to re-run part of a table), with --steps."""
+    if a.pick:
+        keep = {int(x) for x in a.pick.split(",")}
+        sel = [c for i, c in enumerate(sel, 1) if i in keep]
+    sel = [{**c, "steps": a.steps} for c in sel]
     for flag, key in ((a.only, "strategy"), (a.models, "model"), (a.compute, "compute")):
         if flag:
             sel = [c for c in sel if c[key] in flag.split(",")]
@@ -525,6 +534,8 @@ def run_gpu(a) -> list[dict]:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 traceback.print_exc()
             cleanup(not cpu)
+            if not cpu:  # what this case left behind (the next case subtracts it as its allocated_at_start)
+                row["allocated_after"] = torch.cuda.memory_allocated()
             row["seconds"] = round(time.time() - t, 1)
         m = predict(c, 1, "cpu" if cpu else "cuda")
         row["predicted"] = m.peak_tensors + (m.host if cpu else 0.0)
@@ -663,6 +674,9 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0, help="Run only the first N cases.")
     ap.add_argument("--models", help="Comma-separated model names to keep (e.g. m-27M).")
     ap.add_argument("--compute", help="Comma-separated compute dtypes to keep (fp32, bf16).")
+    ap.add_argument("--pick", default="", help="Comma-separated 1-based case numbers (as --dry-run lists them).")
+    ap.add_argument("--steps", type=int, default=2, help="Optimizer steps per case (>= 2); measured: the largest "
+                    "peak after the first step.")
     ap.add_argument("--only", default="", help="Comma-separated strategies to keep.")
     ap.add_argument("--json", help="Write the rows here (after every case).")
     ap.add_argument("--table", metavar="ROWS.json", help="Print the Markdown table of saved rows and exit.")
