@@ -30,6 +30,10 @@ DS_PREFETCH_BUCKET = 5e7  # DeepSpeed stage3_prefetch_bucket_size default (eleme
 # stage3_max_reuse_distance default (elements): ZeRO-3 does not release a module's gathered parameters when they are
 # used again within this many parameters of its recorded module trace (partitioned_param_coordinator.py).
 DS_MAX_REUSE_DISTANCE = 1e9
+# stage3 sub_group_size default (elements): ZeRO-3 splits each parameter group's partition into sub-groups that close
+# once they reach this size, and its optimizer step makes the fp32 gradient of one sub-group at a time (stage3.py,
+# _create_fp16_sub_groups, _prepare_fp32_grad_for_sub_group; released after that sub-group's step).
+DS_SUB_GROUP = 1e9
 QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # NF4 + double-quantised absmax per 64-block
 CUDA_CONTEXT_GIB = 0.75  # CUDA context + cuBLAS/NCCL workspaces, outside the allocator's count
 FRAGMENTATION = 0.07  # caching allocator: reserved exceeds allocated by a few percent
@@ -288,6 +292,22 @@ def zero3_kept_gathered(spec: ModelSpec) -> float:
     return kept
 
 
+def zero3_fp32_grad_elements(spec: ModelSpec, job: Job, N: int) -> float:
+    """The largest fp32 gradient ZeRO-3 holds at once in its step: one sub-group of the weight-decay group (the
+    2-D weights in model order; the engine's other group holds the norms), closed greedily at DS_SUB_GROUP."""
+    if job.tuner != "full":
+        return min(spec.lora_params(job.lora_r, job.lora_targets) / N, DS_SUB_GROUP)
+    sizes = [spec.embed_params] + [a * b for a, b in spec.linear_shapes().values()] * spec.num_layers
+    if spec.head_params:
+        sizes.append(spec.head_params)
+    largest, acc = 0.0, 0.0
+    for n in sizes:
+        acc += n / N
+        if acc >= DS_SUB_GROUP:
+            largest, acc = max(largest, acc), 0.0
+    return max(largest, acc)
+
+
 def compile_factor(job: Job, o: Opts) -> float:
     """Saved activations of a compiled block relative to eager (1.0 when not compiled)."""
     if not job.compile:
@@ -378,6 +398,8 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
         grads = c * P_t / (1 if o.stage == 1 else N)
         extraB["fp32_grad_partition"] = 4 * P_t / N
         if o.stage == 3:
+            if not o.offload_optimizer:  # the step upcasts one sub-group at a time
+                extraB["fp32_grad_partition"] = 4 * zero3_fp32_grad_elements(spec, job, N)
             # reduce dtype: fp32 over fp32 weights (the engine sets communication_data_type fp32), else the weights'
             persist["reduce_bucket"] = DS_REDUCE_BUCKET * w
             grads_persist = True  # grad_partitions_flat_buffer: allocated (zeros) at initialisation, kept

@@ -1,0 +1,35 @@
+"""DeepSpeed-specific planner terms, against cases computed by hand from DeepSpeed's code."""
+
+from __future__ import annotations
+
+from shardwise.plan.memory import DS_SUB_GROUP, GiB, Job, Opts, estimate, zero3_fp32_grad_elements
+from shardwise.plan.model_spec import ModelSpec
+
+# Llama-3.2-3B's shape with a 32k vocabulary, untied (benchmarks/plan_accuracy.py "llama-3B")
+L3B = ModelSpec("3b", "test", 32000, 3072, 8192, 28, 24, 8, 128, False)
+ZERO3 = Opts(base="deepspeed", stage=3)
+
+
+def test_zero3_step_upcasts_one_sub_group_at_a_time():
+    # weight-decay group in model order: embedding 98,304,000, then per layer q 9,437,184, k 3,145,728,
+    # v 3,145,728, o 9,437,184, gate/up/down 25,165,824 each (100,663,296 a layer), then the head 98,304,000.
+    # Sub-groups close once they reach 1e9: embedding + 9 layers = 1,004,273,664; the next
+    # 10 x 100,663,296 = 1,006,632,960 (closed at the 10th layer's down_proj); 9 layers + head = 1,004,273,664.
+    assert zero3_fp32_grad_elements(L3B, Job(), 1) == 1_006_632_960
+    # on 4 ranks each partition is a quarter: all of it fits one sub-group
+    two_d = 98_304_000 * 2 + 28 * 100_663_296
+    assert zero3_fp32_grad_elements(L3B, Job(), 4) == two_d / 4
+    small = ModelSpec("t", "test", 512, 128, 352, 4, 4, 2, 32, False)
+    assert zero3_fp32_grad_elements(small, Job(), 1) < DS_SUB_GROUP
+
+
+def test_zero3_backward_peak_counts_one_sub_group_not_the_whole_partition():
+    job = Job(micro_batch=4, seq_len=2048, checkpointing=True, compute="bf16", param_dtype="fp32",
+              accelerator="cuda", fused_loss=True)
+    m = estimate(L3B, job, ZERO3)
+    assert m.detail["buffer_bwd.fp32_grad_partition"] == 4 * 1_006_632_960
+    # measured on one H200 (benchmarks/results/plan_accuracy_h200_2026-11-29-b.json): 52.43 GiB
+    assert abs(m.peak_tensors / GiB - 52.43) / 52.43 < 0.02
+    # ZeRO-1/2 upcast a whole parameter group at once (stage_1_and_2.py): unchanged
+    m2 = estimate(L3B, job, Opts(base="deepspeed", stage=2))
+    assert m2.detail["buffer_bwd.fp32_grad_partition"] == 4 * L3B.total_params
