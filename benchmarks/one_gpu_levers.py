@@ -4,11 +4,13 @@ A variant is a strategy preset plus optional levers; each builds what `shardwise
 (`train.loop.build_model`: compile per block, fused loss head, as on CUDA by default; the registry's
 strategy and its `setup`) and runs `train.loop.train_step` + a step, as plan_accuracy.py does:
 
-    single, fsdp, fsdp-grad-op, ddp ...   the preset as it is
+    single, fsdp, fsdp-grad-op, ddp ...   the preset as the engine runs it now
     +bf16reduce     FSDP's MixedPrecisionPolicy without reduce_dtype: gradients reduced (on one rank:
                     copied) in the compute dtype, then kept in fp32
-    +nosync         no host sync in the optimizer step: the non-finite check becomes the fused AdamW's
-                    `found_inf` (the update is skipped on the device), read back only at the end
+    +nosync         (before 2026-11-29, third session: a lever; now the engine's step) the non-finite check
+                    as the fused AdamW's `found_inf`, no host sync in the step
+    +sync           the engine's step before that: the non-finite check reads the norm on the host every step
+    +reshard        fsdp on one rank resharding after forward, as before FSDPStrategy.keeps_gathered
     +noprefetch     fsdp.prefetch off (FSDP2's implicit prefetching only)
 
 Variants run in the order given, --repeat times round-robin (A B C A B C: drift hits all alike); each
@@ -17,7 +19,7 @@ run: tokens/s, MFU (6N + 12·L·H·T per token against 989 TF/s, as the engine l
 the timed steps; per variant the median over repeats. --profile NAME,... also writes the top CUDA
 kernels of two profiled steps of those variants, and the GPU's busy fraction (kernel time / wall).
 
-    python benchmarks/one_gpu_levers.py --variants single,fsdp,fsdp-grad-op,fsdp+bf16reduce --json OUT.json
+    python benchmarks/one_gpu_levers.py --variants single+sync,single,fsdp+sync+reshard,fsdp --json OUT.json
     python benchmarks/one_gpu_levers.py --device cpu --model cpu-b --variants single,fsdp+nosync --steps 2 --warmup 1
 
 `--device cpu` runs the same code at a tiny size on the CPU (a smoke test; speeds mean nothing there).
@@ -37,7 +39,7 @@ sys.path.insert(0, HERE)
 
 import plan_accuracy as pa  # noqa: E402  (the engine-path helpers: config, random-init loader, batch)
 
-LEVERS = ("bf16reduce", "nosync", "noprefetch")
+LEVERS = ("bf16reduce", "nosync", "sync", "reshard", "noprefetch")
 
 
 def parse(variant: str) -> tuple[str, set[str]]:
@@ -63,6 +65,17 @@ def nosync_step(strategy, model, optimizer, flags: list):
     return norm
 
 
+def sync_step(strategy, model, optimizer):
+    """The step as it was: clip, read the norm on the host, step or skip."""
+    import torch
+
+    norm = strategy.clip_grad_norm(model, optimizer)
+    if bool(torch.isfinite(norm)):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
 def run_variant(variant: str, a, env, repeat: int = 0) -> dict:
     import torch
 
@@ -79,7 +92,9 @@ def run_variant(variant: str, a, env, repeat: int = 0) -> dict:
     cfg = pa.config_for(c, 1)
     if "noprefetch" in levers:
         cfg.fsdp.prefetch = False
-    orig_policy = FSDPStrategy.mp_policy
+    orig_policy, orig_keep = FSDPStrategy.mp_policy, FSDPStrategy.keeps_gathered
+    if "reshard" in levers:
+        FSDPStrategy.keeps_gathered = lambda self: False
     if "bf16reduce" in levers:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -106,6 +121,8 @@ def run_variant(variant: str, a, env, repeat: int = 0) -> dict:
             loss = loop.train_step(model, strategy, batch, 1, env.device, faults, step + 1, fused_head)
             if "nosync" in levers:
                 nosync_step(strategy, model, optimizer, flags)
+            elif "sync" in levers:
+                sync_step(strategy, model, optimizer)
             else:
                 strategy.step(model, optimizer)
             return loss
@@ -140,7 +157,7 @@ def run_variant(variant: str, a, env, repeat: int = 0) -> dict:
             out["profile"] = profile(one, a.warmup + a.steps)
         del model, optimizer, strategy, batch, head, fused_head
     finally:
-        FSDPStrategy.mp_policy = orig_policy
+        FSDPStrategy.mp_policy, FSDPStrategy.keeps_gathered = orig_policy, orig_keep
         pa.cleanup(cuda)
     return out
 

@@ -134,6 +134,9 @@ def gpu_cases(quick: bool = False) -> list[dict]:
             out.append(g(m, "zero3", shapes[m][0], ck))
     for strategy in ("single", "fsdp", "zero3"):  # torch.compile per block, as the engine runs on CUDA
         out.append(g(A, strategy, shapes[A][0], False, True))
+    for strategy in ("zero1", "fsdp-offload", "zero2-offload", "zero3-offload"):  # the rest of one node's presets
+        for ck in (False, True):
+            out.append(g(A, strategy, shapes[A][0], ck))
     return out
 
 

@@ -32,7 +32,7 @@ def _f(default, help: str, choices: tuple | None = None, **kw):
 class FSDPConfig:
     """FSDP2 (`fully_shard`) options; used by the fsdp presets."""
 
-    reshard_after_forward: bool = _f(True, "Free gathered parameters after forward (full shard, ZeRO-3-like); false keeps them until backward (shard grad op, ZeRO-2-like).")
+    reshard_after_forward: bool = _f(True, "Free gathered parameters after forward (full shard, ZeRO-3-like); false keeps them until backward (shard grad op, ZeRO-2-like). On one rank computing in bf16/fp16 over fp32 weights they are kept either way: nothing is sharded there.")
     hybrid: bool = _f(False, "HSDP: shard within a group of ranks (a node by default), replicate across groups, on a 2-D device mesh.")
     shard_group_size: int = _f(0, "Ranks per shard group under hybrid; 0 means the ranks of one node (nproc_per_node).")
     cpu_offload: bool = _f(False, "Keep sharded parameters, gradients and the optimizer step on the CPU.")

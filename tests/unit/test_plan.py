@@ -635,10 +635,14 @@ def test_strategy_overheads_by_hand():
     assert STRATEGY_BYTES_PER_PARAM == {"ddp": 4.0, "fsdp": 16.0, "fsdp-grad-op": 10.0, "zero12": 42.0}
     assert strategy_overhead(spec, job, Opts("single"), 1, comp) == 0.0
     assert strategy_overhead(spec, job, Opts("ddp"), 1, comp) == pytest.approx(4 * P / 2e12)
-    assert strategy_overhead(spec, job, Opts("fsdp"), 1, comp) == pytest.approx(16 * P / 2e12)  # 9.1 ms
+    # one shard rank, bf16 over fp32 weights: the strategy keeps gathered weights to backward (as fsdp-grad-op)
+    assert strategy_overhead(spec, job, Opts("fsdp"), 1, comp) == pytest.approx(10 * P / 2e12)
+    bf16_weights = replace(job, param_dtype="bf16")  # nothing narrower to keep: resharding stays
+    assert strategy_overhead(spec, bf16_weights, Opts("fsdp"), 1, comp) == pytest.approx(16 * P / 2e12)  # 9.1 ms
     assert strategy_overhead(spec, job, Opts("fsdp", reshard_after_forward=False), 1, comp) == \
         pytest.approx(10 * P / 2e12)
-    assert strategy_overhead(spec, job, Opts("fsdp"), 4, comp) == pytest.approx(16 * P / 4 / 2e12)  # the shard
+    four = replace(job, world=4)
+    assert strategy_overhead(spec, four, Opts("fsdp"), 4, comp) == pytest.approx(16 * P / 4 / 2e12)  # the shard
     assert strategy_overhead(spec, job, Opts("deepspeed", stage=2), 1, comp) == pytest.approx(42 * P / 2e12)
     z3 = strategy_overhead(spec, job, Opts("deepspeed", stage=3), 1, comp)
     assert z3 == pytest.approx(6.2e-12 * P * 16) and 0.11 < z3 < 0.115  # 0.112 s measured on the H200

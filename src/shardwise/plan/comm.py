@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardwise.plan.memory import QLORA_BYTES_PER_PARAM, Job, Opts, unit_params
+from shardwise.plan.memory import QLORA_BYTES_PER_PARAM, Job, Opts, reshards, unit_params
 from shardwise.plan.model_spec import ModelSpec
 
 # The optimizer step on the host, parameters per second per node. Measured on one 16-core H200 host (1.14B Llama,
@@ -112,14 +112,14 @@ def collectives(spec: ModelSpec, job: Job, o: Opts, shard_n: int) -> list[Coll]:
         # forward gathers every unit; backward gathers the blocks again unless kept (reshard_after_forward off);
         # the root stays gathered between forward and backward
         out.append(Coll("all_gather", gathered, shard_n, where, ga, "fwd"))
-        if o.reshard_after_forward:
+        if reshards(job, o):
             out.append(Coll("all_gather", gb * blocks, shard_n, where, ga, "bwd"))
         # gradients are reduced on the last micro-batch only (set_requires_gradient_sync(False) before it)
         out.append(Coll("reduce_scatter", rd * P_t, shard_n, where, 1, "bwd"))
         if o.hybrid and job.world > shard_n:
             out.append(Coll("all_reduce", rd * P_t / shard_n, job.world // shard_n, "inter", 1, "bwd"))
         if o.cpu_offload:
-            out.append(Coll("h2d", w * P / shard_n * (2 if o.reshard_after_forward else 1), 1, "host", ga, "fwd"))
+            out.append(Coll("h2d", w * P / shard_n * (2 if reshards(job, o) else 1), 1, "host", ga, "fwd"))
             out.append(Coll("d2h", rd * P_t / shard_n, 1, "host", 1, "bwd"))
     elif o.base == "deepspeed" and job.world > 1:
         n = job.world
@@ -175,7 +175,7 @@ def strategy_overhead(spec: ModelSpec, job: Job, o: Opts, shard_n: int, comp: Co
     if o.base == "ddp":
         return STRATEGY_BYTES_PER_PARAM["ddp"] * P_t / comp.device_mem_bw
     if o.base == "fsdp":
-        key = "fsdp" if o.reshard_after_forward else "fsdp-grad-op"
+        key = "fsdp" if reshards(job, o) else "fsdp-grad-op"
         return STRATEGY_BYTES_PER_PARAM[key] * spec.total_params / shard_n / comp.device_mem_bw
     if o.stage == 3:
         return ZERO3_S_PER_PARAM_LAYER * spec.total_params / shard_n * spec.num_layers

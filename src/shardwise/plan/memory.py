@@ -159,6 +159,13 @@ def shard_ranks(job: Job, o: Opts) -> int:
     return 1
 
 
+def reshards(job: Job, o: Opts) -> bool:
+    """Whether FSDP frees gathered units after forward. Not on one shard rank computing in a narrower dtype than
+    the stored weights: strategies/fsdp.py keeps the gathered compute-dtype copies to backward there (nothing is
+    sharded; resharding would only make them twice), the memory single's autocast casts take."""
+    return o.reshard_after_forward and not (shard_ranks(job, o) == 1 and job.c < job.w)
+
+
 def unit_params(spec: ModelSpec, o: Opts) -> tuple[float, int]:
     """(parameters of one FSDP unit, number of block units) under the wrap policy."""
     P_l = spec.layer_params
@@ -373,7 +380,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
         params, grads, opt = (frozen + tw * P_t) / N, tw * P_t / N, 2 * tw * P_t / N
         gb = QLORA_BYTES_PER_PARAM if job.tuner == "qlora" else c  # gathered bytes per block parameter
         root = spec.root_params * c  # embeddings, final norm, head: the root unit
-        if o.reshard_after_forward:  # the root is resharded after forward too and gathered again for the head's backward
+        if reshards(job, o):  # the root is resharded after forward too and gathered again for the head's backward
             extraA["gathered_units"] = 2 * gb * U  # the last unit (kept) + a prefetched one
         else:  # every unit stays gathered from its forward to its backward
             extraA["gathered_all"] = root + gb * (P - spec.root_params)

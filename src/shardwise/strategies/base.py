@@ -7,6 +7,7 @@ The training loop calls only these methods and never branches on the strategy:
         loss = ...
     strategy.backward(loss)
     grad_norm = strategy.step(model, optimizer)       # unscale, clip, step, zero grads
+    skipped = strategy.take_nonfinite()               # per step since the last call: update skipped?
     state = strategy.state_dict(model, optimizer)     # portable: torch.distributed.checkpoint
     strategy.load_state_dict(model, optimizer, state)
     full = strategy.full_model_state_dict(model)      # rank 0: full tensors on the CPU
@@ -49,7 +50,8 @@ class Strategy:
         self.compute_dtype = DTYPES[cfg.mixed_precision]
         self.param_dtype = DTYPES[cfg.param_dtype]
         self.scaler = None
-        self.nonfinite_steps = 0  # updates skipped because the gradients were not finite
+        self.nonfinite_steps = 0  # updates skipped because the gradients were not finite (as read so far)
+        self._nonfinite: list = []  # one flag per step() not read yet: a bool, or a device tensor
         if cfg.mixed_precision == "fp16":
             self.scaler = torch.amp.GradScaler(env.device.type)
 
@@ -100,23 +102,40 @@ class Strategy:
     def step(self, model: torch.nn.Module, optimizer) -> torch.Tensor:
         """Unscale (fp16), clip, step, zero the gradients; returns the pre-clip global norm.
 
-        A non-finite global norm (NaN/inf loss or gradients) skips the update and counts it
-        in `nonfinite_steps` (the loop applies --on-nan); under fp16 the grad scaler does
-        this itself. The check costs one host sync per step."""
+        A non-finite global norm (NaN/inf loss or gradients) skips the update and records it for
+        `take_nonfinite` (the loop applies --on-nan). The fused CUDA AdamW skips it on the device
+        (its `found_inf`), so the step never waits for the host; the CPU's foreach AdamW cannot, so
+        there the norm is read here (free on the CPU). Under fp16 the grad scaler skips and rescales
+        by itself (not counted: it is how loss scaling works)."""
         if self.scaler:
             self.scaler.unscale_(optimizer)
         norm = self.clip_grad_norm(model, optimizer)
-        if self.scaler is None and not bool(torch.isfinite(norm)):
-            optimizer.zero_grad(set_to_none=True)
-            self.nonfinite_steps += 1
-            return norm
         if self.scaler:
             self.scaler.step(optimizer)
             self.scaler.update()
-        else:
+            self._nonfinite.append(False)
+        elif optimizer.defaults.get("fused"):
+            bad = ~torch.isfinite(norm)
+            optimizer.found_inf = bad.to(torch.float32)  # the kernel skips the update (and undoes its step count)
             optimizer.step()
+            self._nonfinite.append(bad)
+        elif bool(torch.isfinite(norm)):
+            optimizer.step()
+            self._nonfinite.append(False)
+        else:
+            self._nonfinite.append(True)
         optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def take_nonfinite(self) -> list[bool]:
+        """For each `step` since the last call, in order: whether its update was skipped as non-finite.
+        Reads the device's flags in one host sync (none when there are none)."""
+        flags, self._nonfinite = self._nonfinite, []
+        on_device = [f for f in flags if isinstance(f, torch.Tensor)]
+        values = iter(torch.stack(on_device).tolist() if on_device else [])
+        out = [bool(next(values)) if isinstance(f, torch.Tensor) else f for f in flags]
+        self.nonfinite_steps += sum(out)
+        return out
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self, model, optimizer) -> dict:

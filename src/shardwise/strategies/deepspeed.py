@@ -116,8 +116,8 @@ class DeepSpeedStrategy(Strategy):
         model.step()
         norm = model.get_global_grad_norm()
         norm = torch.tensor(float("nan") if norm is None else float(norm))
-        if not bool(torch.isfinite(norm)) and self.cfg.mixed_precision != "fp16":
-            self.nonfinite_steps += 1  # (fp16: DeepSpeed's loss scaler already skipped the update)
+        # (fp16: DeepSpeed's loss scaler skips and rescales by itself; not counted)
+        self._nonfinite.append(not bool(torch.isfinite(norm)) and self.cfg.mixed_precision != "fp16")
         return norm
 
     # -- state: the same portable, name-keyed form as the other strategies ----------------

@@ -108,14 +108,15 @@ class FSDPStrategy(Strategy):
         sgs = f.shard_group_size or self.env.local_world_size
         self.mesh = build_mesh(self.env.device.type, self.env.world_size, f.hybrid, sgs)
         units = block_units(model) if f.wrap == "block" else size_units(model, int(f.wrap[5:]))
+        self.reshard = f.reshard_after_forward and not self.keeps_gathered()
         kw = dict(mesh=self.mesh, mp_policy=self.mp_policy(),
                   offload_policy=CPUOffloadPolicy(pin_memory=self.env.device.type == "cuda") if f.cpu_offload
                   else OffloadPolicy())
         for i, unit in enumerate(units):
             # the last unit is gathered again first thing in backward: keep it
-            reshard = f.reshard_after_forward and i < len(units) - 1
+            reshard = self.reshard and i < len(units) - 1
             fully_shard(unit, reshard_after_forward=reshard, **kw)
-        fully_shard(model, reshard_after_forward=f.reshard_after_forward, **kw)
+        fully_shard(model, reshard_after_forward=self.reshard, **kw)
         if f.prefetch and f.wrap == "block" and len(units) > 1:  # blocks run in list order
             for a, b in zip(units, units[1:]):
                 a.set_modules_to_forward_prefetch([b])
@@ -124,6 +125,14 @@ class FSDPStrategy(Strategy):
             log.info("fsdp: %d units + root on mesh %s", len(units), tuple(self.mesh.shape))
         self.n_units = len(units)
         return model
+
+    def keeps_gathered(self) -> bool:
+        """One rank per shard group, computing in a narrower dtype than the stored weights: nothing is sharded, so
+        resharding after forward would only free the compute-dtype copies of the weights and make them again in
+        backward (a cast and a copy per parameter, 3-4% of a step on one H200: benchmarks/one_gpu_levers.py). Keep
+        them from forward to backward instead, as single's autocast keeps its casts (same memory as single's). The
+        planner mirrors this rule (plan/memory.py, `reshards`)."""
+        return self.mesh.shape[-1] == 1 and self.compute_dtype.itemsize < self.param_dtype.itemsize
 
     def optimizer_kernel(self) -> dict:
         return {"foreach": True} if self.cfg.fsdp.cpu_offload else super().optimizer_kernel()
@@ -137,6 +146,9 @@ class FSDPStrategy(Strategy):
 
     def describe(self) -> str:
         f = self.cfg.fsdp
-        return (f"fsdp ({'full shard' if f.reshard_after_forward else 'shard grad op'}, "
+        mode = "full shard" if self.reshard else "shard grad op"
+        if f.reshard_after_forward and not self.reshard:
+            mode += " (one rank: gathered weights kept from forward to backward)"
+        return (f"fsdp ({mode}, "
                 f"{self.n_units} units + root, mesh {tuple(self.mesh.shape)}"
                 + (", cpu offload" if f.cpu_offload else "") + ")")

@@ -223,6 +223,23 @@ def run(job: Job) -> dict:
     window, loss_acc, seq_acc = Window(), torch.zeros((), device=env.device), 0.0
     t_start = time.time()
     last_rec, first_loss, skipped, loss_n, tokens_run = {}, None, 0, 0, 0
+    # Steps whose non-finite flag has not been read: the loop reads it one step late, once the next step's
+    # forward/backward is queued (so the GPU never idles waiting for the host), or at a log step, a checkpoint or
+    # the end, whichever is first. A skipped update was never applied, so --on-nan stop still stops before any
+    # later update; their losses stay out of the logged mean.
+    unread: list[tuple[int, StepBatch, torch.Tensor]] = []
+
+    def settle() -> None:
+        nonlocal skipped, loss_acc, loss_n
+        for (s, b, loss), bad in zip(unread, strategy.take_nonfinite()):
+            if bad:
+                skipped += 1
+                on_nonfinite(cfg, env, rep, s, b, job, out)
+            else:
+                loss_acc += loss
+                loss_n += 1
+        unread.clear()
+
     model.train()
     phase = "setup"
     try:
@@ -234,22 +251,19 @@ def run(job: Job) -> dict:
                 g["lr"] = lr_at(cfg, step, total)
             with profiler.step(step + 1):  # a null context unless this step is profiled
                 step_loss = train_step(model, strategy, batch, world, env.device, faults, step + 1, fused_head)
+                settle()  # the previous step's flag
                 phase = f"step {step + 1}: optimizer step (gradient-norm reduction)"
                 grad_norm = strategy.step(model, optimizer)
             step, pos = step + 1, next_pos
+            unread.append((step, batch, step_loss))
             tokens_seen += batch.tokens
-            if strategy.nonfinite_steps > skipped:
-                skipped = strategy.nonfinite_steps
-                on_nonfinite(cfg, env, rep, step, batch, job, out)
-            else:
-                loss_acc += step_loss
-                loss_n += 1
             tokens_run += batch.tokens
             window.add(batch.tokens)
             seq_acc += batch.tokens / len(batch.rows)
             # a profiled step is logged on its own: the step before it closes the window
             if step % cfg.log_every == 0 or step == total or profiler.wants(step) or profiler.wants(step + 1):
                 phase = f"step {step}: metrics reduction"
+                settle()
                 rec = log_record(env, cfg, window, loss_acc, loss_n, seq_acc, step, total, grad_norm, pos, tokens_seen,
                                  skipped, peak, n_params, hf_config, profiler.take())
                 rep.log(rec)
@@ -260,6 +274,8 @@ def run(job: Job) -> dict:
                 last_rec = rec
                 window, loss_acc, seq_acc, loss_n = Window(), torch.zeros((), device=env.device), 0.0, 0
             stop, due = control.poll(step)
+            if stop or (step < total and ((cfg.save_every and step % cfg.save_every == 0) or due)):
+                settle()  # a checkpoint follows a step whose update is known
             if stop:
                 phase = "checkpoint save"
                 path = save()
@@ -271,6 +287,7 @@ def run(job: Job) -> dict:
                 phase = f"step {step}: checkpoint save"
                 save()
                 control.saved()
+        settle()
         if cfg.save_every and not (ckpt.latest(out) or "").endswith(f"step_{step:08d}"):
             phase = "final checkpoint save"
             save()

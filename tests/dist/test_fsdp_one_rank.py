@@ -1,0 +1,71 @@
+"""FSDP on one rank: with compute narrower than the stored weights (bf16 over fp32) nothing is sharded, so the
+strategy keeps each unit's gathered weights from forward to backward instead of making them twice; it must
+train exactly as resharding does. A real one-rank gloo group in a spawned process."""
+
+import json
+import os
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _grads_after_one_step(model_dir, mixed_precision, keep: bool | None):
+    from torch.distributed.tensor import DTensor
+
+    from shardwise import strategies
+    from shardwise.config import load_config
+    from shardwise.strategies.base import DistEnv
+    from shardwise.strategies.fsdp import FSDPStrategy
+    from shardwise.train.loop import build_model
+
+    cfg = load_config(None, {k: (v, "test") for k, v in {"model": model_dir, "strategy": "fsdp", "nproc_per_node": 1,
+                                                         "mixed_precision": mixed_precision}.items()}).cfg
+    env = DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo")
+    orig = FSDPStrategy.keeps_gathered
+    if keep is not None:  # force the other mode, to compare against
+        FSDPStrategy.keeps_gathered = lambda self: keep
+    try:
+        strategy = strategies.get("fsdp")(cfg, env)
+        torch.manual_seed(0)
+        model, opt = strategy.setup(build_model(cfg, model_dir))
+    finally:
+        FSDPStrategy.keeps_gathered = orig
+    first_block = model.model.layers[0]
+    ids = torch.randint(5, 500, (2, 32), generator=torch.Generator().manual_seed(7))
+    with strategy.sync(model, True), strategy.autocast():
+        loss = model(input_ids=ids, labels=ids).loss
+    # after forward: is the first block's weight still gathered (a plain tensor) or resharded (a DTensor)?
+    gathered_after_forward = not isinstance(next(first_block.parameters()), DTensor)
+    strategy.backward(loss)
+    grads = {n: p.grad.full_tensor().tolist() for n, p in model.named_parameters()}
+    return {"reshard": strategy.reshard, "describe": strategy.describe(), "gathered": gathered_after_forward,
+            "loss": loss.item(), "grads": grads}
+
+
+def _worker(rank, init_file, model_dir, out):
+    import torch.distributed as dist
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    res = {"bf16": _grads_after_one_step(model_dir, "bf16", None),
+           "bf16_resharded": _grads_after_one_step(model_dir, "bf16", False),
+           "fp32": _grads_after_one_step(model_dir, "no", None)}
+    with open(out, "w") as fh:
+        json.dump(res, fh)
+    dist.destroy_process_group()
+
+
+def test_one_rank_fsdp_keeps_gathered_weights_only_under_mixed_precision_and_trains_the_same(tmp_path, tiny_dir):
+    out = str(tmp_path / "res.json")
+    mp.spawn(_worker, args=(str(tmp_path / "init"), tiny_dir, out), nprocs=1)
+    with open(out) as fh:
+        r = json.load(fh)
+    kept, resharded, fp32 = r["bf16"], r["bf16_resharded"], r["fp32"]
+    assert kept["reshard"] is False and kept["gathered"] is True
+    assert "one rank: gathered weights kept from forward to backward" in kept["describe"]
+    assert resharded["reshard"] is True and resharded["gathered"] is False
+    # fp32 compute: the gathered weights are the stored ones; resharding stays (the fsdp preset's full shard)
+    assert fp32["reshard"] is True and fp32["gathered"] is False and "full shard" in fp32["describe"]
+    # keeping them changes when copies are made, not what is computed: identical loss and gradients
+    assert kept["loss"] == resharded["loss"]
+    assert kept["grads"] == resharded["grads"]

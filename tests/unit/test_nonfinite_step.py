@@ -1,0 +1,56 @@
+"""Strategy.step skips a non-finite update and reports it through take_nonfinite, on both optimizer kernels:
+the fused AdamW (as on CUDA: skipped on the device through found_inf, no host sync in step) and foreach (as on
+the CPU: the norm is read in step). Both kernels run on the CPU, so both paths are tested here."""
+
+import pytest
+import torch
+
+from shardwise import config
+from shardwise.strategies.base import DistEnv, Strategy
+
+
+def _setup(kernel: dict):
+    cfg = config.load_config(None, {"mixed_precision": ("no", "test")}).cfg
+    strategy = Strategy(cfg, DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo"))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, **kernel)
+    return strategy, model, opt
+
+
+def _backward(model, poison: bool):
+    loss = model(torch.ones(2, 4)).sum()
+    (loss * float("nan") if poison else loss).backward()
+
+
+@pytest.mark.parametrize("kernel", [{"fused": True}, {"foreach": True}], ids=["fused", "foreach"])
+def test_a_non_finite_step_is_skipped_and_reported_in_order(kernel):
+    strategy, model, opt = _setup(kernel)
+    before = [p.detach().clone() for p in model.parameters()]
+    _backward(model, poison=True)
+    norm = strategy.step(model, opt)
+    assert not torch.isfinite(norm)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the update was not applied
+    assert all(p.grad is None for p in model.parameters())
+    if kernel.get("fused"):  # the flag stays on the device until read; the skipped step is not counted in Adam
+        assert isinstance(strategy._nonfinite[0], torch.Tensor)
+        assert float(opt.state[model.weight]["step"]) == 0.0
+    _backward(model, poison=False)
+    strategy.step(model, opt)
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # this one was
+    assert strategy.take_nonfinite() == [True, False]
+    assert strategy.nonfinite_steps == 1
+    assert strategy.take_nonfinite() == []  # read once
+
+
+def test_fused_and_foreach_agree_on_the_updates_around_a_skipped_step():
+    runs = []
+    for kernel in ({"fused": True}, {"foreach": True}):
+        strategy, model, opt = _setup(kernel)
+        for poison in (False, True, False):
+            _backward(model, poison)
+            strategy.step(model, opt)
+        assert strategy.take_nonfinite() == [False, True, False]
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
