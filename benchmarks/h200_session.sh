@@ -9,7 +9,7 @@
 #     typing-inspection typing_extensions bitsandbytes==0.50.2
 # and carried to the device, 48 MB in all). Usage on the GPU machine, from the repo root:
 #   bash benchmarks/h200_session.sh setup PART...     PART: tests strategies offload qlora accuracy bench3b
-#                                                    accuracy3 levers fsdp1 proftest (third session)
+#                                                    accuracy3 levers fsdp1 proftest accuracy4 levers2 defaults (third session)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
 set -u
@@ -45,6 +45,17 @@ levers() {
 }
 fsdp1() { python3 benchmarks/strategies_gpu.py --strategies single,fsdp,fsdp-grad-op --steps 20 --tag fsdp1 --out "$OUT"; }
 proftest() { python3 -m pytest -q -rs -x tests/gpu/test_profile_cuda.py; }
+# after e45764c (one-rank fsdp keeps gathered weights; no host sync in the step): the fsdp rows again + the presets
+# the table lacked (zero1, the offload presets); before/after of both changes in one process; the CLI numbers
+accuracy4() {
+  python3 benchmarks/plan_accuracy.py --gpu --steps 3 --budget-s 400 --pick 3,4,15,16,23,24,25,26,31,32,33,34,40,42,43,44,45,46,47,48,49 \
+    --json "$OUT/acc_gpu4.json"
+}
+levers2() {
+  python3 benchmarks/one_gpu_levers.py --variants single+sync,single,fsdp+sync+reshard,fsdp --repeat 3 --steps 10 --warmup 3 \
+    --json "$OUT/levers2.json"
+}
+defaults() { python3 benchmarks/strategies_gpu.py --strategies single,fsdp,ddp --steps 20 --tag defaults --out "$OUT"; }
 setup
 LOGF="$OUT/logs-$(date +%H%M%S).txt"
 for part in "$@"; do
