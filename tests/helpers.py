@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,6 +20,44 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None, cwd: str 
     if check and p.returncode != 0:
         raise AssertionError(f"shardwise {' '.join(args)} exited {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}")
     return p
+
+
+class ConcurrentRuns:
+    """Independent `shardwise` runs started together, `jobs` at a time (the first `get` starts
+    every run added so far). A launch spends much of its time in one process (the launcher's
+    imports and tokenization, one-process runs), so two at a time use both cores of a small
+    CI machine. Only for runs whose results do not depend on timing; a run's failure is
+    raised by the `get` of that run only."""
+
+    def __init__(self, jobs: int = 2):
+        self.jobs = jobs
+        self.pending: dict[str, tuple[tuple, dict]] = {}
+        self.results: dict[str, subprocess.CompletedProcess | AssertionError] = {}
+
+    def add(self, name: str, *args: str, **kwargs) -> None:
+        """A run of `run_cli(*args, **kwargs)`."""
+        assert name not in self.pending and name not in self.results, name
+        self.pending[name] = (args, kwargs)
+
+    def _start(self) -> None:
+        def one(item):
+            name, (args, kwargs) = item
+            try:
+                return name, run_cli(*args, **kwargs)
+            except AssertionError as e:
+                return name, e
+
+        batch, self.pending = list(self.pending.items()), {}
+        with ThreadPoolExecutor(max_workers=self.jobs) as pool:
+            self.results.update(pool.map(one, batch))
+
+    def get(self, name: str) -> subprocess.CompletedProcess:
+        if name not in self.results:
+            self._start()
+        r = self.results[name]
+        if isinstance(r, AssertionError):
+            raise r
+        return r
 
 
 def read_metrics(out_dir: str) -> list[dict]:

@@ -8,17 +8,18 @@ import subprocess
 import pytest
 import torch
 
-from tests.helpers import chat_records, losses, read_metrics, run_cli, write_jsonl
+from tests.dist.shared import COMMON as _COMMON
+from tests.dist.shared import DDP, RTOL
+from tests.helpers import ConcurrentRuns, losses, read_metrics, run_cli
 
-COMMON = ("--model", "tiny", "--seq-len", "64", "--log-every", "1", "--lr", "1e-3", "--warmup-steps", "2",
-          "--mixed-precision", "no", "--seed", "0", "--micro-batch-size", "2", "--max-steps", "12")
-DDP = ("--strategy", "ddp", "--nproc-per-node", "2", "--grad-accum", "2")
-RTOL = 2e-5
+# The session's flags (clipping at 0.5 included) with 12 steps of micro-batches of 2, so that
+# the session's 2-rank DDP run (tests/dist/shared.py: checkpoints at 4, 8, 12) is the reference.
+COMMON = (*_COMMON, "--micro-batch-size", "2", "--max-steps", "12")
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_jsonl(str(tmp_path_factory.mktemp("data") / "chat.jsonl"), chat_records(96))
+def data(chat_data):
+    return chat_data
 
 
 def train(out, data, *extra, env=None, check=True):
@@ -26,11 +27,9 @@ def train(out, data, *extra, env=None, check=True):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data):
-    """An uninterrupted 2-rank DDP run with checkpoints every 4 steps."""
-    out = tmp_path_factory.mktemp("ref")
-    train(out, data, *DDP, "--save-every", "4", "--keep-checkpoints", "3")
-    return out, losses(str(out))
+def reference(ddp_ref):
+    """An uninterrupted 2-rank DDP run with checkpoints every 4 steps (the session's)."""
+    return ddp_ref.out, ddp_ref.losses
 
 
 def test_kill_minus_9_of_one_rank_restarts_and_finishes_identically(reference, data, tmp_path):
@@ -73,30 +72,31 @@ def test_sigterm_writes_a_checkpoint_and_resume_matches(reference, data, tmp_pat
     torch.testing.assert_close(torch.tensor(after), torch.tensor(ref[step:]), rtol=RTOL, atol=0)
 
 
-def test_resume_one_rank_checkpoint_on_two_ranks(reference, data, tmp_path):
+def test_resume_one_rank_checkpoint_on_two_ranks(reference, single_ref, data, tmp_path):
+    """The session's one-process run (same global batch, same 12-step schedule) resumes from
+    its step-4 checkpoint on two ranks and continues on the 2-rank reference's trajectory."""
     _, ref = reference
-    one = tmp_path / "one"
-    train(one, data, "--strategy", "single", "--nproc-per-node", "1", "--grad-accum", "4", "--save-every", "4",
-          "--max-steps", "4", "--no-save-final")
-    # the one-rank run stopped at its max_steps=4: continue to 12 on two ranks. The LR
-    # schedule depends on max_steps, so compare the first 4 steps to the 12-step reference
-    # via the warm-up (identical for both) and the rest for being a continuation.
-    p = train(tmp_path / "two", data, *DDP, "--resume", str(one / "checkpoints" / "step_00000004"))
+    p = train(tmp_path / "two", data, *DDP, "--resume", str(single_ref.ckpt(4)))
     assert "saved by single on 1 ranks; now ddp on 2" in p.stdout and "row 32 of epoch 0" in p.stdout
-    torch.testing.assert_close(torch.tensor(losses(str(one))[:2]), torch.tensor(ref[:2]), rtol=RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(single_ref.losses[:4]), torch.tensor(ref[:4]), rtol=RTOL, atol=0)
     assert read_metrics(str(tmp_path / "two"))[0]["step"] == 5
+    torch.testing.assert_close(torch.tensor(losses(str(tmp_path / "two"))), torch.tensor(ref[4:]), rtol=RTOL, atol=0)
 
 
 def test_non_finite_loss_skip_or_stop(data, tmp_path):
-    p = train(tmp_path / "skip", data, "--strategy", "single", "--nproc-per-node", "1", "--grad-accum", "2",
-              "--max-steps", "5", "--on-nan", "skip", "--no-save-final", env={"SHARDWISE_FAULT": "nan@3"})
+    one = ("--strategy", "single", "--nproc-per-node", "1", "--grad-accum", "2", "--max-steps", "5",
+           "--no-save-final")
+    runs = ConcurrentRuns()  # two independent one-process runs: both cores
+    for name, extra in (("skip", ("--on-nan", "skip")), ("stop", ("--save-every", "2"))):
+        runs.add(name, "train", *COMMON, "--data", data, "--output-dir", str(tmp_path / name), *one, *extra,
+                 env={"SHARDWISE_FAULT": "nan@3"}, check=name == "skip")
+    p = runs.get("skip")
     summary = json.loads((tmp_path / "skip" / "summary.json").read_text())
     assert summary["skipped_nonfinite_steps"] == 1 and "step 3: non-finite" in p.stdout
     m = read_metrics(str(tmp_path / "skip"))
     assert m[2]["skipped_nonfinite_steps"] == 1  # step 3's loss is logged as it was (NaN) ...
     assert all(torch.isfinite(torch.tensor([r["loss"] for r in m[3:]])))  # ... and the weights stayed finite
-    p = train(tmp_path / "stop", data, "--strategy", "single", "--nproc-per-node", "1", "--grad-accum", "2",
-              "--max-steps", "5", "--save-every", "2", "--no-save-final", env={"SHARDWISE_FAULT": "nan@3"}, check=False)
+    p = runs.get("stop")
     assert p.returncode == 2
     line = p.stderr.strip().splitlines()[-1]
     assert "non-finite loss or gradients at step 3" in line and "chat.jsonl:" in line
@@ -175,12 +175,12 @@ def test_ddp_to_fsdp_and_back_resume_and_fsdp_export_matches_training(reference,
         torch.testing.assert_close(exported(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=0, atol=0)
 
 
-def test_time_based_checkpoints_agree_across_ranks(data, tmp_path):
+def test_time_based_checkpoints_agree_across_ranks(ddp_gc_timed):
     """--save-every-minutes: rank 0's clock proposes a save two steps ahead through the
-    store; every rank saves at the same step, so every checkpoint is complete."""
-    out = tmp_path / "minutes"
-    train(out, data, *DDP, "--max-steps", "8", "--save-every-minutes", "0.0001", "--keep-checkpoints", "10",
-          "--no-save-final")
+    store; every rank saves at the same step, so every checkpoint is complete. (The session's
+    2-rank run with gradient checkpointing saves every 0.0001 minutes; test_ddp.py checks
+    that its losses equal one process's.)"""
+    out = ddp_gc_timed.out
     ckpts = sorted(os.listdir(out / "checkpoints"))
     assert len(ckpts) >= 2 and not any(c.endswith(".tmp") for c in ckpts)
     for c in ckpts:
@@ -188,13 +188,11 @@ def test_time_based_checkpoints_agree_across_ranks(data, tmp_path):
         assert meta["step"] == int(c.split("_")[1]) and len(os.listdir(out / "checkpoints" / c / "rng")) == 2
 
 
-def test_lora_checkpoint_exports_merged(data, tmp_path):
+def test_lora_checkpoint_exports_merged(lora_single_ref, tmp_path):
+    """The session's one-process LoRA run (--merge-lora, a checkpoint at its last step)."""
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "lora"
-    train(out, data, "--strategy", "single", "--nproc-per-node", "1", "--grad-accum", "2", "--max-steps", "4",
-          "--tuner", "lora", "--lora-r", "4", "--lora-dropout", "0", "--lr", "1e-2", "--save-every", "4",
-          "--merge-lora")
+    out = lora_single_ref.out
     run_cli("export", str(out), "--out", str(tmp_path / "merged"), "--merge-lora")
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     assert not any("lora" in k for k in merged.state_dict())
