@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shardwise.plan.memory import DS_SUB_GROUP, GiB, Job, Opts, estimate, zero3_fp32_grad_elements
 from shardwise.plan.model_spec import ModelSpec
 
@@ -33,3 +35,20 @@ def test_zero3_backward_peak_counts_one_sub_group_not_the_whole_partition():
     # ZeRO-1/2 upcast a whole parameter group at once (stage_1_and_2.py): unchanged
     m2 = estimate(L3B, job, Opts(base="deepspeed", stage=2))
     assert m2.detail["buffer_bwd.fp32_grad_partition"] == 4 * L3B.total_params
+
+
+def test_offloaded_optimizer_keeps_gradients_on_the_host():
+    anchor = ModelSpec("a", "test", 32000, 2048, 8192, 16, 16, 8, 128, False)
+    P = anchor.total_params
+    job = Job(micro_batch=8, seq_len=2048, checkpointing=True, compute="bf16", param_dtype="fp32",
+              accelerator="cuda", fused_loss=True)
+    z2, z2o = estimate(anchor, job, Opts(base="deepspeed", stage=2)), \
+        estimate(anchor, job, Opts(base="deepspeed", stage=2, offload_optimizer=True))
+    assert z2.grads == 2 * P and z2o.grads == 0.0  # ZeRO-2 copies each reduced bucket into the host fp32 partition
+    assert z2o.host == 12 * P + 4 * P  # fp32 master + Adam moments + the fp32 gradient partition
+    z3o = estimate(anchor, job, Opts(base="deepspeed", stage=3, offload_optimizer=True, offload_params=True))
+    assert z3o.grads == 0.0 and z3o.params == 0.0
+    assert z3o.host == 12 * P + 4 * P + 2 * P + 2 * P  # + the bf16 flat gradient partition and bf16 parameters
+    # on CPU ranks "offloaded" state stays in the rank's memory: the gradients are counted there
+    assert estimate(anchor, replace(job, accelerator="cpu"), Opts(base="deepspeed", stage=2,
+                                                                   offload_optimizer=True)).grads == 2 * P

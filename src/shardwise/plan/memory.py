@@ -424,6 +424,12 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
             if offload_moves:
                 host += opt + extraB.pop("fp32_grad_partition")
                 opt = 0.0
+                # the gradients go to the host as they are reduced: ZeRO-3 keeps its flat gradient partition there
+                # (stage3.py allocates grad_partitions_flat_buffer on self.device, the CPU under offload), ZeRO-2
+                # copies each reduced bucket into the host's fp32 partition (stage_1_and_2.py)
+                if o.stage == 3:
+                    host += grads
+                grads, grads_persist = 0.0, False
             else:  # CPU ranks: the offloaded fp32 gradient partition is allocated once and kept
                 persist["fp32_grad_partition"] = extraB.pop("fp32_grad_partition")
         if o.offload_params and o.stage == 3 and offload_moves:
