@@ -32,7 +32,8 @@ def _f(default, help: str, choices: tuple | None = None, **kw):
 class FSDPConfig:
     """FSDP2 (`fully_shard`) options; used by the fsdp presets."""
 
-    reshard_after_forward: bool = _f(True, "Free gathered parameters after forward (full shard, ZeRO-3-like); false keeps them until backward (shard grad op, ZeRO-2-like). On one rank computing in bf16/fp16 over fp32 weights they are kept either way: nothing is sharded there.")
+    reshard_after_forward: bool = _f(True, "Free gathered parameters after forward (full shard, ZeRO-3-like); false keeps them until backward (shard grad op, ZeRO-2-like). See keep_gathered_one_rank for one rank.")
+    keep_gathered_one_rank: bool = _f(True, "On one shard rank computing narrower than the stored weights (bf16 over fp32), keep gathered weights from forward to backward whatever reshard_after_forward says: nothing is sharded there, so resharding only makes the bf16 copies twice (faster; +2 bytes per parameter until backward, as single's autocast keeps). false: reshard as on several ranks.")
     hybrid: bool = _f(False, "HSDP: shard within a group of ranks (a node by default), replicate across groups, on a 2-D device mesh.")
     shard_group_size: int = _f(0, "Ranks per shard group under hybrid; 0 means the ranks of one node (nproc_per_node).")
     cpu_offload: bool = _f(False, "Keep sharded parameters, gradients and the optimizer step on the CPU.")
@@ -93,6 +94,7 @@ class Config:
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
     on_nan: str = _f("stop", "On a non-finite loss or gradient: skip the step (and count it) or stop, naming the step, the batch's records and the last good checkpoint.", ("skip", "stop"))
+    sync_step: bool = _f(False, "Read the non-finite check on the host in every optimizer step (the GPU waits for it). Off: with the fused AdamW (CUDA) a non-finite update is skipped on the device and the loop reads the flag one step late; --on-nan still acts before any later update.")
     seed: int = _f(42, "Seed for initialisation, shuffling and dropout.")
     mixed_precision: str = _f("auto", "Compute dtype: no (fp32), bf16, fp16; auto is bf16 on a GPU that has it, else no.", ("auto", "no", "bf16", "fp16"))
     param_dtype: str = _f("fp32", "Storage dtype of weights, gradients and optimizer states: fp32 (master weights) or bf16 (pure bf16, half the memory).", ("fp32", "bf16"))

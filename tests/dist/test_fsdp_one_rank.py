@@ -9,27 +9,21 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _grads_after_one_step(model_dir, mixed_precision, keep: bool | None):
+def _grads_after_one_step(model_dir, mixed_precision, keep: bool = True):
     from torch.distributed.tensor import DTensor
 
     from shardwise import strategies
     from shardwise.config import load_config
     from shardwise.strategies.base import DistEnv
-    from shardwise.strategies.fsdp import FSDPStrategy
     from shardwise.train.loop import build_model
 
-    cfg = load_config(None, {k: (v, "test") for k, v in {"model": model_dir, "strategy": "fsdp", "nproc_per_node": 1,
-                                                         "mixed_precision": mixed_precision}.items()}).cfg
+    flags = {"model": model_dir, "strategy": "fsdp", "nproc_per_node": 1, "mixed_precision": mixed_precision,
+             "fsdp.keep_gathered_one_rank": keep}
+    cfg = load_config(None, {k: (v, "test") for k, v in flags.items()}).cfg
     env = DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo")
-    orig = FSDPStrategy.keeps_gathered
-    if keep is not None:  # force the other mode, to compare against
-        FSDPStrategy.keeps_gathered = lambda self: keep
-    try:
-        strategy = strategies.get("fsdp")(cfg, env)
-        torch.manual_seed(0)
-        model, opt = strategy.setup(build_model(cfg, model_dir))
-    finally:
-        FSDPStrategy.keeps_gathered = orig
+    strategy = strategies.get("fsdp")(cfg, env)
+    torch.manual_seed(0)
+    model, opt = strategy.setup(build_model(cfg, model_dir))
     first_block = model.model.layers[0]
     ids = torch.randint(5, 500, (2, 32), generator=torch.Generator().manual_seed(7))
     with strategy.sync(model, True), strategy.autocast():
@@ -47,9 +41,9 @@ def _worker(rank, init_file, model_dir, out):
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    res = {"bf16": _grads_after_one_step(model_dir, "bf16", None),
-           "bf16_resharded": _grads_after_one_step(model_dir, "bf16", False),
-           "fp32": _grads_after_one_step(model_dir, "no", None)}
+    res = {"bf16": _grads_after_one_step(model_dir, "bf16"),
+           "bf16_resharded": _grads_after_one_step(model_dir, "bf16", keep=False),  # --no-fsdp-keep-gathered-one-rank
+           "fp32": _grads_after_one_step(model_dir, "no")}
     with open(out, "w") as fh:
         json.dump(res, fh)
     dist.destroy_process_group()

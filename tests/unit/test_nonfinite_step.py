@@ -9,8 +9,8 @@ from shardwise import config
 from shardwise.strategies.base import DistEnv, Strategy
 
 
-def _setup(kernel: dict):
-    cfg = config.load_config(None, {"mixed_precision": ("no", "test")}).cfg
+def _setup(kernel: dict, sync_step: bool = False):
+    cfg = config.load_config(None, {"mixed_precision": ("no", "test"), "sync_step": (sync_step, "test")}).cfg
     strategy = Strategy(cfg, DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo"))
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
@@ -54,3 +54,12 @@ def test_fused_and_foreach_agree_on_the_updates_around_a_skipped_step():
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_sync_step_reads_the_check_on_the_host_even_with_the_fused_kernel():
+    strategy, model, opt = _setup({"fused": True}, sync_step=True)
+    _backward(model, poison=True)
+    strategy.step(model, opt)
+    assert strategy._nonfinite == [True]  # a host bool, decided in the step
+    assert not hasattr(opt, "found_inf")
+    assert strategy.take_nonfinite() == [True]

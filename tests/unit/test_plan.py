@@ -637,6 +637,8 @@ def test_strategy_overheads_by_hand():
     assert strategy_overhead(spec, job, Opts("ddp"), 1, comp) == pytest.approx(4 * P / 2e12)
     # one shard rank, bf16 over fp32 weights: the strategy keeps gathered weights to backward (as fsdp-grad-op)
     assert strategy_overhead(spec, job, Opts("fsdp"), 1, comp) == pytest.approx(10 * P / 2e12)
+    off = Opts("fsdp", keep_gathered_one_rank=False)  # --no-fsdp-keep-gathered-one-rank
+    assert strategy_overhead(spec, job, off, 1, comp) == pytest.approx(16 * P / 2e12)
     bf16_weights = replace(job, param_dtype="bf16")  # nothing narrower to keep: resharding stays
     assert strategy_overhead(spec, bf16_weights, Opts("fsdp"), 1, comp) == pytest.approx(16 * P / 2e12)  # 9.1 ms
     assert strategy_overhead(spec, job, Opts("fsdp", reshard_after_forward=False), 1, comp) == \
@@ -666,3 +668,22 @@ def test_h200_anchor_speeds_within_10_percent():
     plan = plan_model(spec, job, setup)
     for name, tps in measured.items():
         assert plan.for_strategy(name).tokens_per_s == pytest.approx(tps, rel=0.10), name
+
+
+def test_one_rank_fsdp_keeps_gathered_weights_unless_told_not_to():
+    """The planner follows FSDPStrategy.keeps_gathered: one shard rank, bf16 over fp32 -> no reshard after forward
+    (more memory at the end of forward), unless fsdp.keep_gathered_one_rank is false; two ranks always reshard."""
+    from shardwise.config import load_config
+    from shardwise.plan.decide import opts_for
+    from shardwise.plan.memory import reshards
+    from shardwise.plan.model_spec import ModelSpec
+
+    spec = ModelSpec("a", "test", 32000, 2048, 8192, 16, 16, 8, 128, False)
+    job = Job(world=1, micro_batch=8, seq_len=2048, compute="bf16", param_dtype="fp32", accelerator="cuda")
+    flags = lambda keep: load_config(None, {"strategy": ("fsdp", "t"), "fsdp.keep_gathered_one_rank": (keep, "t")}).cfg  # noqa: E731
+    kept, off = opts_for("fsdp", flags(True)), opts_for("fsdp", flags(False))
+    assert not reshards(job, kept) and reshards(job, off)
+    assert reshards(replace(job, world=2), kept) and reshards(replace(job, param_dtype="bf16"), kept)
+    a, b = estimate(spec, job, kept), estimate(spec, job, off)
+    assert "buffer.gathered_all" in a.detail and "buffer.gathered_units" in b.detail
+    assert a.peak_tensors > b.peak_tensors

@@ -174,6 +174,7 @@ def opts_for(name: str, cfg=None) -> Opts:
         cfg = base_cfg
     f, d = cfg.fsdp, cfg.deepspeed
     return Opts(base=presets.base_strategy(name), reshard_after_forward=f.reshard_after_forward,
+                keep_gathered_one_rank=f.keep_gathered_one_rank,
                 cpu_offload=f.cpu_offload, hybrid=f.hybrid, shard_group_size=f.shard_group_size, wrap=f.wrap,
                 prefetch=f.prefetch, stage=d.stage, offload_optimizer=d.offload_optimizer,
                 offload_params=d.offload_params)

@@ -108,6 +108,7 @@ class Opts:
 
     base: str  # single | ddp | fsdp | deepspeed
     reshard_after_forward: bool = True
+    keep_gathered_one_rank: bool = True  # fsdp.keep_gathered_one_rank
     cpu_offload: bool = False
     hybrid: bool = False
     shard_group_size: int = 0
@@ -163,7 +164,7 @@ def reshards(job: Job, o: Opts) -> bool:
     """Whether FSDP frees gathered units after forward. Not on one shard rank computing in a narrower dtype than
     the stored weights: strategies/fsdp.py keeps the gathered compute-dtype copies to backward there (nothing is
     sharded; resharding would only make them twice), the memory single's autocast casts take."""
-    return o.reshard_after_forward and not (shard_ranks(job, o) == 1 and job.c < job.w)
+    return o.reshard_after_forward and not (o.keep_gathered_one_rank and shard_ranks(job, o) == 1 and job.c < job.w)
 
 
 def unit_params(spec: ModelSpec, o: Opts) -> tuple[float, int]:

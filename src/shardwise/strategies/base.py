@@ -105,7 +105,7 @@ class Strategy:
         A non-finite global norm (NaN/inf loss or gradients) skips the update and records it for
         `take_nonfinite` (the loop applies --on-nan). The fused CUDA AdamW skips it on the device
         (its `found_inf`), so the step never waits for the host; the CPU's foreach AdamW cannot, so
-        there the norm is read here (free on the CPU). Under fp16 the grad scaler skips and rescales
+        there the norm is read here (free on the CPU), as it is everywhere with `sync_step`. Under fp16 the grad scaler skips and rescales
         by itself (not counted: it is how loss scaling works)."""
         if self.scaler:
             self.scaler.unscale_(optimizer)
@@ -114,7 +114,7 @@ class Strategy:
             self.scaler.step(optimizer)
             self.scaler.update()
             self._nonfinite.append(False)
-        elif optimizer.defaults.get("fused"):
+        elif optimizer.defaults.get("fused") and not self.cfg.sync_step:
             bad = ~torch.isfinite(norm)
             optimizer.found_inf = bad.to(torch.float32)  # the kernel skips the update (and undoes its step count)
             optimizer.step()
