@@ -166,6 +166,8 @@ def config_for(c: dict, world: int):
              "mixed_precision": "no" if c["compute"] == "fp32" else c["compute"], "param_dtype": "fp32",
              "compile": "on" if c["compile"] else "off", "fused_loss": c["fused_loss"], "nproc_per_node": world,
              "lr": 1e-4, "collective_timeout": 600.0}
+    if c.get("keep_gathered_one_rank") is not None:  # rows measured under another one-rank fsdp rule
+        flags["fsdp.keep_gathered_one_rank"] = c["keep_gathered_one_rank"]
     return load_config(None, {k: (v, "plan_accuracy") for k, v in flags.items()}).cfg
 
 

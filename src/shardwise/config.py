@@ -33,7 +33,7 @@ class FSDPConfig:
     """FSDP2 (`fully_shard`) options; used by the fsdp presets."""
 
     reshard_after_forward: bool = _f(True, "Free gathered parameters after forward (full shard, ZeRO-3-like); false keeps them until backward (shard grad op, ZeRO-2-like). See keep_gathered_one_rank for one rank.")
-    keep_gathered_one_rank: bool = _f(True, "On one shard rank computing narrower than the stored weights (bf16 over fp32), keep gathered weights from forward to backward whatever reshard_after_forward says: nothing is sharded there, so resharding only makes the bf16 copies twice (faster; +2 bytes per parameter until backward, as single's autocast keeps). false: reshard as on several ranks.")
+    keep_gathered_one_rank: bool = _f(True, "On one shard rank computing narrower than the stored weights (bf16 over fp32), keep gathered weights from forward to backward whatever reshard_after_forward says: nothing is sharded there, so resharding only makes the bf16 copies twice (faster; +2 bytes per parameter until backward, as single's autocast keeps). Not with cpu_offload (the least GPU memory comes first there). false: reshard as on several ranks.")
     hybrid: bool = _f(False, "HSDP: shard within a group of ranks (a node by default), replicate across groups, on a 2-D device mesh.")
     shard_group_size: int = _f(0, "Ranks per shard group under hybrid; 0 means the ranks of one node (nproc_per_node).")
     cpu_offload: bool = _f(False, "Keep sharded parameters, gradients and the optimizer step on the CPU.")

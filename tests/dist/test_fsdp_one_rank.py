@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _grads_after_one_step(model_dir, mixed_precision, keep: bool = True):
+def _grads_after_one_step(model_dir, mixed_precision, keep: bool = True, offload: bool = False):
     from torch.distributed.tensor import DTensor
 
     from shardwise import strategies
@@ -18,7 +18,7 @@ def _grads_after_one_step(model_dir, mixed_precision, keep: bool = True):
     from shardwise.train.loop import build_model
 
     flags = {"model": model_dir, "strategy": "fsdp", "nproc_per_node": 1, "mixed_precision": mixed_precision,
-             "fsdp.keep_gathered_one_rank": keep}
+             "fsdp.keep_gathered_one_rank": keep, "fsdp.cpu_offload": offload}
     cfg = load_config(None, {k: (v, "test") for k, v in flags.items()}).cfg
     env = DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo")
     strategy = strategies.get("fsdp")(cfg, env)
@@ -43,7 +43,8 @@ def _worker(rank, init_file, model_dir, out):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     res = {"bf16": _grads_after_one_step(model_dir, "bf16"),
            "bf16_resharded": _grads_after_one_step(model_dir, "bf16", keep=False),  # --no-fsdp-keep-gathered-one-rank
-           "fp32": _grads_after_one_step(model_dir, "no")}
+           "fp32": _grads_after_one_step(model_dir, "no"),
+           "bf16_offload": _grads_after_one_step(model_dir, "bf16", offload=True)}
     with open(out, "w") as fh:
         json.dump(res, fh)
     dist.destroy_process_group()
@@ -60,6 +61,8 @@ def test_one_rank_fsdp_keeps_gathered_weights_only_under_mixed_precision_and_tra
     assert resharded["reshard"] is True and resharded["gathered"] is False
     # fp32 compute: the gathered weights are the stored ones; resharding stays (the fsdp preset's full shard)
     assert fp32["reshard"] is True and fp32["gathered"] is False and "full shard" in fp32["describe"]
+    # CPU offload is chosen for the least GPU memory: it keeps resharding on one rank too
+    assert r["bf16_offload"]["reshard"] is True and r["bf16_offload"]["gathered"] is False
     # keeping them changes when copies are made, not what is computed: identical loss and gradients
     assert kept["loss"] == resharded["loss"]
     assert kept["grads"] == resharded["grads"]

@@ -35,6 +35,7 @@ def test_a_non_finite_step_is_skipped_and_reported_in_order(kernel):
     if kernel.get("fused"):  # the flag stays on the device until read; the skipped step is not counted in Adam
         assert isinstance(strategy._nonfinite[0], torch.Tensor)
         assert float(opt.state[model.weight]["step"]) == 0.0
+        assert not hasattr(opt, "found_inf")  # removed after the step, as GradScaler does
     _backward(model, poison=False)
     strategy.step(model, opt)
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # this one was
@@ -62,4 +63,24 @@ def test_sync_step_reads_the_check_on_the_host_even_with_the_fused_kernel():
     strategy.step(model, opt)
     assert strategy._nonfinite == [True]  # a host bool, decided in the step
     assert not hasattr(opt, "found_inf")
+    assert strategy.take_nonfinite() == [True]
+
+
+def test_resuming_a_foreach_checkpoint_keeps_this_runs_fused_kernel():
+    """A checkpoint of a CPU or offload run (foreach) resumed where the strategy uses the fused kernel: the loaded
+    param groups must not switch the kernel back (found_inf would then reach the foreach AdamW, which refuses it)."""
+    saver, model, opt = _setup({"foreach": True})
+    _backward(model, poison=False)
+    saver.step(model, opt)
+    state = saver.state_dict(model, opt)
+    strategy, _, _ = _setup({"fused": True})
+    strategy.optimizer_kernel = lambda: {"fused": True}  # as on CUDA
+    fused = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    strategy.load_state_dict(model, fused, state)
+    assert all(g["fused"] is True and not g["foreach"] for g in fused.param_groups)
+    assert float(fused.state[model.weight]["step"]) == 1.0  # the state did load
+    before = [p.detach().clone() for p in model.parameters()]
+    _backward(model, poison=True)
+    strategy.step(model, fused)  # the device path, no AssertionError
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert strategy.take_nonfinite() == [True]

@@ -684,6 +684,7 @@ def test_one_rank_fsdp_keeps_gathered_weights_unless_told_not_to():
     kept, off = opts_for("fsdp", flags(True)), opts_for("fsdp", flags(False))
     assert not reshards(job, kept) and reshards(job, off)
     assert reshards(replace(job, world=2), kept) and reshards(replace(job, param_dtype="bf16"), kept)
+    assert reshards(job, replace(kept, cpu_offload=True))  # fsdp-offload: the least GPU memory first
     a, b = estimate(spec, job, kept), estimate(spec, job, off)
     assert "buffer.gathered_all" in a.detail and "buffer.gathered_units" in b.detail
     assert a.peak_tensors > b.peak_tensors

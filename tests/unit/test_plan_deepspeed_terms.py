@@ -46,6 +46,8 @@ def test_offloaded_optimizer_keeps_gradients_on_the_host():
         estimate(anchor, job, Opts(base="deepspeed", stage=2, offload_optimizer=True))
     assert z2.grads == 2 * P and z2o.grads == 0.0  # ZeRO-2 copies each reduced bucket into the host fp32 partition
     assert z2o.host == 12 * P + 4 * P  # fp32 master + Adam moments + the fp32 gradient partition
+    z1o = estimate(anchor, job, Opts(base="deepspeed", stage=1, offload_optimizer=True))
+    assert z1o.grads == 2 * P  # ZeRO-1 keeps full gradients in param.grad until the boundary's reduction
     z3o = estimate(anchor, job, Opts(base="deepspeed", stage=3, offload_optimizer=True, offload_params=True))
     assert z3o.grads == 0.0 and z3o.params == 0.0
     assert z3o.host == 12 * P + 4 * P + 2 * P + 2 * P  # + the bf16 flat gradient partition and bf16 parameters

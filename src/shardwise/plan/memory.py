@@ -163,8 +163,10 @@ def shard_ranks(job: Job, o: Opts) -> int:
 def reshards(job: Job, o: Opts) -> bool:
     """Whether FSDP frees gathered units after forward. Not on one shard rank computing in a narrower dtype than
     the stored weights: strategies/fsdp.py keeps the gathered compute-dtype copies to backward there (nothing is
-    sharded; resharding would only make them twice), the memory single's autocast casts take."""
-    return o.reshard_after_forward and not (o.keep_gathered_one_rank and shard_ranks(job, o) == 1 and job.c < job.w)
+    sharded; resharding would only make them twice), the memory single's autocast casts take. Not with CPU offload:
+    that preset is for the least GPU memory."""
+    keep = o.keep_gathered_one_rank and not o.cpu_offload and shard_ranks(job, o) == 1 and job.c < job.w
+    return o.reshard_after_forward and not keep
 
 
 def unit_params(spec: ModelSpec, o: Opts) -> tuple[float, int]:
@@ -428,9 +430,11 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
                 # the gradients go to the host as they are reduced: ZeRO-3 keeps its flat gradient partition there
                 # (stage3.py allocates grad_partitions_flat_buffer on self.device, the CPU under offload), ZeRO-2
                 # copies each reduced bucket into the host's fp32 partition (stage_1_and_2.py)
+                # (ZeRO-1 keeps full gradients in param.grad on the GPU until the boundary's reduction)
                 if o.stage == 3:
                     host += grads
-                grads, grads_persist = 0.0, False
+                if o.stage >= 2:
+                    grads, grads_persist = 0.0, False
             else:  # CPU ranks: the offloaded fp32 gradient partition is allocated once and kept
                 persist["fp32_grad_partition"] = extraB.pop("fp32_grad_partition")
         if o.offload_params and o.stage == 3 and offload_moves:

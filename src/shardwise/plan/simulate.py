@@ -182,8 +182,8 @@ def wrap_fsdp(model, mesh, opts: Opts, compute: torch.dtype, param: torch.dtype)
     mp = MixedPrecisionPolicy(param_dtype=compute if compute != param else None, reduce_dtype=torch.float32)
     layers = list(model.model.layers)
     # one shard rank with narrower compute: the strategy keeps gathered weights to backward (FSDPStrategy.keeps_gathered)
-    reshard = opts.reshard_after_forward and not (opts.keep_gathered_one_rank and mesh.shape[-1] == 1
-                                                  and compute.itemsize < param.itemsize)
+    reshard = opts.reshard_after_forward and not (opts.keep_gathered_one_rank and not opts.cpu_offload
+                                                  and mesh.shape[-1] == 1 and compute.itemsize < param.itemsize)
     for i, layer in enumerate(layers):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)

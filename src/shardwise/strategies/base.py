@@ -103,10 +103,12 @@ class Strategy:
         """Unscale (fp16), clip, step, zero the gradients; returns the pre-clip global norm.
 
         A non-finite global norm (NaN/inf loss or gradients) skips the update and records it for
-        `take_nonfinite` (the loop applies --on-nan). The fused CUDA AdamW skips it on the device
-        (its `found_inf`), so the step never waits for the host; the CPU's foreach AdamW cannot, so
-        there the norm is read here (free on the CPU), as it is everywhere with `sync_step`. Under fp16 the grad scaler skips and rescales
-        by itself (not counted: it is how loss scaling works)."""
+        `take_nonfinite` (the loop applies --on-nan). With a fused AdamW (CUDA's default) the kernel
+        skips it on the device (its `found_inf`) and the flag is copied to pinned host memory behind
+        an event, so neither the step nor reading the flag a step later waits for the GPU to drain.
+        The foreach AdamW (the CPU's default) cannot skip on the device: the norm is read here,
+        which is free on the CPU; `sync_step` does that everywhere. Under fp16 the grad scaler
+        skips and rescales by itself (not counted: it is how loss scaling works)."""
         if self.scaler:
             self.scaler.unscale_(optimizer)
         norm = self.clip_grad_norm(model, optimizer)
@@ -114,11 +116,14 @@ class Strategy:
             self.scaler.step(optimizer)
             self.scaler.update()
             self._nonfinite.append(False)
-        elif optimizer.defaults.get("fused") and not self.cfg.sync_step:
+        elif all(g.get("fused") for g in optimizer.param_groups) and not self.cfg.sync_step:
             bad = ~torch.isfinite(norm)
             optimizer.found_inf = bad.to(torch.float32)  # the kernel skips the update (and undoes its step count)
-            optimizer.step()
-            self._nonfinite.append(bad)
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf  # as GradScaler does: never left for another step() to see
+            self._nonfinite.append(_host_flag(bad))
         elif bool(torch.isfinite(norm)):
             optimizer.step()
             self._nonfinite.append(False)
@@ -129,11 +134,14 @@ class Strategy:
 
     def take_nonfinite(self) -> list[bool]:
         """For each `step` since the last call, in order: whether its update was skipped as non-finite.
-        Reads the device's flags in one host sync (none when there are none)."""
+        A CUDA flag waits only for its own step's event (long done when the loop reads it a step late)."""
         flags, self._nonfinite = self._nonfinite, []
-        on_device = [f for f in flags if isinstance(f, torch.Tensor)]
-        values = iter(torch.stack(on_device).tolist() if on_device else [])
-        out = [bool(next(values)) if isinstance(f, torch.Tensor) else f for f in flags]
+        out = []
+        for f in flags:
+            if isinstance(f, tuple):  # (pinned host copy, event after the copy)
+                f[1].synchronize()
+                f = f[0]
+            out.append(bool(f))
         self.nonfinite_steps += sum(out)
         return out
 
@@ -150,6 +158,11 @@ class Strategy:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        # the saved param groups carry the saving run's kernel (foreach from a CPU or offload run, fused from a GPU
+        # one); keep this run's own
+        kernel = self.optimizer_kernel()
+        for g in optimizer.param_groups:
+            g["fused"], g["foreach"] = kernel.get("fused"), kernel.get("foreach")
 
     def full_model_state_dict(self, model) -> dict:
         """Full (unsharded) tensors on the CPU, on rank 0; empty elsewhere."""
@@ -163,3 +176,15 @@ class Strategy:
 
     def describe(self) -> str:
         return self.name
+
+
+def _host_flag(bad: torch.Tensor):
+    """The flag as the loop will read it: on CUDA a non-blocking copy to pinned memory and the event after it
+    (reading waits for this step only, not for everything queued since); elsewhere the tensor itself."""
+    if bad.device.type != "cuda":
+        return bad
+    host = torch.empty((), dtype=torch.bool, pin_memory=True)
+    host.copy_(bad, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event

@@ -131,8 +131,10 @@ class FSDPStrategy(Strategy):
         resharding after forward would only free the compute-dtype copies of the weights and make them again in
         backward (a cast and a copy per parameter, 3-4% of a step on one H200: benchmarks/one_gpu_levers.py). Keep
         them from forward to backward instead, as single's autocast keeps its casts (same memory as single's);
-        fsdp.keep_gathered_one_rank false turns it off. The planner mirrors this rule (plan/memory.py, `reshards`)."""
-        return (self.cfg.fsdp.keep_gathered_one_rank and self.mesh.shape[-1] == 1
+        fsdp.keep_gathered_one_rank false turns it off; CPU offload (a choice for the least GPU memory) keeps
+        resharding. The planner mirrors this rule (plan/memory.py, `reshards`)."""
+        f = self.cfg.fsdp
+        return (f.keep_gathered_one_rank and not f.cpu_offload and self.mesh.shape[-1] == 1
                 and self.compute_dtype.itemsize < self.param_dtype.itemsize)
 
     def optimizer_kernel(self) -> dict:
