@@ -27,29 +27,38 @@ class ConcurrentRuns:
     every run added so far). A launch spends much of its time in one process (the launcher's
     imports and tokenization, one-process runs), so two at a time use both cores of a small
     CI machine. Only for runs whose results do not depend on timing; a run's failure is
-    raised by the `get` of that run only."""
+    raised by the `get` of that run only. A run added with `after=NAME` (a run added before
+    it) starts once that one has finished."""
 
     def __init__(self, jobs: int = 2):
         self.jobs = jobs
         self.pending: dict[str, tuple[tuple, dict]] = {}
         self.results: dict[str, subprocess.CompletedProcess | AssertionError] = {}
 
-    def add(self, name: str, *args: str, **kwargs) -> None:
+    def add(self, name: str, *args: str, after: str | None = None, **kwargs) -> None:
         """A run of `run_cli(*args, **kwargs)`."""
         assert name not in self.pending and name not in self.results, name
-        self.pending[name] = (args, kwargs)
+        assert after is None or after in self.pending, f"{name}: add {after} first"
+        self.pending[name] = (args, after, kwargs)
 
     def _start(self) -> None:
-        def one(item):
-            name, (args, kwargs) = item
-            try:
-                return name, run_cli(*args, **kwargs)
-            except AssertionError as e:
-                return name, e
-
         batch, self.pending = list(self.pending.items()), {}
+        futures = {}
+
+        def one(name, args, after, kwargs):
+            if after is not None:
+                # submitted earlier, so it is running or done: waiting cannot starve the pool
+                if isinstance(futures[after].result(), AssertionError):
+                    return AssertionError(f"{name} not run: {after} failed")
+            try:
+                return run_cli(*args, **kwargs)
+            except AssertionError as e:
+                return e
+
         with ThreadPoolExecutor(max_workers=self.jobs) as pool:
-            self.results.update(pool.map(one, batch))
+            for name, (args, after, kwargs) in batch:  # in order: a run's `after` is submitted first
+                futures[name] = pool.submit(one, name, args, after, kwargs)
+            self.results.update({name: f.result() for name, f in futures.items()})
 
     def get(self, name: str) -> subprocess.CompletedProcess:
         if name not in self.results:

@@ -49,14 +49,25 @@ CASES = {
 LORA_CASES = {s: ("--strategy", s, *LORA, "--merge-lora") for s in ("ddp", "fsdp")}
 
 
+RESUMES = [("zero3", "fsdp"), ("fsdp-grad-op", "zero3")]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, chat_data):
-    """Every 2-rank run of this module that starts from scratch, launched together (two at a
-    time) on first use."""
+    """Every 2-rank run of this module, launched together (two at a time) on first use: the
+    runs from scratch (the ones whose checkpoints are resumed first), then the resumes."""
     batch, outs = ConcurrentRuns(), {}
-    for name, extra in [*CASES.items(), *((f"lora-{s}", e) for s, e in LORA_CASES.items())]:
+    scratch = {**{n: CASES[n] for n in ("zero3", "fsdp-grad-op")}, **CASES,
+               **{f"lora-{s}": e for s, e in LORA_CASES.items()}}
+    for name, extra in scratch.items():
         outs[name] = tmp_path_factory.mktemp(name)
         batch.add(name, *train_args(outs[name], chat_data, *TWO, *extra))
+    for saved_by, resumed_by in RESUMES:
+        name = f"{resumed_by}-from-{saved_by}"
+        outs[name] = tmp_path_factory.mktemp(name)
+        batch.add(name, *train_args(outs[name], chat_data, *TWO, "--strategy", resumed_by, "--resume",
+                                    str(outs[saved_by] / "checkpoints" / "step_00000006"), "--no-save-final"),
+                  after=saved_by)
 
     def get(name) -> Run:
         return Run(outs[name], batch.get(name).stdout)
@@ -69,29 +80,12 @@ def test_two_ranks_match_one_process(name, single, runs):
     assert_same_run(runs(name).metrics, single)
 
 
-RESUMES = [("zero3", "fsdp"), ("fsdp-grad-op", "zero3")]
-
-
-@pytest.fixture(scope="module")
-def resumes(tmp_path_factory, chat_data, runs):
-    """The cross-strategy resumes, from the step-6 checkpoints of `runs`, launched together."""
-    batch, outs = ConcurrentRuns(), {}
-    for saved_by, resumed_by in RESUMES:
-        outs[saved_by] = tmp_path_factory.mktemp(f"{resumed_by}-from-{saved_by}")
-        batch.add(saved_by, *train_args(outs[saved_by], chat_data, *TWO, "--strategy", resumed_by, "--resume",
-                                        str(runs(saved_by).ckpt(6)), "--no-save-final"))
-
-    def get(saved_by) -> Run:
-        return Run(outs[saved_by], batch.get(saved_by).stdout)
-
-    return get
-
-
 @pytest.mark.parametrize("saved_by,resumed_by", RESUMES)
-def test_checkpoint_resumes_under_another_strategy(saved_by, resumed_by, single, resumes):
+def test_checkpoint_resumes_under_another_strategy(saved_by, resumed_by, single, runs):
     """DeepSpeed state is saved in the same name-keyed DCP form as FSDP's: a ZeRO-3
     checkpoint resumes under FSDP and an FSDP one under ZeRO-3, on the same trajectory."""
-    run = resumes(saved_by)
+    assert runs(saved_by).ckpt(6).is_dir()
+    run = runs(f"{resumed_by}-from-{saved_by}")
     assert f"saved by {saved_by} on 2 ranks; now {resumed_by} on 2" in run.stdout
     got = run.metrics
     assert [r["step"] for r in got] == list(range(7, STEPS + 1))

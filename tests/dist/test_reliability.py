@@ -32,6 +32,27 @@ def reference(ddp_ref):
     return ddp_ref.out, ddp_ref.losses
 
 
+@pytest.fixture(scope="module")
+def quiet_runs(tmp_path_factory, data, ddp_ref, single_ref, lora_single_ref):
+    """This module's runs that neither inject a fault into a multi-rank run nor depend on
+    timing (resumes, one-process NaN runs, exports), started together, two at a time."""
+    d = tmp_path_factory.mktemp("quiet")
+    runs = ConcurrentRuns()
+    runs.add("two", "train", *COMMON, "--data", data, "--output-dir", str(d / "two"), *DDP,
+             "--resume", str(single_ref.ckpt(4)))
+    one = ("--strategy", "single", "--nproc-per-node", "1", "--grad-accum", "2", "--max-steps", "5",
+           "--no-save-final")
+    for name, extra in (("skip", ("--on-nan", "skip")), ("stop", ("--save-every", "2"))):
+        runs.add(name, "train", *COMMON, "--data", data, "--output-dir", str(d / name), *one, *extra,
+                 env={"SHARDWISE_FAULT": "nan@3"}, check=name == "skip")
+    runs.add("export", "export", str(ddp_ref.out), "--out", str(d / "exp"))
+    (d / "full").mkdir()
+    (d / "full" / "model.safetensors").write_text("not ours")
+    runs.add("export-onto-full", "export", str(ddp_ref.out), "--out", str(d / "full"), check=False)
+    runs.add("lora-export", "export", str(lora_single_ref.out), "--out", str(d / "merged"), "--merge-lora")
+    return runs, d
+
+
 def test_kill_minus_9_of_one_rank_restarts_and_finishes_identically(reference, data, tmp_path):
     _, ref = reference
     out = tmp_path / "killed"
@@ -72,24 +93,20 @@ def test_sigterm_writes_a_checkpoint_and_resume_matches(reference, data, tmp_pat
     torch.testing.assert_close(torch.tensor(after), torch.tensor(ref[step:]), rtol=RTOL, atol=0)
 
 
-def test_resume_one_rank_checkpoint_on_two_ranks(reference, single_ref, data, tmp_path):
+def test_resume_one_rank_checkpoint_on_two_ranks(reference, single_ref, quiet_runs):
     """The session's one-process run (same global batch, same 12-step schedule) resumes from
     its step-4 checkpoint on two ranks and continues on the 2-rank reference's trajectory."""
     _, ref = reference
-    p = train(tmp_path / "two", data, *DDP, "--resume", str(single_ref.ckpt(4)))
+    runs, tmp_path = quiet_runs
+    p = runs.get("two")
     assert "saved by single on 1 ranks; now ddp on 2" in p.stdout and "row 32 of epoch 0" in p.stdout
     torch.testing.assert_close(torch.tensor(single_ref.losses[:4]), torch.tensor(ref[:4]), rtol=RTOL, atol=0)
     assert read_metrics(str(tmp_path / "two"))[0]["step"] == 5
     torch.testing.assert_close(torch.tensor(losses(str(tmp_path / "two"))), torch.tensor(ref[4:]), rtol=RTOL, atol=0)
 
 
-def test_non_finite_loss_skip_or_stop(data, tmp_path):
-    one = ("--strategy", "single", "--nproc-per-node", "1", "--grad-accum", "2", "--max-steps", "5",
-           "--no-save-final")
-    runs = ConcurrentRuns()  # two independent one-process runs: both cores
-    for name, extra in (("skip", ("--on-nan", "skip")), ("stop", ("--save-every", "2"))):
-        runs.add(name, "train", *COMMON, "--data", data, "--output-dir", str(tmp_path / name), *one, *extra,
-                 env={"SHARDWISE_FAULT": "nan@3"}, check=name == "skip")
+def test_non_finite_loss_skip_or_stop(quiet_runs):
+    runs, tmp_path = quiet_runs
     p = runs.get("skip")
     summary = json.loads((tmp_path / "skip" / "summary.json").read_text())
     assert summary["skipped_nonfinite_steps"] == 1 and "step 3: non-finite" in p.stdout
@@ -133,17 +150,19 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(data, tmp_path):
     assert (tmp_path / "exported" / "model.safetensors").is_file()
 
 
-def test_export_gives_the_final_model(reference, tmp_path):
+def test_export_gives_the_final_model(reference, quiet_runs):
     from transformers import AutoModelForCausalLM
 
     out, _ = reference
-    run_cli("export", str(out), "--out", str(tmp_path / "exp"))
+    runs, tmp_path = quiet_runs
+    runs.get("export")
     a = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exp")).state_dict()
     b = AutoModelForCausalLM.from_pretrained(str(out / "final")).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in b)
     assert oct(os.stat(tmp_path / "exp" / "model.safetensors").st_mode & 0o777) == oct(0o666 & ~_umask())
-    p = run_cli("export", str(out), "--out", str(tmp_path / "exp"), check=False)
+    p = runs.get("export-onto-full")  # a directory that is not empty: refused, left as it was
     assert p.returncode == 2 and "exists and is not empty" in p.stderr
+    assert os.listdir(tmp_path / "full") == ["model.safetensors"]
 
 
 def _umask() -> int:
@@ -165,9 +184,13 @@ def test_ddp_to_fsdp_and_back_resume_and_fsdp_export_matches_training(reference,
     assert "saved by ddp on 2 ranks; now fsdp on 2" in p.stdout
     torch.testing.assert_close(torch.tensor(losses(str(fsdp_out))), torch.tensor(ref[4:]), rtol=RTOL, atol=0)
     back = tmp_path / "back"
-    train(back, data, *DDP, "--resume", str(fsdp_out / "checkpoints" / "step_00000008"), "--no-save-final")
+    runs = ConcurrentRuns()  # both read the fsdp run's checkpoints only
+    runs.add("back", "train", *COMMON, "--data", data, "--output-dir", str(back), *DDP, "--resume",
+             str(fsdp_out / "checkpoints" / "step_00000008"), "--no-save-final")
+    runs.add("export", "export", str(fsdp_out / "checkpoints" / "step_00000012"), "--out", str(tmp_path / "exp"))
+    runs.get("back")
     torch.testing.assert_close(torch.tensor(losses(str(back))), torch.tensor(ref[8:]), rtol=RTOL, atol=0)
-    run_cli("export", str(fsdp_out / "checkpoints" / "step_00000012"), "--out", str(tmp_path / "exp"))
+    runs.get("export")
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exp")).eval()
     trained = AutoModelForCausalLM.from_pretrained(str(fsdp_out / "final")).eval()
     ids = torch.randint(0, 400, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -188,12 +211,13 @@ def test_time_based_checkpoints_agree_across_ranks(ddp_gc_timed):
         assert meta["step"] == int(c.split("_")[1]) and len(os.listdir(out / "checkpoints" / c / "rng")) == 2
 
 
-def test_lora_checkpoint_exports_merged(lora_single_ref, tmp_path):
+def test_lora_checkpoint_exports_merged(lora_single_ref, quiet_runs):
     """The session's one-process LoRA run (--merge-lora, a checkpoint at its last step)."""
     from transformers import AutoModelForCausalLM
 
     out = lora_single_ref.out
-    run_cli("export", str(out), "--out", str(tmp_path / "merged"), "--merge-lora")
+    runs, tmp_path = quiet_runs
+    runs.get("lora-export")
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     assert not any("lora" in k for k in merged.state_dict())
     reference_merged = AutoModelForCausalLM.from_pretrained(str(out / "final" / "merged")).eval()
