@@ -9,7 +9,9 @@ import json
 import os
 import time
 
-from tests.helpers import read_metrics, run_cli
+import pytest
+
+from tests.helpers import ConcurrentRuns, read_metrics
 
 
 @contextlib.contextmanager
@@ -25,15 +27,30 @@ def logs_on_failure(rep_dir):
         raise AssertionError(f"{e}\n" + "\n".join(tails)) from None
 
 
-def test_bench_reports_every_strategy_even_when_some_fail(tmp_path):
+@pytest.fixture(scope="module")
+def benches(tmp_path_factory):
+    """The two bench commands below, started together: each is mostly process start-up and
+    nothing here asserts a speed, so two at a time use both cores."""
+    runs, dirs = ConcurrentRuns(), {}
+    dirs["every"] = tmp_path_factory.mktemp("bench-every")
+    runs.add("every", "bench", "--strategies", "fsdp,single,ddp", "--nproc-per-node", "2", "--steps", "2",
+             "--warmup", "1", "--report-dir", str(dirs["every"] / "rep"), "--report-name", "auto", "--timeout", "180",
+             env={"SHARDWISE_BENCH_FAULT": "fsdp=oom@2"}, cwd=str(dirs["every"]))
+    dirs["alloc"] = tmp_path_factory.mktemp("bench-alloc")
+    runs.add("alloc", "bench", "--strategies", "ddp", "--micro-batch-size", "512", "--steps", "1", "--warmup", "0",
+             "--report-dir", str(dirs["alloc"] / "rep"), "--timeout", "180",
+             env={"SHARDWISE_BENCH_MEMORY_CAP_GIB": "2.0"}, cwd=str(dirs["alloc"]), check=False)
+    return runs, dirs
+
+
+def test_bench_reports_every_strategy_even_when_some_fail(benches):
     """fsdp runs out of memory at step 2 (the loop's fault injection raises
     torch.OutOfMemoryError through the real worker path), `single` cannot run on 2 ranks, and
     ddp still runs; the report names its files model_hardware_date and has a row for each. The
     bench's default 2 profiled steps (after the counted ones) measure ddp's communication."""
-    rep_dir = tmp_path / "rep"
-    p = run_cli("bench", "--strategies", "fsdp,single,ddp", "--nproc-per-node", "2", "--steps", "2",
-                "--warmup", "1", "--report-dir", str(rep_dir), "--report-name", "auto", "--timeout", "180",
-                env={"SHARDWISE_BENCH_FAULT": "fsdp=oom@2"}, cwd=str(tmp_path))
+    runs, dirs = benches
+    rep_dir = dirs["every"] / "rep"
+    p = runs.get("every")
     with logs_on_failure(rep_dir):
         _check_report(rep_dir, p.stdout)
 
@@ -78,13 +95,13 @@ def _check_report(rep_dir, stdout):
     assert "ddp" in stdout and "does not fit" in stdout and "cannot run here" in stdout  # terminal table
 
 
-def test_a_real_failed_allocation_becomes_does_not_fit(tmp_path):
+def test_a_real_failed_allocation_becomes_does_not_fit(benches):
     """An address-space cap on the strategy's processes makes a large micro-batch's activations
     really fail to allocate on the CPU; the bench reports it as "does not fit" and exits 1
     because nothing could be measured."""
-    p = run_cli("bench", "--strategies", "ddp", "--micro-batch-size", "512", "--steps", "1", "--warmup", "0",
-                "--report-dir", str(tmp_path / "rep"), "--timeout", "180",
-                env={"SHARDWISE_BENCH_MEMORY_CAP_GIB": "2.0"}, cwd=str(tmp_path), check=False)
+    runs, dirs = benches
+    tmp_path = dirs["alloc"]
+    p = runs.get("alloc")
     with logs_on_failure(tmp_path / "rep"):
         assert p.returncode == 1, p.stdout + p.stderr
         rep = json.load(open(tmp_path / "rep" / "report.json"))

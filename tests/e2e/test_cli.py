@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.helpers import chat_records, read_metrics, run_cli, write_jsonl
+from tests.helpers import ConcurrentRuns, chat_records, read_metrics, run_cli, write_jsonl
 
 
 def test_demo_command_trains_and_the_loss_falls(tmp_path):
@@ -42,26 +42,47 @@ def one_line_error(p, pattern):
     assert "Traceback" not in p.stderr + p.stdout
 
 
-@pytest.mark.parametrize("records, pattern", [
+BAD_DATA = [
     ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, "{nope"],
      r"chat\.jsonl:2: invalid JSON"),
     ([{"messages": [{"role": "wizard", "content": "a"}]}], r"chat\.jsonl:1: message 1 has unknown role 'wizard'"),
-])
-def test_bad_data_is_one_line_and_writes_nothing(tmp_path, records, pattern):
-    data = write_jsonl(str(tmp_path / "chat.jsonl"), records)
-    out = tmp_path / "out"
-    p = run_cli("train", "--data", data, "--output-dir", str(out), check=False)
-    one_line_error(p, pattern)
-    assert not out.exists()
+]
 
 
-def test_bad_flags_and_files(tmp_path):
-    one_line_error(run_cli("train", "--strategy", "fsdp9", check=False), r"unknown strategy 'fsdp9'; known: single")
-    one_line_error(run_cli("train", str(tmp_path / "none.yaml"), check=False), r"none\.yaml: config file not found")
-    one_line_error(run_cli("train", "--model", str(tmp_path), check=False), r"no config.json in it")
-    one_line_error(run_cli("train", "--seq-len", "100000", "--output-dir", str(tmp_path / "o"), check=False),
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """The CLI runs below all stop before launch, each in its own process; they are
+    independent, so they are started together (two at a time)."""
+    d = tmp_path_factory.mktemp("refused")
+    runs = ConcurrentRuns()
+    for i, (records, _) in enumerate(BAD_DATA):
+        (d / f"data{i}").mkdir()
+        data = write_jsonl(str(d / f"data{i}" / "chat.jsonl"), records)
+        runs.add(f"data{i}", "train", "--data", data, "--output-dir", str(d / f"data{i}" / "out"), check=False)
+    (d / "empty").mkdir()
+    runs.add("strategy", "train", "--strategy", "fsdp9", check=False)
+    runs.add("config", "train", str(d / "none.yaml"), check=False)
+    runs.add("model", "train", "--model", str(d / "empty"), check=False)
+    runs.add("seq_len", "train", "--seq-len", "100000", "--output-dir", str(d / "o"), check=False)
+    return runs, d
+
+
+@pytest.mark.parametrize("records, pattern", BAD_DATA)
+def test_bad_data_is_one_line_and_writes_nothing(refused, records, pattern):
+    runs, d = refused
+    i = BAD_DATA.index((records, pattern))
+    one_line_error(runs.get(f"data{i}"), pattern)
+    assert not (d / f"data{i}" / "out").exists()
+
+
+def test_bad_flags_and_files(refused):
+    runs, d = refused
+    one_line_error(runs.get("strategy"), r"unknown strategy 'fsdp9'; known: single")
+    one_line_error(runs.get("config"), r"none\.yaml: config file not found")
+    one_line_error(runs.get("model"), r"no config.json in it")
+    one_line_error(runs.get("seq_len"),
                    r"seq_len 100000 is larger than the model supports \(max_position_embeddings 2048\)")
-    assert not (tmp_path / "o").exists()
+    assert not (d / "o").exists()
 
 
 def test_output_dir_holding_another_run_is_refused(tmp_path):
