@@ -8,7 +8,9 @@ strategy and its `setup`) and runs `train.loop.train_step` + a step, as plan_acc
     +bf16reduce     FSDP's MixedPrecisionPolicy without reduce_dtype: gradients reduced (on one rank:
                     copied) in the compute dtype, then kept in fp32
     +nosync         (before 2026-11-29, third session: a lever; now the engine's step) the non-finite check
-                    as the fused AdamW's `found_inf`, no host sync in the step
+                    as the fused AdamW's `found_inf`, no host sync in the step; its flags are never read
+                    (runs a and b read none: an upper bound for the lever; since 9b86ecf the engine's
+                    variants read the previous step's flag where loop.run does, a pinned copy behind an event)
     +sync           the engine's step before that: the non-finite check reads the norm on the host every step
     +reshard        fsdp on one rank resharding after forward, as before FSDPStrategy.keeps_gathered
     +noprefetch     fsdp.prefetch off (FSDP2's implicit prefetching only)
@@ -119,6 +121,7 @@ def run_variant(variant: str, a, env, repeat: int = 0) -> dict:
             for g in optimizer.param_groups:
                 g["lr"] = 1e-5
             loss = loop.train_step(model, strategy, batch, 1, env.device, faults, step + 1, fused_head)
+            strategy.take_nonfinite()  # the previous step's flag, read where loop.run reads it
             if "nosync" in levers:
                 nosync_step(strategy, model, optimizer, flags)
             elif "sync" in levers:
