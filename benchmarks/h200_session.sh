@@ -10,6 +10,7 @@
 # and carried to the device, 48 MB in all). Usage on the GPU machine, from the repo root:
 #   bash benchmarks/h200_session.sh setup PART...     PART: tests strategies offload qlora accuracy bench3b
 #                                                    accuracy3 levers fsdp1 proftest accuracy4 levers2 defaults (third session)
+#                                                    accuracy5 levers3 (prepared for the next session)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
 set -u
@@ -56,6 +57,13 @@ levers2() {
     --json "$OUT/levers2.json"
 }
 defaults() { python3 benchmarks/strategies_gpu.py --strategies single,fsdp,ddp --steps 20 --tag defaults --out "$OUT"; }
+# prepared for the next session (not run yet): the fsdp-offload rows again (one rank reshards again since 9b86ecf)
+# and zero3-offload with what was alive at each peak; the one-GPU goals with the loop's flag read (ead413d)
+accuracy5() { python3 benchmarks/plan_accuracy.py --gpu --steps 3 --pick 44,45,48,49 --snapshot --json "$OUT/acc_gpu5.json"; }
+levers3() {
+  python3 benchmarks/one_gpu_levers.py --variants single+sync,single,ddp,fsdp --repeat 3 --steps 10 --warmup 3 \
+    --json "$OUT/levers3.json"
+}
 setup
 LOGF="$OUT/logs-$(date +%H%M%S).txt"
 for part in "$@"; do

@@ -392,6 +392,40 @@ def _steps(c: dict, env, tracker, out: dict, holder: dict) -> dict:
     return out
 
 
+OWN_CODE = ("deepspeed/", "shardwise/", "transformers/", "peft/", "bitsandbytes/")
+
+
+def peak_breakdown(snapshot: dict, top: int = 15) -> dict:
+    """What was alive at the largest total in a `torch.cuda.memory._snapshot()` taken with history recording on:
+    replay its alloc/free trace to the peak, group the live blocks by the innermost frame in DeepSpeed, shardwise,
+    transformers, peft or bitsandbytes code (else the innermost frame), largest first."""
+    events = [e for trace in snapshot.get("device_traces", []) for e in trace]
+    total, best, best_i = 0, -1, -1
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            total += e["size"]
+            if total > best:
+                best, best_i = total, i
+        elif e["action"] == "free_completed":
+            total -= e["size"]
+    live: dict = {}
+    for e in events[:best_i + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    groups: dict = {}
+    for e in live.values():
+        frames = e.get("frames") or []
+        f = next((f for f in frames if any(k in f.get("filename", "") for k in OWN_CODE)), frames[0] if frames else {})
+        key = f"{'/'.join(f.get('filename', '?').split('/')[-2:])}:{f.get('line', '?')} {f.get('name', '?')}"
+        n, b = groups.get(key, (0, 0))
+        groups[key] = (n + 1, b + e["size"])
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"peak_bytes_in_trace": best, "events": len(events),
+            "top": [{"where": k, "blocks": n, "bytes": b} for k, (n, b) in rows]}
+
+
 def cleanup(cuda: bool) -> None:
     gc.collect()
     try:
@@ -529,6 +563,8 @@ def run_gpu(a) -> list[dict]:
             row["error"] = "skipped: " + ds_error
         else:
             t = time.time()
+            if a.snapshot and not cpu:  # allocation history with Python stacks, for peak_breakdown
+                torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python", clear_history=True)
             try:
                 r = measure_case(c, env, use_tracker=cpu)
                 row.update(measured=r["peak_bytes"], **{k: v for k, v in r.items() if k != "peak_bytes"})
@@ -538,6 +574,11 @@ def run_gpu(a) -> list[dict]:
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 traceback.print_exc()
+            if a.snapshot and not cpu:
+                row["peak_breakdown"] = peak_breakdown(torch.cuda.memory._snapshot())
+                torch.cuda.memory._record_memory_history(enabled=None)
+                print("  live at the peak: " + "; ".join(f"{x['bytes'] / GiB:.2f} GiB {x['where']}"
+                                                         for x in row["peak_breakdown"]["top"][:8]), flush=True)
             cleanup(not cpu)
             if not cpu:  # what this case left behind (the next case subtracts it as its allocated_at_start)
                 row["allocated_after"] = torch.cuda.memory_allocated()
@@ -679,6 +720,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0, help="Run only the first N cases.")
     ap.add_argument("--models", help="Comma-separated model names to keep (e.g. m-27M).")
     ap.add_argument("--compute", help="Comma-separated compute dtypes to keep (fp32, bf16).")
+    ap.add_argument("--snapshot", action="store_true", help="--gpu: record allocations and keep what was alive at "
+                    "each case's peak, grouped by the allocating frame (row key peak_breakdown; slows the case).")
     ap.add_argument("--pick", default="", help="Comma-separated 1-based case numbers (as --dry-run lists them).")
     ap.add_argument("--steps", type=int, default=2, help="Optimizer steps per case (>= 2); measured: the largest "
                     "peak after the first step.")
