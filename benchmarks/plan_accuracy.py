@@ -564,7 +564,11 @@ def run_gpu(a) -> list[dict]:
         else:
             t = time.time()
             if a.snapshot and not cpu:  # allocation history with Python stacks, for peak_breakdown
-                torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python", clear_history=True)
+                try:
+                    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python",
+                                                             clear_history=True)
+                except TypeError:  # an older torch without clear_history: earlier cases' events stay in the trace
+                    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
             try:
                 r = measure_case(c, env, use_tracker=cpu)
                 row.update(measured=r["peak_bytes"], **{k: v for k, v in r.items() if k != "peak_bytes"})
