@@ -54,3 +54,16 @@ def test_offloaded_optimizer_keeps_gradients_on_the_host():
     # on CPU ranks "offloaded" state stays in the rank's memory: the gradients are counted there
     assert estimate(anchor, replace(job, accelerator="cpu"), Opts(base="deepspeed", stage=2,
                                                                    offload_optimizer=True)).grads == 2 * P
+
+
+def test_zero3_on_one_rank_counts_no_gathered_copies_unless_parameters_are_offloaded():
+    """partition_parameters.py, _no_gather_coalesced: on one rank a fetched parameter's data is
+    ds_tensor.to(device), the partition itself when it is on the GPU, a copy when it is on the CPU."""
+    job = Job(micro_batch=4, seq_len=2048, compute="bf16", param_dtype="fp32", accelerator="cuda", fused_loss=True)
+    one = estimate(L3B, job, ZERO3)
+    two = estimate(L3B, replace(job, world=2), ZERO3)
+    off = estimate(L3B, job, Opts(base="deepspeed", stage=3, offload_optimizer=True, offload_params=True))
+    assert "buffer.gathered" not in one.detail and "buffer_bwd.gathered" not in one.detail
+    assert two.detail["buffer.gathered"] > 0 and off.detail["buffer.gathered"] > 0
+    # the kept window (head + last blocks up to 5e8 parameters), in bf16, is what one rank does not hold twice
+    assert two.detail["buffer.gathered"] == off.detail["buffer.gathered"] >= 2 * 5e8 * 0.95

@@ -46,7 +46,8 @@ COMPILE_ACT_FACTOR = 0.64
 # ZeRO-3 (and zero3-offload): DeepSpeed's fetch/release hooks run around every submodule and dynamo breaks the graph
 # at them, so a compiled block is fused only between its linears and saves more. Calibrated on the one compiled
 # ZeRO-3 row of the 1.14B anchor (43.93 GiB; benchmarks/results/strategies-gpu-2026-11-29.md); out of sample: the
-# Llama-3.2-3B-shaped bench row (80.15 GiB) and zero3-offload (28.84 GiB).
+# Llama-3.2-3B-shaped bench row (80.15 GiB) and zero3-offload (28.84 GiB). (Fitted when one-rank ZeRO-3 still counted
+# gathered copies; without them: 43.01, 80.78 and 26.99 GiB predicted, docs/planner.md.)
 COMPILE_ACT_FACTOR_ZERO3 = 0.80
 # Under DDP the engine turns dynamo's DDPOptimizer off (strategies/ddp.py: optimize_ddp = False), so each block stays
 # one graph and saves what it saves under single: on one H200 ddp = single + the fp32 gradient buckets, 41.32 =
@@ -414,8 +415,11 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
             persist["reduce_bucket"] = DS_REDUCE_BUCKET * w
             grads_persist = True  # grad_partitions_flat_buffer: allocated (zeros) at initialisation, kept
             gathered = c * (max(U, spec.embed_params) + min(DS_PREFETCH_BUCKET, U))
-            extraA["gathered"] = c * max(zero3_kept_gathered(spec), max(U, spec.embed_params))
-            extraB["gathered"] = gathered
+            if N > 1 or (o.offload_params and offload_moves):
+                extraA["gathered"] = c * max(zero3_kept_gathered(spec), max(U, spec.embed_params))
+                extraB["gathered"] = gathered
+            # else one rank, partitions on the device: ZeRO-3 does not all-gather there, a fetched parameter's data
+            # is its partition (partition_parameters.py, _no_gather_coalesced: ds_tensor.to(device) is a no-op)
         else:  # ZeRO-1/2: allocated at the first gradient hook, when the activations are still all alive (so it
             # counts at the start of backward, moment A), freed at the end of backward: not alive between steps
             # (the H200 rows' state before the second step lacks it), which the peak does not see
