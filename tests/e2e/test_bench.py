@@ -34,7 +34,7 @@ def benches(tmp_path_factory):
     runs, dirs = ConcurrentRuns(), {}
     dirs["every"] = tmp_path_factory.mktemp("bench-every")
     runs.add("every", "bench", "--strategies", "fsdp,single,ddp", "--nproc-per-node", "2", "--steps", "2",
-             "--warmup", "1", "--report-dir", str(dirs["every"] / "rep"), "--report-name", "auto", "--timeout", "180",
+             "--warmup", "1", "--repeat", "2", "--report-dir", str(dirs["every"] / "rep"), "--report-name", "auto", "--timeout", "180",
              env={"SHARDWISE_BENCH_FAULT": "fsdp=oom@2"}, cwd=str(dirs["every"]))
     dirs["alloc"] = tmp_path_factory.mktemp("bench-alloc")
     runs.add("alloc", "bench", "--strategies", "ddp", "--micro-batch-size", "512", "--steps", "1", "--warmup", "0",
@@ -47,7 +47,9 @@ def test_bench_reports_every_strategy_even_when_some_fail(benches):
     """fsdp runs out of memory at step 2 (the loop's fault injection raises
     torch.OutOfMemoryError through the real worker path), `single` cannot run on 2 ranks, and
     ddp still runs; the report names its files model_hardware_date and has a row for each. The
-    bench's default 2 profiled steps (after the counted ones) measure ddp's communication."""
+    bench's default 2 profiled steps (after the counted ones) measure ddp's communication.
+    --repeat 2: ddp runs twice (round-robin) and its row is the run with the median tokens/s;
+    what did not fit or could not run is not run again."""
     runs, dirs = benches
     rep_dir = dirs["every"] / "rep"
     p = runs.get("every")
@@ -93,6 +95,16 @@ def _check_report(rep_dir, stdout):
     assert "| fsdp | does not fit |" in md and "| ddp | ok |" in md and f"]({stem}.png)" in md
     assert "then 2 profiled steps" in md and "Method: cpu: gloo collectives" in md
     assert "ddp" in stdout and "does not fit" in stdout and "cannot run here" in stdout  # terminal table
+
+    # --repeat 2
+    assert rep["settings"]["repeat"] == 2 and "run 2/2] ddp" in stdout
+    reps = ddp["repeats"]
+    assert [os.path.basename(r["run_dir"]) for r in reps] == ["ddp-r1", "ddp-r2"]
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in reps)
+    slower = min(reps, key=lambda r: r["tokens_per_s"])  # the median of two: the lower middle one
+    assert ddp["run_dir"] == slower["run_dir"] and ddp["measured"]["tokens_per_s"]["median"] == slower["tokens_per_s"]
+    assert [r["status"] for r in rows["fsdp"]["repeats"]] == ["oom"] and len(rows["single"]["repeats"]) == 1
+    assert "ran 2 times round-robin" in md and "ddp " + " / ".join(f"{r['tokens_per_s']:,.0f}" for r in reps) in md
 
 
 def test_a_real_failed_allocation_becomes_does_not_fit(benches):

@@ -151,6 +151,9 @@ def test_command_line_checks_and_defaults(tmp_path):
         spec_from_args(_args("--strategies", "ddp,fdsp"))
     with pytest.raises(ShardwiseError, match="--steps"):
         spec_from_args(_args("--steps", "0"))
+    assert spec.repeat == 1 and spec_from_args(_args("--repeat", "3")).repeat == 3
+    with pytest.raises(ShardwiseError, match="--repeat must be >= 1"):
+        spec_from_args(_args("--repeat", "0"))
     with pytest.raises(SystemExit):  # the bench owns max_steps and output_dir
         _args("--max-steps", "3")
 

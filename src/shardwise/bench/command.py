@@ -36,6 +36,11 @@ def add_parser(sub) -> None:
     b.add_argument("--profile-steps", type=int, default=2,
                    help="Steps after the counted ones that run under torch.profiler to measure communication and "
                         "the part of it no compute hides (default 2; 0 = none, and that column is n/a).")
+    b.add_argument("--repeat", type=int, default=1,
+                   help="Run the strategy list this many times, round-robin (a, b, a, b, ...), and report each "
+                        "strategy's run with the median tokens/s (default 1). On one GPU, runs made one after "
+                        "another drifted by up to 3.5%% for the same strategy: repeat to compare strategies closer "
+                        "than that.")
     b.add_argument("--report-dir", default="", help="Where the report goes (default runs/bench-<date>-<time>).")
     b.add_argument("--report-name", default="report",
                    help="File name stem of the report files (default 'report'); 'auto' names them "
@@ -65,6 +70,8 @@ def spec_from_args(args):
         raise ShardwiseError(f"--warmup must be >= 0, got {args.warmup}")
     if args.profile_steps < 0:
         raise ShardwiseError(f"--profile-steps must be >= 0 (0 = no profiled steps), got {args.profile_steps}")
+    if args.repeat < 1:
+        raise ShardwiseError(f"--repeat must be >= 1, got {args.repeat}")
     if args.timeout <= 0:
         raise ShardwiseError(f"--timeout must be > 0 seconds, got {args.timeout}")
     flags = config.flags_from_namespace(args)
@@ -74,7 +81,8 @@ def spec_from_args(args):
     return BenchSpec(config_path=args.config, flags=flags, strategies=names, steps=args.steps,
                      warmup=args.warmup, report_dir=report_dir,
                      runs_dir=args.runs_dir or os.path.join(report_dir, "runs"),
-                     report_name=args.report_name, timeout_s=args.timeout, profile_steps=args.profile_steps)
+                     report_name=args.report_name, timeout_s=args.timeout, profile_steps=args.profile_steps,
+                     repeat=args.repeat)
 
 
 def say(msg: str) -> None:
@@ -83,7 +91,7 @@ def say(msg: str) -> None:
 
 def run(args) -> int:
     from shardwise.bench import report
-    from shardwise.bench.runner import Outcome, run_strategy
+    from shardwise.bench.runner import Outcome, pick_median, run_strategy
     from shardwise.launch import quiet_libraries
 
     spec = spec_from_args(args)
@@ -92,22 +100,28 @@ def run(args) -> int:
     hw = report.hardware()
     say(f"{len(spec.strategies)} strategies ({', '.join(spec.strategies)}), {spec.warmup} warm-up + "
         f"{spec.steps} counted" + (f" + {spec.profile_steps} profiled" if spec.profile_steps else "")
-        + f" steps each; runs in {spec.runs_dir}")
-    outcomes: list[Outcome] = []
+        + " steps each" + (f", {spec.repeat} times round-robin" if spec.repeat > 1 else "") + f"; runs in {spec.runs_dir}")
+    runs: dict[str, list[Outcome]] = {name: [] for name in spec.strategies}
     interrupted = False
-    for i, name in enumerate(spec.strategies, 1):
-        if interrupted:
-            outcomes.append(Outcome(name, "interrupted", "the bench was interrupted before it ran"))
-            continue
-        say(f"[{i}/{len(spec.strategies)}] {name}: running")
-        try:
-            o = run_strategy(spec, name, sample_rss=hw["accelerator"] == "cpu")
-        except KeyboardInterrupt:
-            interrupted = True
-            outcomes.append(Outcome(name, "interrupted", "interrupted while running"))
-            continue
-        outcomes.append(o)
-        say(f"[{i}/{len(spec.strategies)}] {name}: " + _one_line(o, spec.warmup))
+    for r in range(spec.repeat):
+        for i, name in enumerate(spec.strategies, 1):
+            tag = f"[{i}/{len(spec.strategies)}" + (f", run {r + 1}/{spec.repeat}]" if spec.repeat > 1 else "]")
+            if interrupted:
+                runs[name].append(Outcome(name, "interrupted", "the bench was interrupted before it ran"))
+                continue
+            if runs[name] and runs[name][0].status != "ok":  # what did not run or fit once is not run again
+                continue
+            say(f"{tag} {name}: running")
+            try:
+                o = run_strategy(spec, name, sample_rss=hw["accelerator"] == "cpu",
+                                 run_name=name if spec.repeat == 1 else f"{name}-r{r + 1}")
+            except KeyboardInterrupt:
+                interrupted = True
+                runs[name].append(Outcome(name, "interrupted", "interrupted while running"))
+                continue
+            runs[name].append(o)
+            say(f"{tag} {name}: " + _one_line(o, spec.warmup))
+    outcomes = [pick_median(spec, runs[name]) if spec.repeat > 1 else runs[name][0] for name in spec.strategies]
     runs = [o for o in outcomes if o.world_size]
     world = runs[0].world_size if runs else 0
     model = (runs[0].config or {}).get("model", "tiny") if runs else str(spec.flags.get("model", ("tiny",))[0])

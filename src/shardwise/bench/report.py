@@ -102,7 +102,8 @@ def build(spec, outcomes: list, hw: dict, vers: dict, command: str, started: flo
         "duration_s": round(time.time() - started, 1),
         "command": command,
         "settings": {"strategies": spec.strategies, "steps": spec.steps, "warmup": spec.warmup,
-                     "profile_steps": getattr(spec, "profile_steps", 0), "config_file": spec.config_path, "flags": {k: v for k, (v, _) in spec.flags.items()},
+                     "profile_steps": getattr(spec, "profile_steps", 0), "repeat": getattr(spec, "repeat", 1),
+                     "config_file": spec.config_path, "flags": {k: v for k, (v, _) in spec.flags.items()},
                      "timeout_s": spec.timeout_s, "runs_dir": os.path.abspath(spec.runs_dir)},
         "hardware": hw,
         "versions": vers,
@@ -131,7 +132,8 @@ def _row(spec, o) -> dict:
     return {"strategy": o.strategy, "status": o.status, "result": RESULT_TEXT.get(o.status, o.status),
             "reason": o.reason, "world_size": o.world_size, "wall_s": round(o.wall_s, 1),
             "returncode": o.returncode, "run_dir": o.output_dir, "log": o.log,
-            "measured": measured, "predicted": pred, "error_pct": err, "config": o.config}
+            "measured": measured, "predicted": pred, "error_pct": err, "config": o.config,
+            **({"repeats": o.repeats} if getattr(o, "repeats", None) else {})}
 
 
 def _loss_agreement(rows: list) -> None:
@@ -416,11 +418,22 @@ def markdown(rep: dict, png_name: str) -> str:
               "- tokens/s and step time: the training loop's own per-step records (`metrics.jsonl`, logged every "
               "step), warm-up steps dropped; the spread is the 10th–90th percentile over steps.",
               f"- peak memory: {src or 'n/a'}.",
+              *([_repeats_line(rep)] if s.get("repeat", 1) > 1 else []),
               "- exposed communication: " + _comm_how(rep),
               "- MFU: the loop's `mfu` (GPU only; 6N + 12·L·H·T FLOPs per token against the GPU's dense peak).",
               "- predictions: `shardwise plan` for the same config and world size.",
               f"- every number: `{os.path.basename(png_name)[:-4]}.json`; run directories: `{s['runs_dir']}`.", ""]
     return "\n".join(lines)
+
+
+def _repeats_line(rep: dict) -> str:
+    per = []
+    for r in rep["results"]:
+        speeds = [x["tokens_per_s"] for x in r.get("repeats", [])]
+        if any(x is not None for x in speeds):
+            per.append(f"{r['strategy']} " + " / ".join(_fmt_tps(x) if x is not None else "failed" for x in speeds))
+    return (f"- repeats: the strategies ran {rep['settings']['repeat']} times round-robin (a, b, …, a, b, …); each "
+            "row is the run with the median tokens/s. Every run's tokens/s, in run order: " + "; ".join(per) + ".")
 
 
 def _comm_how(rep: dict) -> str:

@@ -62,6 +62,7 @@ class BenchSpec:
     report_name: str = "report"
     timeout_s: float = 1800.0
     profile_steps: int = 0  # profiled steps after the counted ones (`shardwise bench --profile-steps`, default 2)
+    repeat: int = 1  # runs of each strategy, round-robin (`shardwise bench --repeat`)
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Outcome:
     rank_peak_gib: dict = field(default_factory=dict)  # CPU: rank -> peak RSS (GiB)
     config: dict | None = None  # the runtime-resolved config
     prediction: dict = field(default_factory=lambda: {"available": False, "note": "not planned"})
+    repeats: list = field(default_factory=list)  # with --repeat: every run of this strategy (see pick_median)
 
 
 # ----------------------------------------------------------------------------- preflight
@@ -229,11 +231,12 @@ def preflight(spec: BenchSpec, name: str, output_dir: str):
     return res, cfg, train_argv(path, flags), unavailable_reason(name)
 
 
-def run_strategy(spec: BenchSpec, name: str, sample_rss: bool, say=print) -> Outcome:
-    """Preflight, run and classify one strategy. Never raises for a strategy's own failure."""
+def run_strategy(spec: BenchSpec, name: str, sample_rss: bool, say=print, run_name: str = "") -> Outcome:
+    """Preflight, run and classify one strategy (its run directory: runs_dir/run_name, default the name).
+    Never raises for a strategy's own failure."""
     from shardwise.bench.predict import predict
 
-    out_dir = os.path.abspath(os.path.join(spec.runs_dir, name))
+    out_dir = os.path.abspath(os.path.join(spec.runs_dir, run_name or name))
     os.makedirs(out_dir, exist_ok=True)
     log_path = os.path.join(out_dir, "bench.log")
     oc = Outcome(name, "unavailable", output_dir=out_dir, log=log_path)
@@ -292,6 +295,26 @@ def run_strategy(spec: BenchSpec, name: str, sample_rss: bool, say=print) -> Out
         with open(log_path, errors="replace") as fh:
             oc.status, oc.reason = classify(fh.read(), proc.returncode)
     return oc
+
+
+def pick_median(spec: BenchSpec, runs: list[Outcome]) -> Outcome:
+    """The run of one strategy that the report shows when it ran several times: among the completed runs, the one
+    with the median tokens/s (the lower middle one for an even count), else the first run. Every run's status,
+    tokens/s and directory go into its `repeats`."""
+    from shardwise.bench.measure import read_records, summarize
+
+    def tps(o: Outcome):
+        if o.status != "ok":
+            return None
+        m = summarize(read_records(o.output_dir), spec.warmup, o.rank_peak_gib or None, o.world_size)
+        return (m.get("tokens_per_s") or {}).get("median")
+
+    speeds = [tps(o) for o in runs]
+    done = sorted((s, i) for i, s in enumerate(speeds) if s is not None)
+    chosen = runs[done[(len(done) - 1) // 2][1]] if done else runs[0]
+    chosen.repeats = [{"run_dir": o.output_dir, "status": o.status, "tokens_per_s": s, "wall_s": round(o.wall_s, 1)}
+                      for o, s in zip(runs, speeds)]
+    return chosen
 
 
 def _cap_fn(cap: int):
