@@ -40,7 +40,7 @@ bench3b() {
 }
 # third session: the GPU table again with the leak-free harness, per-step peaks over 3 steps
 accuracy3() { python3 benchmarks/plan_accuracy.py --gpu --steps 3 --budget-s 480 --json "$OUT/acc_gpu.json"; }
-levers() {
+levers() {  # as run at 757fe6f (the +nosync lever is the engine's step since e45764c and gone from the script)
   python3 benchmarks/one_gpu_levers.py --variants single,fsdp,fsdp-grad-op,fsdp+bf16reduce,fsdp+nosync,single+nosync,fsdp-grad-op+bf16reduce+nosync \
     --repeat 2 --steps 10 --warmup 3 --profile single,fsdp --json "$OUT/levers.json"
 }

@@ -7,10 +7,9 @@ strategy and its `setup`) and runs `train.loop.train_step` + a step, as plan_acc
     single, fsdp, fsdp-grad-op, ddp ...   the preset as the engine runs it now
     +bf16reduce     FSDP's MixedPrecisionPolicy without reduce_dtype: gradients reduced (on one rank:
                     copied) in the compute dtype, then kept in fp32
-    +nosync         (before 2026-11-29, third session: a lever; now the engine's step) the non-finite check
-                    as the fused AdamW's `found_inf`, no host sync in the step; its flags are never read
-                    (runs a and b read none: an upper bound for the lever; since 9b86ecf the engine's
-                    variants read the previous step's flag where loop.run does, a pinned copy behind an event)
+    (+nosync, the fused AdamW's `found_inf` with no host sync, was a lever of run a at 757fe6f; it is
+    the engine's step since e45764c. Runs a and b read no flags; since 9b86ecf every variant reads the
+    previous step's flag where loop.run does, a pinned copy behind an event.)
     +sync           the engine's step before that: the non-finite check reads the norm on the host every step
     +reshard        fsdp on one rank resharding after forward, as before FSDPStrategy.keeps_gathered
     +noprefetch     fsdp.prefetch off (FSDP2's implicit prefetching only)
@@ -22,7 +21,7 @@ the timed steps; per variant the median over repeats. --profile NAME,... also wr
 kernels of two profiled steps of those variants, and the GPU's busy fraction (kernel time / wall).
 
     python benchmarks/one_gpu_levers.py --variants single+sync,single,fsdp+sync+reshard,fsdp --json OUT.json
-    python benchmarks/one_gpu_levers.py --device cpu --model cpu-b --variants single,fsdp+nosync --steps 2 --warmup 1
+    python benchmarks/one_gpu_levers.py --device cpu --model cpu-b --variants single+sync,fsdp --steps 2 --warmup 1
 
 `--device cpu` runs the same code at a tiny size on the CPU (a smoke test; speeds mean nothing there).
 """
@@ -41,7 +40,7 @@ sys.path.insert(0, HERE)
 
 import plan_accuracy as pa  # noqa: E402  (the engine-path helpers: config, random-init loader, batch)
 
-LEVERS = ("bf16reduce", "nosync", "sync", "reshard", "noprefetch")
+LEVERS = ("bf16reduce", "sync", "reshard", "noprefetch")
 
 
 def parse(variant: str) -> tuple[str, set[str]]:
@@ -50,21 +49,6 @@ def parse(variant: str) -> tuple[str, set[str]]:
     if bad:
         raise SystemExit(f"--variants: unknown lever(s) {sorted(bad)} in {variant!r}; known: {', '.join(LEVERS)}")
     return preset, set(levers)
-
-
-def nosync_step(strategy, model, optimizer, flags: list):
-    """Clip, then let the fused AdamW skip a non-finite update on the device (no host sync)."""
-    import torch
-
-    if not optimizer.defaults.get("fused"):  # only the fused AdamW takes found_inf (the CPU runs foreach)
-        return strategy.step(model, optimizer)
-    norm = strategy.clip_grad_norm(model, optimizer)
-    found = (~torch.isfinite(norm)).to(torch.float32)
-    optimizer.found_inf = found
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    flags.append(found)
-    return norm
 
 
 def sync_step(strategy, model, optimizer):
@@ -114,7 +98,7 @@ def run_variant(variant: str, a, env, repeat: int = 0) -> dict:
         strategy = strategies.get(cfg.strategy)(cfg, env)
         model, optimizer = strategy.setup(model)
         batch = pa.make_batch(c, 1, 0, pa.MODELS[a.model][0])
-        faults, flags = Faults(0), []
+        faults = Faults(0)
         model.train()
 
         def one(step):
@@ -122,9 +106,7 @@ def run_variant(variant: str, a, env, repeat: int = 0) -> dict:
                 g["lr"] = 1e-5
             loss = loop.train_step(model, strategy, batch, 1, env.device, faults, step + 1, fused_head)
             strategy.take_nonfinite()  # the previous step's flag, read where loop.run reads it
-            if "nosync" in levers:
-                nosync_step(strategy, model, optimizer, flags)
-            elif "sync" in levers:
+            if "sync" in levers:
                 sync_step(strategy, model, optimizer)
             else:
                 strategy.step(model, optimizer)
@@ -150,7 +132,6 @@ def run_variant(variant: str, a, env, repeat: int = 0) -> dict:
         else:
             elapsed = time.time() - t0
         out["loss"] = float(loss)
-        out["nonfinite"] = int(sum(float(f) for f in flags))
         tokens = a.micro_batch_size * a.seq_len * a.steps
         out["step_s"] = round(elapsed / a.steps, 4)
         out["tokens_per_s"] = round(tokens / elapsed)
@@ -200,7 +181,7 @@ def merged_us(ranges) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", default="single,fsdp,fsdp-grad-op,fsdp+bf16reduce,fsdp+nosync")
+    ap.add_argument("--variants", default="single,ddp,fsdp")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)

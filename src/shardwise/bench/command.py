@@ -101,15 +101,15 @@ def run(args) -> int:
     say(f"{len(spec.strategies)} strategies ({', '.join(spec.strategies)}), {spec.warmup} warm-up + "
         f"{spec.steps} counted" + (f" + {spec.profile_steps} profiled" if spec.profile_steps else "")
         + " steps each" + (f", {spec.repeat} times round-robin" if spec.repeat > 1 else "") + f"; runs in {spec.runs_dir}")
-    runs: dict[str, list[Outcome]] = {name: [] for name in spec.strategies}
+    by_name: dict[str, list[Outcome]] = {name: [] for name in spec.strategies}
     interrupted = False
     for r in range(spec.repeat):
         for i, name in enumerate(spec.strategies, 1):
             tag = f"[{i}/{len(spec.strategies)}" + (f", run {r + 1}/{spec.repeat}]" if spec.repeat > 1 else "]")
             if interrupted:
-                runs[name].append(Outcome(name, "interrupted", "the bench was interrupted before it ran"))
+                by_name[name].append(Outcome(name, "interrupted", "the bench was interrupted before it ran"))
                 continue
-            if runs[name] and runs[name][0].status != "ok":  # what did not run or fit once is not run again
+            if by_name[name] and by_name[name][0].status != "ok":  # what did not run or fit once is not run again
                 continue
             say(f"{tag} {name}: running")
             try:
@@ -117,11 +117,11 @@ def run(args) -> int:
                                  run_name=name if spec.repeat == 1 else f"{name}-r{r + 1}")
             except KeyboardInterrupt:
                 interrupted = True
-                runs[name].append(Outcome(name, "interrupted", "interrupted while running"))
+                by_name[name].append(Outcome(name, "interrupted", "interrupted while running"))
                 continue
-            runs[name].append(o)
+            by_name[name].append(o)
             say(f"{tag} {name}: " + _one_line(o, spec.warmup))
-    outcomes = [pick_median(spec, runs[name]) if spec.repeat > 1 else runs[name][0] for name in spec.strategies]
+    outcomes = [pick_median(spec, by_name[n]) if spec.repeat > 1 else by_name[n][0] for n in spec.strategies]
     runs = [o for o in outcomes if o.world_size]
     world = runs[0].world_size if runs else 0
     model = (runs[0].config or {}).get("model", "tiny") if runs else str(spec.flags.get("model", ("tiny",))[0])

@@ -161,13 +161,17 @@ def shard_ranks(job: Job, o: Opts) -> int:
     return 1
 
 
+def keeps_gathered(o: Opts, shard_n: int, compute_bytes: int, stored_bytes: int) -> bool:
+    """FSDPStrategy.keeps_gathered: on one shard rank computing in a narrower dtype than the stored weights, FSDP
+    keeps the gathered compute-dtype copies from forward to backward (nothing is sharded; resharding would only make
+    them twice), the memory single's autocast casts take; not with CPU offload (that preset is for the least GPU
+    memory), not with fsdp.keep_gathered_one_rank false."""
+    return o.keep_gathered_one_rank and not o.cpu_offload and shard_n == 1 and compute_bytes < stored_bytes
+
+
 def reshards(job: Job, o: Opts) -> bool:
-    """Whether FSDP frees gathered units after forward. Not on one shard rank computing in a narrower dtype than
-    the stored weights: strategies/fsdp.py keeps the gathered compute-dtype copies to backward there (nothing is
-    sharded; resharding would only make them twice), the memory single's autocast casts take. Not with CPU offload:
-    that preset is for the least GPU memory."""
-    keep = o.keep_gathered_one_rank and not o.cpu_offload and shard_ranks(job, o) == 1 and job.c < job.w
-    return o.reshard_after_forward and not keep
+    """Whether FSDP frees gathered units after forward."""
+    return o.reshard_after_forward and not keeps_gathered(o, shard_ranks(job, o), job.c, job.w)
 
 
 def unit_params(spec: ModelSpec, o: Opts) -> tuple[float, int]:

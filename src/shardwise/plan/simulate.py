@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardwise.plan.memory import GiB, Job, Opts
+from shardwise.plan.memory import GiB, Job, Opts, keeps_gathered
 from shardwise.plan.model_spec import ModelSpec
 
 SIMULATED_BASES = ("ddp", "fsdp", "single")
@@ -181,9 +181,7 @@ def wrap_fsdp(model, mesh, opts: Opts, compute: torch.dtype, param: torch.dtype)
 
     mp = MixedPrecisionPolicy(param_dtype=compute if compute != param else None, reduce_dtype=torch.float32)
     layers = list(model.model.layers)
-    # one shard rank with narrower compute: the strategy keeps gathered weights to backward (FSDPStrategy.keeps_gathered)
-    reshard = opts.reshard_after_forward and not (opts.keep_gathered_one_rank and not opts.cpu_offload
-                                                  and mesh.shape[-1] == 1 and compute.itemsize < param.itemsize)
+    reshard = opts.reshard_after_forward and not keeps_gathered(opts, mesh.shape[-1], compute.itemsize, param.itemsize)
     for i, layer in enumerate(layers):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)

@@ -50,8 +50,7 @@ class Strategy:
         self.compute_dtype = DTYPES[cfg.mixed_precision]
         self.param_dtype = DTYPES[cfg.param_dtype]
         self.scaler = None
-        self.nonfinite_steps = 0  # updates skipped because the gradients were not finite (as read so far)
-        self._nonfinite: list = []  # one flag per step() not read yet: a bool, or a device tensor
+        self._nonfinite: list = []  # one flag per step() not read yet: a bool, a tensor, or (pinned copy, event)
         if cfg.mixed_precision == "fp16":
             self.scaler = torch.amp.GradScaler(env.device.type)
 
@@ -142,7 +141,6 @@ class Strategy:
                 f[1].synchronize()
                 f = f[0]
             out.append(bool(f))
-        self.nonfinite_steps += sum(out)
         return out
 
     # -- state -------------------------------------------------------------------------

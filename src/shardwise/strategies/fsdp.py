@@ -132,7 +132,7 @@ class FSDPStrategy(Strategy):
         backward (a cast and a copy per parameter, 3-4% of a step on one H200: benchmarks/one_gpu_levers.py). Keep
         them from forward to backward instead, as single's autocast keeps its casts (same memory as single's);
         fsdp.keep_gathered_one_rank false turns it off; CPU offload (a choice for the least GPU memory) keeps
-        resharding. The planner mirrors this rule (plan/memory.py, `reshards`)."""
+        resharding. The planner mirrors this rule (plan/memory.py, `keeps_gathered`)."""
         f = self.cfg.fsdp
         return (f.keep_gathered_one_rank and not f.cpu_offload and self.mesh.shape[-1] == 1
                 and self.compute_dtype.itemsize < self.param_dtype.itemsize)

@@ -274,7 +274,8 @@ def run(job: Job) -> dict:
                 last_rec = rec
                 window, loss_acc, seq_acc, loss_n = Window(), torch.zeros((), device=env.device), 0.0, 0
             stop, due = control.poll(step)
-            if stop or (step < total and ((cfg.save_every and step % cfg.save_every == 0) or due)):
+            save_due = step < total and ((cfg.save_every and step % cfg.save_every == 0) or due)
+            if stop or save_due:
                 settle()  # a checkpoint follows a step whose update is known
             if stop:
                 phase = "checkpoint save"
@@ -283,7 +284,7 @@ def run(job: Job) -> dict:
                 if env.is_main:
                     _write_json(os.path.join(out, ".prep", "interrupted.json"), {"step": step, "checkpoint": path})
                 raise Preempted(path)
-            if step < total and ((cfg.save_every and step % cfg.save_every == 0) or due):
+            if save_due:
                 phase = f"step {step}: checkpoint save"
                 save()
                 control.saved()
