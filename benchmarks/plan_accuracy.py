@@ -279,7 +279,7 @@ def restore_linear() -> None:
         torch.nn.functional.linear = TORCH_LINEAR
 
 
-def measure_case(c: dict, env, use_tracker: bool) -> dict:
+def measure_case(c: dict, env, use_tracker: bool, snapshot: bool = False) -> dict:
     """Build, set up and run c["steps"] (at least two) steps as the engine does; the largest peak after the first."""
     import torch
 
@@ -291,7 +291,7 @@ def measure_case(c: dict, env, use_tracker: bool) -> dict:
     out: dict = {}
     if cuda:  # anything an earlier case left behind is not this case's (subtracted from the peak)
         out["allocated_at_start"] = torch.cuda.memory_allocated()
-    holder: dict = {}
+    holder: dict = {"snapshot": snapshot}
     try:
         return _steps(c, env, LiveBytes() if use_tracker else None, out, holder)
     finally:
@@ -364,6 +364,8 @@ def _steps(c: dict, env, tracker, out: dict, holder: dict) -> dict:
                 torch.cuda.reset_peak_memory_stats()
                 if step == 1:
                     out["allocated_before_step2"] = torch.cuda.memory_allocated()
+                    if holder.get("snapshot"):
+                        _window_mark()
             ts = time.time()
             for g in optimizer.param_groups:
                 g["lr"] = loop.lr_at(cfg, step, n_steps)
@@ -395,16 +397,35 @@ def _steps(c: dict, env, tracker, out: dict, holder: dict) -> dict:
 OWN_CODE = ("deepspeed/", "shardwise/", "transformers/", "peft/", "bitsandbytes/")
 
 
+WINDOW_MARK = "_window_mark"  # the function whose allocation opens the measured window in the allocation trace
+
+
+def _window_mark() -> None:
+    """Allocate (and free) one small CUDA block: its alloc event, with this function in its frames, marks where the
+    measured window (the second step) starts in the allocation trace, for peak_breakdown."""
+    import torch
+
+    torch.empty(1, device="cuda")  # freed at once: only its allocation event is wanted
+
+
+def _frame_key(f: dict) -> str:
+    return f"{'/'.join(f.get('filename', '?').split('/')[-2:])}:{f.get('line', '?')} {f.get('name', '?')}"
+
+
 def peak_breakdown(snapshot: dict, top: int = 15) -> dict:
-    """What was alive at the largest total in a `torch.cuda.memory._snapshot()` taken with history recording on:
-    replay its alloc/free trace to the peak, group the live blocks by the innermost frame in DeepSpeed, shardwise,
-    transformers, peft or bitsandbytes code (else the innermost frame), largest first."""
+    """What was alive at the largest total of the measured window in a `torch.cuda.memory._snapshot()` taken with
+    history recording on: replay its alloc/free trace (the window opens at the _window_mark allocation, else at the
+    start), take the largest total inside the window, group the blocks alive there by the innermost frame in
+    DeepSpeed, shardwise, transformers, peft or bitsandbytes code (else the innermost frame), largest first. `at`:
+    those frames of the allocation that reached the peak (where in the step it was)."""
     events = [e for trace in snapshot.get("device_traces", []) for e in trace]
+    start = next((i for i, e in enumerate(events) if e["action"] == "alloc"
+                  and any(f.get("name") == WINDOW_MARK for f in e.get("frames") or [])), 0)
     total, best, best_i = 0, -1, -1
     for i, e in enumerate(events):
         if e["action"] == "alloc":
             total += e["size"]
-            if total > best:
+            if i > start and total > best:
                 best, best_i = total, i
         elif e["action"] == "free_completed":
             total -= e["size"]
@@ -414,15 +435,20 @@ def peak_breakdown(snapshot: dict, top: int = 15) -> dict:
             live[e["addr"]] = e
         elif e["action"] == "free_completed":
             live.pop(e["addr"], None)
+
+    def own(frames):
+        return [f for f in frames if any(k in f.get("filename", "") for k in OWN_CODE)]
+
     groups: dict = {}
     for e in live.values():
         frames = e.get("frames") or []
-        f = next((f for f in frames if any(k in f.get("filename", "") for k in OWN_CODE)), frames[0] if frames else {})
-        key = f"{'/'.join(f.get('filename', '?').split('/')[-2:])}:{f.get('line', '?')} {f.get('name', '?')}"
+        f = next(iter(own(frames)), frames[0] if frames else {})
+        key = _frame_key(f)
         n, b = groups.get(key, (0, 0))
         groups[key] = (n + 1, b + e["size"])
     rows = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"peak_bytes_in_trace": best, "events": len(events),
+    at = [_frame_key(f) for f in own(events[best_i].get("frames") or [])][:6] if best_i >= 0 else []
+    return {"peak_bytes_in_trace": best, "events": len(events), "window_from_event": start, "at": at,
             "top": [{"where": k, "blocks": n, "bytes": b} for k, (n, b) in rows]}
 
 
@@ -512,6 +538,7 @@ def run_cpu(a) -> list[dict]:
 
 def run_gpu(a) -> list[dict]:
     import torch
+    import torch.utils.checkpoint
 
     sel = gpu_cases(a.gpu_quick)
     cpu = a.device == "cpu"
@@ -563,14 +590,23 @@ def run_gpu(a) -> list[dict]:
             row["error"] = "skipped: " + ds_error
         else:
             t = time.time()
-            if a.snapshot and not cpu:  # allocation history with Python stacks, for peak_breakdown
-                try:
-                    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python",
-                                                             clear_history=True)
-                except TypeError:  # an older torch without clear_history: earlier cases' events stay in the trace
-                    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+            snap = a.snapshot and not cpu
+            if snap:  # allocation history with Python stacks of the allocations, for peak_breakdown
+                record_history()
             try:
-                r = measure_case(c, env, use_tracker=cpu)
+                try:
+                    r = measure_case(c, env, use_tracker=cpu, snapshot=snap)
+                except SystemError:
+                    # torch 2.11 with history recording fails in checkpointed recomputation (pytorch#179536: a custom
+                    # autograd Function stopped early by checkpoint's early stop); once more without the early stop
+                    if not (snap and c["ckpt"]):
+                        raise
+                    traceback.print_exc()
+                    cleanup(True)
+                    record_history()
+                    row["checkpoint_early_stop"] = False
+                    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                        r = measure_case(c, env, use_tracker=cpu, snapshot=snap)
                 row.update(measured=r["peak_bytes"], **{k: v for k, v in r.items() if k != "peak_bytes"})
                 row["error"] = None
             except torch.OutOfMemoryError as e:
@@ -599,6 +635,14 @@ def run_gpu(a) -> list[dict]:
         if a.json:
             write_json(a.json, rows)
     return rows
+
+
+def record_history() -> None:
+    """CUDA allocation history from here on (earlier cases' events dropped), Python stacks of the allocations."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(enabled=None)
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc", stacks="python")
 
 
 def quiet() -> None:

@@ -32,3 +32,27 @@ def test_peak_breakdown_replays_the_trace_to_its_largest_total_and_groups_by_own
     assert top == {"zero/stage3.py:10 bucket": (1, 100), "zero/stage3.py:20 fetch": (2, 100),
                    "train/loop.py:5 step": (1, 50)}
     assert [x["bytes"] for x in out["top"]] == sorted((x["bytes"] for x in out["top"]), reverse=True)
+
+
+def test_peak_breakdown_takes_the_peak_inside_the_measured_window_only():
+    """The model built in fp32 before wrapping can be the largest total of the whole trace; the breakdown must
+    describe the second step's peak, which opens at the _window_mark allocation."""
+    init = "/site-packages/transformers/models/llama/modeling_llama.py"
+    mark = {"action": "alloc", "addr": 9, "size": 512,
+            "frames": [{"filename": "/benchmarks/plan_accuracy.py", "line": 1, "name": pa.WINDOW_MARK}]}
+    events = [
+        _ev("alloc", 1, 1000, init, 169, "__init__"),          # the whole trace's largest total: 1000 + 40
+        _ev("alloc", 2, 40, "/src/shardwise/strategies/fsdp.py", 7, "wrap"),
+        _ev("free_completed", 1, 1000),
+        mark, _ev("free_completed", 9, 512),
+        _ev("alloc", 3, 300, "/src/shardwise/models/speed.py", 31, "forward"),  # window peak: 40 + 300 + 200
+        _ev("alloc", 4, 200, "/src/shardwise/models/speed.py", 26, "forward"),
+        _ev("free_completed", 3, 300),
+    ]
+    out = pa.peak_breakdown({"device_traces": [events]})
+    assert out["peak_bytes_in_trace"] == 540 and out["window_from_event"] == 3
+    assert {x["where"]: x["bytes"] for x in out["top"]} == {
+        "models/speed.py:31 forward": 300, "models/speed.py:26 forward": 200, "strategies/fsdp.py:7 wrap": 40}
+    assert out["at"] == ["models/speed.py:26 forward"]
+    # without a mark the window is the whole trace
+    assert pa.peak_breakdown({"device_traces": [events[:3] + events[5:]]})["peak_bytes_in_trace"] == 1040
