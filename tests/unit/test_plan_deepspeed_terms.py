@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardwise.plan.memory import DS_SUB_GROUP, GiB, Job, Opts, estimate, zero3_fp32_grad_elements
+from shardwise.plan.memory import (DS_SUB_GROUP, GiB, Job, Opts, estimate, zero3_first_reduce,
+                                   zero3_fp32_grad_elements)
 from shardwise.plan.model_spec import ModelSpec
 
 # Llama-3.2-3B's shape with a 32k vocabulary, untied (benchmarks/plan_accuracy.py "llama-3B")
@@ -65,5 +66,33 @@ def test_zero3_on_one_rank_counts_no_gathered_copies_unless_parameters_are_offlo
     off = estimate(L3B, job, Opts(base="deepspeed", stage=3, offload_optimizer=True, offload_params=True))
     assert "buffer.gathered" not in one.detail and "buffer_bwd.gathered" not in one.detail
     assert two.detail["buffer.gathered"] > 0 and off.detail["buffer.gathered"] > 0
-    # the kept window (head + last blocks up to 5e8 parameters), in bf16, is what one rank does not hold twice
-    assert two.detail["buffer.gathered"] == off.detail["buffer.gathered"] >= 2 * 5e8 * 0.95
+    # what the prefetcher keeps (stage3_max_live_parameters, 1e9), in bf16, is what one rank does not hold twice
+    assert two.detail["buffer.gathered"] == off.detail["buffer.gathered"] == 2 * 1e9
+
+
+def test_zero3_first_bucket_reduce_is_the_offloaded_checkpointed_peak():
+    """The 1.14B anchor, zero3-offload with checkpointing, one H200: the second step peaks in backward, inside
+    __reduce_and_partition_ipg_grads, with (plan_accuracy --snapshot, acc_gpu6): the 5e8-element fp32 bucket
+    (1.86 GiB, for good), its torch.cat copy in reduce_scatter_coalesced (1.86 GiB, fp32), the partitions cast to
+    the bf16 gradient dtype (0.93 GiB), 1.47 GiB of fetched parameters, 9 checkpointed block inputs (64 MiB each);
+    6.98 GiB in all."""
+    a = ModelSpec("a", "test", 32000, 2048, 8192, 16, 16, 8, 128, False)
+    job = Job(micro_batch=8, seq_len=2048, checkpointing=True, compute="bf16", param_dtype="fp32",
+              accelerator="cuda", fused_loss=True)
+    red = zero3_first_reduce(a, job, 1)
+    # gradients arrive head first (65,536,000), then 62,918,656 a block: 5e8 is reached inside the 7th block
+    assert a.head_params == 65_536_000 and a.layer_params == 62_918_656
+    assert red["elements"] == 5e8 and red["layers_left"] == 16 - 7
+    assert red["copy"] == 4 * 5e8 + 2 * 5e8  # fp32 flat copy + bf16 partitions (one rank: the whole bucket)
+    m = estimate(a, job, Opts(base="deepspeed", stage=3, offload_optimizer=True, offload_params=True))
+    assert m.phase.startswith("ZeRO-3 reducing")
+    assert m.detail["buffer_reduce.gathered"] == 2 * (a.total_params - 5e8 + 5e7)
+    assert abs(m.peak_tensors / GiB - 6.98) / 6.98 < 0.05
+    # fp32 compute: gradients and the reduce dtype agree, DeepSpeed casts nothing; on 4 ranks a smaller model's
+    # gradients all fit the bucket: one reduce at the end of backward, every block done
+    red4 = zero3_first_reduce(L3B, replace(job, compute="fp32", world=4), 4)
+    assert red4["copy"] == 4 * 5e8
+    small = ModelSpec("t", "test", 512, 128, 352, 4, 4, 2, 32, False)
+    end = zero3_first_reduce(small, job, 2)
+    assert end["elements"] == small.total_params and end["layers_left"] == 0 and end["rest"] == 0
+    assert end["copy"] == 4 * small.total_params + 2 * small.total_params / 2

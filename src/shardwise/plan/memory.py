@@ -27,9 +27,9 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DDP bucket_cap_mb default
 # setup_buckets); ZeRO-3 once at initialisation, in the reduce dtype, for good (stage3.py, `ipg_buckets`).
 DS_REDUCE_BUCKET = 5e8
 DS_PREFETCH_BUCKET = 5e7  # DeepSpeed stage3_prefetch_bucket_size default (elements)
-# stage3_max_reuse_distance default (elements): ZeRO-3 does not release a module's gathered parameters when they are
-# used again within this many parameters of its recorded module trace (partitioned_param_coordinator.py).
-DS_MAX_REUSE_DISTANCE = 1e9
+# stage3_max_live_parameters default (elements): ZeRO-3's prefetcher gathers ahead until this many are gathered
+# (partitioned_param_coordinator.py, fetch_sub_module); see zero3_kept_gathered.
+DS_MAX_LIVE = 1e9
 # stage3 sub_group_size default (elements): ZeRO-3 splits each parameter group's partition into sub-groups that close
 # once they reach this size, and its optimizer step makes the fp32 gradient of one sub-group at a time (stage3.py,
 # _create_fp16_sub_groups, _prepare_fp32_grad_for_sub_group; released after that sub-group's step).
@@ -294,17 +294,31 @@ def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
 
 
 def zero3_kept_gathered(spec: ModelSpec) -> float:
-    """Parameters ZeRO-3 still holds gathered at the end of forward. A module's parameters are released after its
-    forward unless the trace uses them again within DS_MAX_REUSE_DISTANCE parameters; a module's next use is its
-    backward, 2 x (the parameters run after it in forward) away. So the head and the last blocks stay gathered
-    (all of a model under 5e8 parameters); walking back from the head, a module is kept while the parameters after
-    it are under half the distance (block by block, the boundary block in part)."""
-    half = DS_MAX_REUSE_DISTANCE / 2
-    kept, after = 0.0, 0.0
-    for n in [spec.head_params + spec.hidden_size] + [spec.layer_params] * spec.num_layers + [spec.embed_params]:
-        kept += min(n, max(0.0, half - after))
-        after += n
-    return kept
+    """Parameters ZeRO-3 holds gathered at the end of forward, from the second step on (the first records the trace
+    and prefetches nothing). The prefetcher walks the traced parameter queue ahead of the running module; a parameter
+    it meets already gathered is skipped but marked as fetched for that later use, and a marked parameter is not
+    released after its module (partitioned_param_coordinator.py, fetch_sub_module and __params_to_release). So
+    modules stay gathered after their forward and the gathered count grows to stage3_max_live_parameters (1e9):
+    all of a model under that. Seen on one H200 (1.14B Llama, zero3-offload): 1.86 GiB of bf16 weights fetched
+    and alive at the end of forward."""
+    return min(spec.total_params, DS_MAX_LIVE)
+
+
+def zero3_first_reduce(spec: ModelSpec, job: Job, N: int) -> dict[str, float]:
+    """ZeRO-3's backward when its gradient bucket first fills (stage3.py, __reduce_and_partition_ipg_grads):
+    reduce_scatter_coalesced copies the bucket's gradients into one flat buffer in the reduce dtype (torch.cat,
+    coalesced_collectives.py) and __avg_scatter_grads casts this rank's partitions to the gradients' dtype when they
+    differ. `elements`: gradients in that bucket (all of them when they fit: then it is the end of backward);
+    `layers_left`: blocks whose backward has not run yet (their saved activations are still alive)."""
+    P_t = spec.total_params if job.tuner == "full" else spec.lora_params(job.lora_r, job.lora_targets)
+    elements = min(DS_REDUCE_BUCKET, P_t)
+    layers_left = 0
+    if elements < P_t:  # the head's gradient comes first, then the blocks from the last one
+        per_block = P_t / spec.num_layers if job.tuner != "full" else spec.layer_params
+        done = max(0.0, elements - (spec.head_params if job.tuner == "full" else 0))
+        layers_left = max(0, spec.num_layers - math.ceil(done / per_block))
+    copy = job.w * elements + (job.c * elements / N if job.c != job.w else 0.0)
+    return {"elements": elements, "rest": P_t - elements, "layers_left": layers_left, "copy": copy}
 
 
 def zero3_fp32_grad_elements(spec: ModelSpec, job: Job, N: int) -> float:
@@ -367,6 +381,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     host = 0.0
     extraA = {}  # buffers alive at moment A
     extraB = {}  # buffers alive at moment B
+    extraC = {}  # ZeRO-3: buffers alive when its gradient bucket is first reduced (moment C)
     persist = {}  # buffers alive all step
 
     grads_persist = False
@@ -395,7 +410,9 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
         # backward of a block: two units gathered, its unsharded grads (c) and their fp32 reduce-scatter input;
         # the root's backward comes last, when the block activations are gone (see moment B below)
         g_unit = U if full else P_t / max(spec.num_layers, 1)
-        extraB["gathered"] = 2 * gb * U
+        # the root unit is gathered again for the head's backward, at the start of backward, and resharded after
+        # the embedding's gradient, at its end: it is gathered beside every block's backward
+        extraB["gathered"] = (root if reshards(job, o) else gb * U) + gb * U
         extraB["unsharded_grads+reduce_scatter"] = (c + rd) * g_unit
         root_bwd = root + (c + rd) * (spec.root_params if full else 0)
         if job.grad_accum > 1:  # no-sync micro-batches keep unsharded gradients, accumulated in the reduce dtype
@@ -419,9 +436,14 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
             persist["reduce_bucket"] = DS_REDUCE_BUCKET * w
             grads_persist = True  # grad_partitions_flat_buffer: allocated (zeros) at initialisation, kept
             gathered = c * (max(U, spec.embed_params) + min(DS_PREFETCH_BUCKET, U))
+            red = zero3_first_reduce(spec, job, N)
+            extraC["reduce_copy"] = red["copy"]
             if N > 1 or (o.offload_params and offload_moves):
-                extraA["gathered"] = c * max(zero3_kept_gathered(spec), max(U, spec.embed_params))
+                kept = max(zero3_kept_gathered(spec), max(U, spec.embed_params))
+                extraA["gathered"] = c * kept
                 extraB["gathered"] = gathered
+                # at the first reduce: what was kept and has not run its backward yet, and a prefetch
+                extraC["gathered"] = c * (min(kept, red["rest"]) + min(DS_PREFETCH_BUCKET, U))
             # else one rank, partitions on the device: ZeRO-3 does not all-gather there, a fetched parameter's data
             # is its partition (partition_parameters.py, _no_gather_coalesced: ds_tensor.to(device) is a no-op)
         else:  # ZeRO-1/2: allocated at the first gradient hook, when the activations are still all alive (so it
@@ -469,16 +491,36 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
         step_tmp = 0.0 if job.accelerator == "cuda" else tw * P_t / (N if o.base == "fsdp" else 1)
     g = 0.0 if grads_persist else grads
     moment_b = states + g + max(workspace + sum(extraB.values()), root_bwd, step_tmp)
-    peak = max(moment_a, moment_b)
-    phase = "end of forward (activations + logits)" if moment_a >= moment_b else "end of backward (gradients)"
+    # start of backward (the last block's backward) under checkpointing, where the gradients leave the device
+    # (offloaded): the inputs saved at the other blocks' boundaries are still alive beside the recomputed block.
+    # Where the gradients stay on the device, the end of backward holds them in place of the boundaries (as much or
+    # more on every measured row; counted there too, the tiny CPU rows came out 11-13% over: the block workspace is
+    # overestimated at small sizes). Without checkpointing moment A holds more than this.
+    moment_b0 = 0.0
+    if job.checkpointing and spec.num_layers and g == 0 and not grads_persist:
+        bwd = sum(v for k, v in extraB.items() if k != "fp32_grad_partition")
+        moment_b0 = states + act_detail["layers_kept"] * (spec.num_layers - 1) / spec.num_layers + workspace + bwd
+    moment_c = 0.0
+    if extraC:  # ZeRO-3's first reduce: the blocks not yet through backward keep their saved activations; the
+        # gradient flowing into the block and its recomputed first norm (fp32 and c) are alive
+        red = zero3_first_reduce(spec, job, N)
+        saved = act_detail["layers_kept"] / spec.num_layers if job.checkpointing else per_layer
+        act_c = red["layers_left"] * saved + job.tokens * spec.hidden_size * (4 + 2 * c)
+        moment_c = states + act_c + sum(extraC.values())
+    peak = max(moment_a, moment_b, moment_b0, moment_c)
+    phase = ("end of forward (activations + logits)" if peak == moment_a else
+             "ZeRO-3 reducing its first gradient bucket" if peak == moment_c else
+             "start of backward (checkpointed boundaries + a recomputed block)" if peak == moment_b0 else
+             "end of backward (gradients)")
     if job.accelerator == "cuda":
         allowance = CUDA_CONTEXT_GIB * GiB + FRAGMENTATION * peak
     else:
         allowance = 0.0
-    buffers = max(sum(extraA.values()), sum(extraB.values())) + sum(persist.values())
+    buffers = max(sum(extraA.values()), sum(extraB.values()), sum(extraC.values())) + sum(persist.values())
     detail = {**{f"buffer.{k}": v for k, v in {**persist, **extraA}.items()},
               **{f"buffer_bwd.{k}": v for k, v in extraB.items()},
+              **{f"buffer_reduce.{k}": v for k, v in extraC.items()},
               **{f"act.{k}": v for k, v in act_detail.items()},
-              "moment_a": moment_a, "moment_b": moment_b, "trainable_params": P_t, "shard_ranks": N}
+              "moment_a": moment_a, "moment_b": moment_b, "moment_b0": moment_b0, "moment_c": moment_c, "trainable_params": P_t, "shard_ranks": N}
     return Memory(params=params, grads=grads, optimizer=opt, activations=act_end, buffers=buffers,
                   peak_tensors=peak, allowance=allowance, host=host, phase=phase, detail=detail)
