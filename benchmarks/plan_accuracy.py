@@ -80,6 +80,7 @@ GPU_TO_CPU = {"llama-0.3B": "cpu-a", "llama-1.1B": "cpu-b", "llama-3B": "cpu-c"}
 # (hybrid needs two shard groups: one node of 2 ranks is refused by the config's validation)
 CPU_STRATEGIES = ("ddp", "fsdp", "fsdp-grad-op", "fsdp-offload", "zero1", "zero2", "zero3",
                   "zero2-offload", "zero3-offload")
+HYBRID = {"shard_group_size": 2, "nproc": 4}  # hybrid's cases: their own launch of 4 ranks
 GiB, MiB = 2**30, 2**20
 
 
@@ -104,6 +105,12 @@ def cpu_cases(quick: bool) -> list[dict]:
     # the GPU regime on the CPU: bf16 compute over fp32 weights, the fused head, accumulation
     for strategy in CPU_STRATEGIES:
         out.append(case("s-5M", strategy, 4, 256, False, "bf16", 2, fused=True))
+    # hybrid: 4 ranks of one node split into shard groups of 2 (fsdp.shard_group_size), replicated across them
+    for model in models:
+        for mb, seq in shapes:
+            for ckpt in (False, True):
+                out.append({**case(model, "hybrid", mb, seq, ckpt), **HYBRID})
+    out.append({**case("s-5M", "hybrid", 4, 256, False, "bf16", 2, fused=True), **HYBRID})
     return out
 
 
@@ -166,6 +173,8 @@ def config_for(c: dict, world: int):
              "mixed_precision": "no" if c["compute"] == "fp32" else c["compute"], "param_dtype": "fp32",
              "compile": "on" if c["compile"] else "off", "fused_loss": c["fused_loss"], "nproc_per_node": world,
              "lr": 1e-4, "collective_timeout": 600.0}
+    if c.get("shard_group_size"):
+        flags["fsdp.shard_group_size"] = c["shard_group_size"]
     if c.get("keep_gathered_one_rank") is not None:  # rows measured under another one-rank fsdp rule
         flags["fsdp.keep_gathered_one_rank"] = c["keep_gathered_one_rank"]
     return load_config(None, {k: (v, "plan_accuracy") for k, v in flags.items()}).cfg
@@ -523,14 +532,20 @@ def run_cpu(a) -> list[dict]:
 
     sel = cpu_cases(a.quick)
     sel = select(sel, a)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // a.nproc)))
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=a.nproc, run_id=f"acc-{uuid.uuid4().hex[:6]}",
-                      rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn")
-    out = a.json or os.path.join(tempfile.mkdtemp(), "rows.json")
-    elastic_launch(lc, sys.executable)(os.path.abspath(__file__), "--worker", out, json.dumps(sel))
-    with open(out) as fh:
-        return json.load(fh)
+    rows: list = []
+    for nproc in sorted({c.get("nproc", a.nproc) for c in sel}):  # one launch per world size (hybrid: 4)
+        cases = [c for c in sel if c.get("nproc", a.nproc) == nproc]
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"acc-{uuid.uuid4().hex[:6]}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn")
+        out = os.path.join(tempfile.mkdtemp(), "rows.json")
+        elastic_launch(lc, sys.executable)(os.path.abspath(__file__), "--worker", out, json.dumps(cases))
+        with open(out) as fh:
+            rows += json.load(fh)
+        if a.json:
+            write_json(a.json, rows)
+    return rows
 
 
 # ----------------------------------------------------------------------------- GPU: one rank, in process

@@ -56,3 +56,18 @@ def test_peak_breakdown_takes_the_peak_inside_the_measured_window_only():
     assert out["at"] == ["models/speed.py:26 forward"]
     # without a mark the window is the whole trace
     assert pa.peak_breakdown({"device_traces": [events[:3] + events[5:]]})["peak_bytes_in_trace"] == 1040
+
+
+def test_hybrid_cases_run_on_four_ranks_in_shard_groups_of_two():
+    """The CPU table's hybrid rows: their own launch of 4 ranks, fsdp.shard_group_size 2 in the config the case
+    runs, and the prediction made for shard groups of 2 (the same per-rank state as fsdp on 2 ranks)."""
+    hyb = [c for c in pa.cpu_cases(False) if c["strategy"] == "hybrid"]
+    assert hyb and all(c["nproc"] == 4 and c["shard_group_size"] == 2 for c in hyb)
+    assert all(c.get("nproc") is None for c in pa.cpu_cases(False) if c["strategy"] != "hybrid")
+    c = hyb[0]
+    cfg = pa.config_for(c, 4)
+    assert cfg.strategy == "hybrid" and cfg.fsdp.hybrid and cfg.fsdp.shard_group_size == 2
+    fsdp2 = {**c, "strategy": "fsdp"}
+    del fsdp2["shard_group_size"], fsdp2["nproc"]
+    assert pa.predicted_bytes(c, 4, "cpu") == pa.predicted_bytes(fsdp2, 2, "cpu")
+    assert pa.predicted_bytes(c, 4, "cpu") > pa.predicted_bytes({**fsdp2}, 4, "cpu")

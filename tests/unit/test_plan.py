@@ -709,6 +709,9 @@ def test_offloaded_checkpointed_fsdp_peaks_at_the_start_of_backward():
     assert d["act.layers_kept"] == 16 * boundary
     assert d["moment_b0"] - d["moment_b"] == 15 * boundary  # the end of backward holds none of them
     assert 0.0 <= m.peak_tensors / GiB / 4.01 - 1 < 0.10
+    # accumulating: the earlier micro-batches' unsharded fp32 gradients are alive when the last one's backward starts
+    acc = estimate(a, replace(job, grad_accum=4), Opts("fsdp", cpu_offload=True)).detail
+    assert acc["moment_b0"] - d["moment_b0"] == acc["buffer.unsharded_accumulated_grads"] == 4 * a.total_params
     # gradients on the device (no offload, 2 ranks): the end of backward decides, the start is not counted
     on = estimate(a, replace(job, world=2), Opts("fsdp"))
     assert on.detail["moment_b0"] == 0.0 and on.grads > 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardwise.plan.memory import (DS_SUB_GROUP, GiB, Job, Opts, estimate, zero3_first_reduce,
-                                   zero3_fp32_grad_elements)
+from shardwise.plan.memory import (DS_SUB_GROUP, GiB, Job, Opts, estimate, zero3_fp32_grad_elements,
+                                   zero3_reduces)
 from shardwise.plan.model_spec import ModelSpec
 
 # Llama-3.2-3B's shape with a 32k vocabulary, untied (benchmarks/plan_accuracy.py "llama-3B")
@@ -79,20 +79,45 @@ def test_zero3_first_bucket_reduce_is_the_offloaded_checkpointed_peak():
     a = ModelSpec("a", "test", 32000, 2048, 8192, 16, 16, 8, 128, False)
     job = Job(micro_batch=8, seq_len=2048, checkpointing=True, compute="bf16", param_dtype="fp32",
               accelerator="cuda", fused_loss=True)
-    red = zero3_first_reduce(a, job, 1)
+    [red] = zero3_reduces(a, job, 1)
     # gradients arrive head first (65,536,000), then 62,918,656 a block: 5e8 is reached inside the 7th block
     assert a.head_params == 65_536_000 and a.layer_params == 62_918_656
     assert red["elements"] == 5e8 and red["layers_left"] == 16 - 7
+    assert red["rest"] == 9 * a.layer_params + a.embed_params  # weights not yet through backward
     assert red["copy"] == 4 * 5e8 + 2 * 5e8  # fp32 flat copy + bf16 partitions (one rank: the whole bucket)
     m = estimate(a, job, Opts(base="deepspeed", stage=3, offload_optimizer=True, offload_params=True))
-    assert m.phase.startswith("ZeRO-3 reducing")
-    assert m.detail["buffer_reduce.gathered"] == 2 * (a.total_params - 5e8 + 5e7)
+    assert m.phase == "ZeRO-3 reducing its first gradient bucket"
+    assert m.detail["buffer_reduce.gathered"] == 2 * (red["rest"] + 5e7)
     assert abs(m.peak_tensors / GiB - 6.98) / 6.98 < 0.05
-    # fp32 compute: gradients and the reduce dtype agree, DeepSpeed casts nothing; on 4 ranks a smaller model's
-    # gradients all fit the bucket: one reduce at the end of backward, every block done
-    red4 = zero3_first_reduce(L3B, replace(job, compute="fp32", world=4), 4)
-    assert red4["copy"] == 4 * 5e8
+    # fp32 compute: gradients and the reduce dtype agree, DeepSpeed casts nothing
+    assert zero3_reduces(L3B, replace(job, compute="fp32", world=4), 4)[0]["copy"] == 4 * 5e8
+    # a model whose gradients all fit the bucket: one reduce at the end of backward, every block done
     small = ModelSpec("t", "test", 512, 128, 352, 4, 4, 2, 32, False)
-    end = zero3_first_reduce(small, job, 2)
+    [end] = zero3_reduces(small, job, 2)
     assert end["elements"] == small.total_params and end["layers_left"] == 0 and end["rest"] == 0
     assert end["copy"] == 4 * small.total_params + 2 * small.total_params / 2
+    z3 = estimate(small, replace(job, world=2, micro_batch=1, seq_len=16), Opts(base="deepspeed", stage=3,
+                                                                             offload_optimizer=True))
+    assert z3.detail["moment_c"] > 0
+
+
+def test_zero3_reduces_a_head_larger_than_the_bucket_alone():
+    """stage3.py: the bucket is flushed before a parameter that would overflow it only when it holds something, and
+    a gradient larger than the bucket is not copied into it; reduce_scatter_coalesced concatenates nothing for one
+    tensor. Llama-3-8B's untied head (128256 x 4096 = 525,336,576) is such a parameter."""
+    l8 = ModelSpec("8b", "test", 128256, 4096, 14336, 32, 32, 8, 128, False)
+    job = Job(world=8, micro_batch=1, seq_len=4096, checkpointing=True, compute="bf16", param_dtype="fp32",
+              accelerator="cuda", fused_loss=True)
+    head, blk = 525_336_576, l8.layer_params
+    first, second = zero3_reduces(l8, job, 8)
+    assert first["elements"] == head and first["layers_left"] == 32
+    assert first["copy"] == 2 * head + 4 * head + 2 * head / 8  # its bf16 grad, the fp32 cast, bf16 partitions
+    assert second["elements"] == head + 5e8
+    assert second["layers_left"] == 32 - -(-5e8 // blk)  # the blocks that filled the bucket after it
+    assert second["copy"] == 4 * 5e8 + 2 * 5e8 / 8
+
+
+def test_zero3_moments_survive_a_model_without_blocks():
+    empty = ModelSpec("e", "test", 512, 128, 352, 0, 4, 2, 32, False)
+    job = Job(world=2, micro_batch=1, seq_len=16, checkpointing=True, compute="bf16", accelerator="cpu")
+    assert estimate(empty, job, Opts(base="deepspeed", stage=3)).peak_tensors > 0

@@ -329,7 +329,8 @@ def assumptions(plan: Plan) -> list[str]:
               f"{COMPILE_ACT_FACTOR} (x {COMPILE_ACT_FACTOR_ZERO3} under ZeRO-3, whose hooks split them)"
               if j.compile else "decoder blocks eager (no torch.compile)"),
            "DDP: 25 MiB buckets, gradient_as_bucket_view=True (gradients are views of the buckets, alive all step); "
-           "FSDP2: each decoder layer a unit, embeddings/norm/head in the root unit, two units gathered at a time; "
+           "FSDP2: each decoder layer a unit, embeddings/norm/head in the root unit, two units gathered at a time "
+           "in forward, the root and one unit in backward; "
            "DeepSpeed: default buckets (reduce 5e8, prefetch 5e7 elements), fp32 master partition, "
            "overlap_comm off for ZeRO-1/2",
            f"step time: FLOPs (6N + 12*L*H*S per token) at {s.mfu_for(j):.0%} of {s.peak_flops / 1e12:.0f} TFLOP/s"

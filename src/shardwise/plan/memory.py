@@ -5,12 +5,16 @@ here follow it: P parameters (P_t trainable), N ranks that share a shard, c comp
 bytes, w storage bytes of trainable weights, r bytes of the residual stream, T = B*S tokens
 per micro-batch per rank, V vocab, h hidden, i intermediate.
 
-The peak is the larger of two moments of a step (gradients are freed by zero_grad and
+The peak is the largest of these moments of a step (gradients are freed by zero_grad and
 activations are freed by backward, so they are not alive in full at the same time):
   A  end of forward / loss backward: states + all saved activations + logits and their
      fp32 loss tensors + gathered parameters (+ gradients when accumulating);
   B  end of backward / optimizer step: states + all gradients + the last block's
-     activations and their gradients + reduce buffers + optimizer temporaries.
+     activations and their gradients + reduce buffers + optimizer temporaries;
+  B0 start of a checkpointed backward where the gradients leave the device (offload on a GPU):
+     states + the other blocks' checkpointed inputs + the recomputed block + its buffers;
+  C  ZeRO-3 reducing a gradient bucket: states + the bucket's copies + the parameters and
+     saved activations of the blocks not yet through backward.
 """
 
 from __future__ import annotations
@@ -304,21 +308,33 @@ def zero3_kept_gathered(spec: ModelSpec) -> float:
     return min(spec.total_params, DS_MAX_LIVE)
 
 
-def zero3_first_reduce(spec: ModelSpec, job: Job, N: int) -> dict[str, float]:
-    """ZeRO-3's backward when its gradient bucket first fills (stage3.py, __reduce_and_partition_ipg_grads):
-    reduce_scatter_coalesced copies the bucket's gradients into one flat buffer in the reduce dtype (torch.cat,
-    coalesced_collectives.py) and __avg_scatter_grads casts this rank's partitions to the gradients' dtype when they
-    differ. `elements`: gradients in that bucket (all of them when they fit: then it is the end of backward);
-    `layers_left`: blocks whose backward has not run yet (their saved activations are still alive)."""
-    P_t = spec.total_params if job.tuner == "full" else spec.lora_params(job.lora_r, job.lora_targets)
+def zero3_reduces(spec: ModelSpec, job: Job, N: int) -> list[dict[str, float]]:
+    """ZeRO-3's backward when it reduces a gradient bucket (stage3.py, __reduce_and_partition_ipg_grads), the
+    first time (what is still alive is largest then). reduce_scatter_coalesced copies the bucket's gradients into
+    one flat buffer in the reduce dtype (torch.cat, coalesced_collectives.py) and __avg_scatter_grads casts this
+    rank's partitions to the gradients' dtype when they differ. A parameter larger than the bucket (an untied head
+    over 5e8) is reduced alone: its gradient is not copied into the bucket (it stays alive, c bytes), it is cast to
+    the reduce dtype, there is nothing to concatenate, and the bucket's first fill follows it as a second event.
+    Per event: `elements` reduced, `layers_left` (blocks whose backward has not run: their saved activations and
+    weights are still alive), `rest` (parameters not yet through backward), `copy` (bytes made for the reduce)."""
+    full = job.tuner == "full"
+    P_t = spec.total_params if full else spec.lora_params(job.lora_r, job.lora_targets)
+    L = max(spec.num_layers, 1)
+    per_block = spec.layer_params if full else P_t / L
+    cast = job.c != job.w  # gradients in c, reduced in w (mixed precision over fp32 weights)
+
+    def event(elements: float, done_blocks: float, copy: float) -> dict[str, float]:
+        left = max(0, spec.num_layers - math.ceil(done_blocks / per_block - 1e-9)) if elements < P_t else 0
+        rest = left * spec.layer_params + spec.embed_params if elements < P_t else 0.0
+        return {"elements": elements, "layers_left": left, "rest": rest, "copy": copy}
+
+    head = spec.head_params if full else 0
+    if head > DS_REDUCE_BUCKET:
+        first = event(head, 0.0, job.c * head + ((job.w + job.c / N) * head if cast else 0.0))
+        blocks = min(DS_REDUCE_BUCKET, P_t - head)
+        return [first, event(head + blocks, blocks, job.w * blocks + (job.c * blocks / N if cast else 0.0))]
     elements = min(DS_REDUCE_BUCKET, P_t)
-    layers_left = 0
-    if elements < P_t:  # the head's gradient comes first, then the blocks from the last one
-        per_block = P_t / spec.num_layers if job.tuner != "full" else spec.layer_params
-        done = max(0.0, elements - (spec.head_params if job.tuner == "full" else 0))
-        layers_left = max(0, spec.num_layers - math.ceil(done / per_block))
-    copy = job.w * elements + (job.c * elements / N if job.c != job.w else 0.0)
-    return {"elements": elements, "rest": P_t - elements, "layers_left": layers_left, "copy": copy}
+    return [event(elements, max(0.0, elements - head), job.w * elements + (job.c * elements / N if cast else 0.0))]
 
 
 def zero3_fp32_grad_elements(spec: ModelSpec, job: Job, N: int) -> float:
@@ -407,8 +423,8 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
             extraA["gathered_units"] = 2 * gb * U  # the last unit (kept) + a prefetched one
         else:  # every unit stays gathered from its forward to its backward
             extraA["gathered_all"] = root + gb * (P - spec.root_params)
-        # backward of a block: two units gathered, its unsharded grads (c) and their fp32 reduce-scatter input;
-        # the root's backward comes last, when the block activations are gone (see moment B below)
+        # backward of a block: the root and the block's unit gathered, its unsharded grads (c) and their fp32
+        # reduce-scatter input; the root's own backward comes last, when the block activations are gone (moment B)
         g_unit = U if full else P_t / max(spec.num_layers, 1)
         # the root unit is gathered again for the head's backward, at the start of backward, and resharded after
         # the embedding's gradient, at its end: it is gathered beside every block's backward
@@ -436,14 +452,12 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
             persist["reduce_bucket"] = DS_REDUCE_BUCKET * w
             grads_persist = True  # grad_partitions_flat_buffer: allocated (zeros) at initialisation, kept
             gathered = c * (max(U, spec.embed_params) + min(DS_PREFETCH_BUCKET, U))
-            red = zero3_first_reduce(spec, job, N)
-            extraC["reduce_copy"] = red["copy"]
-            if N > 1 or (o.offload_params and offload_moves):
+            zero3_gathers = N > 1 or (o.offload_params and offload_moves)
+            extraC["reduce"] = 1.0  # marker: moment C is computed below, per reduce event
+            if zero3_gathers:
                 kept = max(zero3_kept_gathered(spec), max(U, spec.embed_params))
                 extraA["gathered"] = c * kept
                 extraB["gathered"] = gathered
-                # at the first reduce: what was kept and has not run its backward yet, and a prefetch
-                extraC["gathered"] = c * (min(kept, red["rest"]) + min(DS_PREFETCH_BUCKET, U))
             # else one rank, partitions on the device: ZeRO-3 does not all-gather there, a fetched parameter's data
             # is its partition (partition_parameters.py, _no_gather_coalesced: ds_tensor.to(device) is a no-op)
         else:  # ZeRO-1/2: allocated at the first gradient hook, when the activations are still all alive (so it
@@ -499,17 +513,29 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     moment_b0 = 0.0
     if job.checkpointing and spec.num_layers and g == 0 and not grads_persist:
         bwd = sum(v for k, v in extraB.items() if k != "fp32_grad_partition")
-        moment_b0 = states + act_detail["layers_kept"] * (spec.num_layers - 1) / spec.num_layers + workspace + bwd
-    moment_c = 0.0
-    if extraC:  # ZeRO-3's first reduce: the blocks not yet through backward keep their saved activations; the
-        # gradient flowing into the block and its recomputed first norm (fp32 and c) are alive
-        red = zero3_first_reduce(spec, job, N)
-        saved = act_detail["layers_kept"] / spec.num_layers if job.checkpointing else per_layer
-        act_c = red["layers_left"] * saved + job.tokens * spec.hidden_size * (4 + 2 * c)
-        moment_c = states + act_c + sum(extraC.values())
+        accumulated = extraA.get("unsharded_accumulated_grads", 0.0) + accum_grads  # earlier micro-batches'
+        moment_b0 = (states + act_detail["layers_kept"] * (spec.num_layers - 1) / spec.num_layers + workspace + bwd
+                     + accumulated)
+    moment_c, reduce_end = 0.0, False
+    if extraC.pop("reduce", None):  # ZeRO-3's reduces: the blocks not yet through backward keep their saved
+        # activations (checkpointed: their inputs; eager: all, and the block being run); the gradient flowing into
+        # the block and its recomputed first norm (fp32 and c) are alive; kept parameters not yet through backward
+        L = max(spec.num_layers, 1)
+        for red in zero3_reduces(spec, job, N):
+            if job.checkpointing:
+                act_c = red["layers_left"] * act_detail["layers_kept"] / L
+            else:
+                act_c = min(red["layers_left"] + 1, spec.num_layers) * per_layer
+            act_c += job.tokens * spec.hidden_size * (4 + 2 * c)
+            held = c * (min(kept, red["rest"]) + min(DS_PREFETCH_BUCKET, U)) if zero3_gathers else 0.0
+            m_c = states + act_c + red["copy"] + held
+            if m_c > moment_c:
+                moment_c, reduce_end = m_c, red["layers_left"] == 0
+                extraC = {"reduce_copy": red["copy"], **({"gathered": held} if held else {})}
     peak = max(moment_a, moment_b, moment_b0, moment_c)
     phase = ("end of forward (activations + logits)" if peak == moment_a else
-             "ZeRO-3 reducing its first gradient bucket" if peak == moment_c else
+             ("ZeRO-3 reducing its gradients at the end of backward" if reduce_end else
+              "ZeRO-3 reducing its first gradient bucket") if peak == moment_c else
              "start of backward (checkpointed boundaries + a recomputed block)" if peak == moment_b0 else
              "end of backward (gradients)")
     if job.accelerator == "cuda":
