@@ -10,7 +10,8 @@
 # and carried to the device, 48 MB in all). Usage on the GPU machine, from the repo root:
 #   bash benchmarks/h200_session.sh setup PART...     PART: tests strategies offload qlora accuracy bench3b
 #                                                    accuracy3 levers fsdp1 proftest accuracy4 levers2 defaults (third session)
-#                                                    accuracy5 levers3 (prepared for the next session)
+#                                                    accuracy5 levers3 accuracy6 vshf (fourth session)
+#                                                    twogpu (fourth session, on the nvidia-h200-x2 kind)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
 set -u
@@ -63,6 +64,18 @@ accuracy5() { python3 benchmarks/plan_accuracy.py --gpu --steps 3 --pick 44,45,4
 levers3() {
   python3 benchmarks/one_gpu_levers.py --variants single+sync,single,ddp,fsdp --repeat 3 --steps 10 --warmup 3 \
     --json "$OUT/levers3.json"
+}
+# fourth session (after 639b242: the snapshot's window opens at the second step, allocation stacks only)
+accuracy6() { python3 benchmarks/plan_accuracy.py --gpu --steps 3 --pick 45,49 --snapshot --json "$OUT/acc_gpu6.json"; }
+vshf() {  # the issue-6 goals with the final code, Trainer first
+  python3 benchmarks/vs_hf_trainer.py --out "$OUT" --steps 24 --warmup 8 \
+    --variants hf-trainer,sw-single,sw-fsdp,hf-trainer-gc,sw-single-gc
+}
+twogpu() {  # two GPUs: NCCL bandwidth, then every strategy of the demo round-robin (the report needs > 400 s;
+  # keep --runs-dir out of $OUT: the device returns at most 8 files)
+  python3 -m shardwise doctor --json > "$OUT/doctor2gpu.json"
+  python3 -m shardwise bench --strategies ddp,fsdp,zero2,zero3 --repeat 2 --report-dir "$OUT" --report-name bench-2gpu \
+    --runs-dir /tmp/bench-runs
 }
 setup
 LOGF="$OUT/logs-$(date +%H%M%S).txt"
