@@ -32,16 +32,16 @@ def resolve_checkpoint(path: str) -> str:
 
 
 def export(checkpoint: str, out: str, merge_lora: bool = False) -> str:
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):  # before the heavy imports
+        raise ShardwiseError(f"--out {out}: exists and is not empty; choose a new directory")
+    path = resolve_checkpoint(checkpoint)
+
     import torch
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from shardwise.config import from_dict
     from shardwise.train import checkpoint as ckpt
-
-    path = resolve_checkpoint(checkpoint)
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ShardwiseError(f"--out {out}: exists and is not empty; choose a new directory")
     meta = ckpt.read_meta(path)
     cfg = from_dict(meta["config"])
     hf_dir = os.path.join(path, "hf")
