@@ -397,7 +397,8 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     host = 0.0
     extraA = {}  # buffers alive at moment A
     extraB = {}  # buffers alive at moment B
-    extraC = {}  # ZeRO-3: buffers alive when its gradient bucket is first reduced (moment C)
+    extraC = {}  # ZeRO-3: buffers alive when it reduces its gradients (moment C, set below)
+    zero3_kept = None  # ZeRO-3: parameters its prefetcher keeps gathered (0 when it does not gather); else None
     persist = {}  # buffers alive all step
 
     grads_persist = False
@@ -451,13 +452,11 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
             # reduce dtype: fp32 over fp32 weights (the engine sets communication_data_type fp32), else the weights'
             persist["reduce_bucket"] = DS_REDUCE_BUCKET * w
             grads_persist = True  # grad_partitions_flat_buffer: allocated (zeros) at initialisation, kept
-            gathered = c * (max(U, spec.embed_params) + min(DS_PREFETCH_BUCKET, U))
-            zero3_gathers = N > 1 or (o.offload_params and offload_moves)
-            extraC["reduce"] = 1.0  # marker: moment C is computed below, per reduce event
-            if zero3_gathers:
-                kept = max(zero3_kept_gathered(spec), max(U, spec.embed_params))
-                extraA["gathered"] = c * kept
-                extraB["gathered"] = gathered
+            zero3_kept = 0.0
+            if N > 1 or (o.offload_params and offload_moves):
+                zero3_kept = max(zero3_kept_gathered(spec), max(U, spec.embed_params))
+                extraA["gathered"] = c * zero3_kept
+                extraB["gathered"] = c * (max(U, spec.embed_params) + min(DS_PREFETCH_BUCKET, U))
             # else one rank, partitions on the device: ZeRO-3 does not all-gather there, a fetched parameter's data
             # is its partition (partition_parameters.py, _no_gather_coalesced: ds_tensor.to(device) is a no-op)
         else:  # ZeRO-1/2: allocated at the first gradient hook, when the activations are still all alive (so it
@@ -517,7 +516,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
         moment_b0 = (states + act_detail["layers_kept"] * (spec.num_layers - 1) / spec.num_layers + workspace + bwd
                      + accumulated)
     moment_c, reduce_end = 0.0, False
-    if extraC.pop("reduce", None):  # ZeRO-3's reduces: the blocks not yet through backward keep their saved
+    if zero3_kept is not None:  # ZeRO-3's reduces: the blocks not yet through backward keep their saved
         # activations (checkpointed: their inputs; eager: all, and the block being run); the gradient flowing into
         # the block and its recomputed first norm (fp32 and c) are alive; kept parameters not yet through backward
         L = max(spec.num_layers, 1)
@@ -527,7 +526,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
             else:
                 act_c = min(red["layers_left"] + 1, spec.num_layers) * per_layer
             act_c += job.tokens * spec.hidden_size * (4 + 2 * c)
-            held = c * (min(kept, red["rest"]) + min(DS_PREFETCH_BUCKET, U)) if zero3_gathers else 0.0
+            held = c * (min(zero3_kept, red["rest"]) + min(DS_PREFETCH_BUCKET, U)) if zero3_kept else 0.0
             m_c = states + act_c + red["copy"] + held
             if m_c > moment_c:
                 moment_c, reduce_end = m_c, red["layers_left"] == 0
