@@ -298,7 +298,7 @@ def load_config(path: str | None = None, flags: dict[str, tuple[Any, str]] | Non
             strategy = str(layer["strategy"][0])
     preset_layer = {}
     if strategy in presets.PRESETS:
-        preset_layer = {k: (v, f"preset {strategy}") for k, v in presets.PRESETS[strategy][1].items()}
+        preset_layer = {k: (v, f"preset {strategy}") for k, v in presets.PRESETS[strategy].options.items()}
     cfg = Config()
     origins: dict[str, str] = {}
     for layer in [preset_layer] + layers:
@@ -376,7 +376,7 @@ def validate(res: Resolved) -> None:
          "fsdp.wrap", f"fsdp.wrap must be 'block' or 'size:N' with N > 0, got '{c.fsdp.wrap}'")
     need(c.fsdp.shard_group_size >= 0, "fsdp.shard_group_size", "fsdp.shard_group_size must be >= 0")
 
-    base = presets.PRESETS[c.strategy][0] if c.strategy in presets.PRESETS else c.strategy
+    base = presets.base_strategy(c.strategy) if c.strategy in presets.PRESETS else c.strategy
     # Options that belong to another strategy, set explicitly, are a mistake worth a line.
     if base != "auto":
         for key in res.origins:
@@ -414,12 +414,11 @@ def to_yaml(cfg: Config, where: str = "") -> str:
     d = dataclasses.asdict(cfg)
     for k in RUN_CONTROL_KEYS:
         d.pop(k, None)
-    base = presets.PRESETS[cfg.strategy][0] if cfg.strategy in presets.PRESETS else cfg.strategy
+    base = presets.base_strategy(cfg.strategy) if cfg.strategy in presets.PRESETS else cfg.strategy
     # sections that do not apply to this run are left out (they hold defaults)
-    if base not in ("fsdp", "auto"):
-        d.pop("fsdp")
-    if base not in ("deepspeed", "auto"):
-        d.pop("deepspeed")
+    for spec in presets.SPECS.values():
+        if spec.section and base not in (spec.name, "auto"):
+            d.pop(spec.section)
     if cfg.tuner == "full":
         d.pop("lora")
     head = "# shardwise resolved config; `shardwise train THIS_FILE` repeats the run into a new output_dir.\n"

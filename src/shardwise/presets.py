@@ -1,41 +1,142 @@
-"""Named strategy presets: one string selects a strategy plus its options.
+"""The strategy registry: every strategy family declared once, with its presets and planner rules.
 
-Pure data, no torch import, so the planner and the config layer can use it freely.
-Each preset maps to a base strategy (the file in strategies/) and option defaults
-(config keys, dotted for sections). Options a user sets explicitly win over a preset's.
+Pure data and pure functions, no torch import, so the config layer, the CLI, bench and the
+planner (which must not import torch.distributed) read it freely; `strategies.get` imports the
+class it names only when a run needs it.
+
+A family (`StrategySpec`) says which class runs it, the config section its options live in,
+the optional package it needs, and the rules the planner shares with the class (how many ranks
+share the sharded state, whether FSDP keeps gathered weights). A preset (`Preset`) is one
+string that selects a family plus option defaults (config keys, dotted for sections), with a
+one-line description and its rank in the planner's tie-break (lower is simpler). Options a
+user sets explicitly win over a preset's. Adding a strategy is one class in strategies/ plus
+one `register(StrategySpec(...))` below (docs/strategies/README.md, "Adding a strategy").
 """
 
 from __future__ import annotations
 
-# name -> (base strategy, {config key: value}, one-line description)
-PRESETS: dict[str, tuple[str, dict, str]] = {
-    "single": ("single", {}, "one process, no wrapping"),
-    "ddp": ("ddp", {}, "DistributedDataParallel: full replica per rank, one all-reduce of gradients per step"),
-    "fsdp": ("fsdp", {"fsdp.reshard_after_forward": True},
-             "FSDP2 fully_shard, full shard (ZeRO-3-like): params, grads and optimizer states sharded"),
-    "fsdp-grad-op": ("fsdp", {"fsdp.reshard_after_forward": False},
-                     "FSDP2, params kept gathered between forward and backward (ZeRO-2-like)"),
-    "fsdp-offload": ("fsdp", {"fsdp.reshard_after_forward": True, "fsdp.cpu_offload": True},
-                     "FSDP2 full shard with parameters, gradients and optimizer step on the CPU"),
-    "hybrid": ("fsdp", {"fsdp.reshard_after_forward": True, "fsdp.hybrid": True},
-               "HSDP: shard within a node, replicate across nodes (2-D device mesh)"),
-    "zero1": ("deepspeed", {"deepspeed.stage": 1}, "DeepSpeed ZeRO-1: optimizer states sharded"),
-    "zero2": ("deepspeed", {"deepspeed.stage": 2}, "DeepSpeed ZeRO-2: optimizer states and gradients sharded"),
-    "zero3": ("deepspeed", {"deepspeed.stage": 3}, "DeepSpeed ZeRO-3: parameters, gradients and optimizer states sharded"),
-    "zero2-offload": ("deepspeed", {"deepspeed.stage": 2, "deepspeed.offload_optimizer": True},
-                      "DeepSpeed ZeRO-2 with the optimizer states and step on the CPU"),
-    "zero3-offload": ("deepspeed", {"deepspeed.stage": 3, "deepspeed.offload_optimizer": True,
-                                    "deepspeed.offload_params": True},
-                      "DeepSpeed ZeRO-3 with parameters and optimizer states on the CPU"),
-}
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One `--strategy` name: a family plus option defaults."""
+
+    name: str
+    base: str  # the StrategySpec (family) it runs on
+    options: dict  # config key (dotted for a section) -> value, under what the user sets
+    description: str  # one line, shown by `plan`, `bench` and the docs
+    simplicity: int  # the planner's tie-break among equally fast presets: lower is simpler
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """A strategy family: the class that runs it and what the rest of shardwise needs to know about it."""
+
+    name: str  # base strategy name, e.g. 'fsdp'
+    cls: str  # "module:Class", imported lazily by strategies.get
+    presets: tuple = ()  # its Preset entries, in listing order
+    section: str | None = None  # the config section holding its options ('fsdp', 'deepspeed'), if any
+    requires: tuple | None = None  # (importable module, how to install it) for an optional backend
+    shards_state: bool = False  # whether parameters/gradients/optimizer states are split across ranks
+
+    def shard_ranks(self, world: int, gpus_per_node: int, hybrid: bool = False, shard_group_size: int = 0) -> int:
+        """How many ranks share one copy of the sharded state (1: every rank holds all of it)."""
+        if not self.shards_state:
+            return 1
+        if hybrid:
+            return shard_group_size or gpus_per_node
+        return world
+
+
+@dataclass(frozen=True)
+class FSDPSpec(StrategySpec):
+    @staticmethod
+    def keeps_gathered(keep_gathered_one_rank: bool, cpu_offload: bool, shard_ranks: int,
+                       compute_bytes: int, stored_bytes: int) -> bool:
+        """Whether FSDP keeps the gathered compute-dtype weights from forward to backward instead of resharding:
+        on one rank per shard group, computing in a narrower dtype than the stored weights, nothing is sharded, so
+        resharding would only free the casts and make them again in backward (the memory single's autocast casts
+        take). Not with CPU offload (that preset is for the least GPU memory), not with
+        fsdp.keep_gathered_one_rank false. FSDPStrategy and the planner both call this."""
+        return keep_gathered_one_rank and not cpu_offload and shard_ranks == 1 and compute_bytes < stored_bytes
+
+
+SPECS: dict[str, StrategySpec] = {}  # base name -> spec, in registration order
+PRESETS: dict[str, Preset] = {}  # preset name -> preset, in registration order (the order `plan` lists them)
+
+
+def register(spec: StrategySpec) -> StrategySpec:
+    """Add a strategy family and its presets; names must be new."""
+    if spec.name in SPECS:
+        raise ValueError(f"strategy family '{spec.name}' is registered twice")
+    for p in spec.presets:
+        if p.name in PRESETS or p.name in SPECIAL:
+            raise ValueError(f"strategy preset '{p.name}' is registered twice")
+        if p.base != spec.name:
+            raise ValueError(f"preset '{p.name}' names family '{p.base}' but is registered with '{spec.name}'")
+    SPECS[spec.name] = spec
+    for p in spec.presets:
+        PRESETS[p.name] = p
+    return spec
+
 
 # Names accepted by --strategy besides the presets.
 SPECIAL = ("auto",)
 
+SINGLE = register(StrategySpec(
+    "single", "shardwise.strategies.single:SingleStrategy",
+    presets=(Preset("single", "single", {}, "one process, no wrapping", 0),)))
+
+DDP = register(StrategySpec(
+    "ddp", "shardwise.strategies.ddp:DDPStrategy",
+    presets=(Preset("ddp", "ddp", {},
+                    "DistributedDataParallel: full replica per rank, one all-reduce of gradients per step", 1),)))
+
+FSDP = register(FSDPSpec(
+    "fsdp", "shardwise.strategies.fsdp:FSDPStrategy", section="fsdp", shards_state=True,
+    presets=(
+        Preset("fsdp", "fsdp", {"fsdp.reshard_after_forward": True},
+               "FSDP2 fully_shard, full shard (ZeRO-3-like): params, grads and optimizer states sharded", 2),
+        Preset("fsdp-grad-op", "fsdp", {"fsdp.reshard_after_forward": False},
+               "FSDP2, params kept gathered between forward and backward (ZeRO-2-like)", 3),
+        Preset("fsdp-offload", "fsdp", {"fsdp.reshard_after_forward": True, "fsdp.cpu_offload": True},
+               "FSDP2 full shard with parameters, gradients and optimizer step on the CPU", 8),
+        Preset("hybrid", "fsdp", {"fsdp.reshard_after_forward": True, "fsdp.hybrid": True},
+               "HSDP: shard within a node, replicate across nodes (2-D device mesh)", 4),
+    )))
+
+DEEPSPEED = register(StrategySpec(
+    "deepspeed", "shardwise.strategies.deepspeed:DeepSpeedStrategy", section="deepspeed", shards_state=True,
+    requires=("deepspeed", "pip install 'shardwise[deepspeed]'"),
+    presets=(
+        Preset("zero1", "deepspeed", {"deepspeed.stage": 1}, "DeepSpeed ZeRO-1: optimizer states sharded", 5),
+        Preset("zero2", "deepspeed", {"deepspeed.stage": 2},
+               "DeepSpeed ZeRO-2: optimizer states and gradients sharded", 6),
+        Preset("zero3", "deepspeed", {"deepspeed.stage": 3},
+               "DeepSpeed ZeRO-3: parameters, gradients and optimizer states sharded", 7),
+        Preset("zero2-offload", "deepspeed", {"deepspeed.stage": 2, "deepspeed.offload_optimizer": True},
+               "DeepSpeed ZeRO-2 with the optimizer states and step on the CPU", 9),
+        Preset("zero3-offload", "deepspeed", {"deepspeed.stage": 3, "deepspeed.offload_optimizer": True,
+                                              "deepspeed.offload_params": True},
+               "DeepSpeed ZeRO-3 with parameters and optimizer states on the CPU", 10),
+    )))
+
+
+def spec_of(name: str) -> StrategySpec:
+    """The family of a preset name ('zero3-offload' -> the deepspeed spec)."""
+    return SPECS[PRESETS[name].base]
+
 
 def base_strategy(name: str) -> str:
-    """The strategy file a preset name runs on ('zero3-offload' -> 'deepspeed')."""
-    return PRESETS[name][0]
+    """The strategy family a preset name runs on ('zero3-offload' -> 'deepspeed')."""
+    return PRESETS[name].base
+
+
+def section_applies(section: str | None, base: str) -> bool:
+    """Whether options of a config section (None: a top-level key) apply to a strategy family."""
+    owners = {s.section: s.name for s in SPECS.values() if s.section}
+    return section not in owners or owners[section] == base
 
 
 def trains_in_process(name: str, world_size: int) -> bool:

@@ -100,3 +100,13 @@ def error_pct(predicted: float | None, measured: float | None) -> float | None:
     if predicted is None or measured is None or measured == 0:
         return None
     return (predicted - measured) / measured * 100.0
+
+
+def measured_stat(row: dict, key: str, stat: str = "median"):
+    """One statistic of a measured quantity in a report row (None when not measured)."""
+    return (row["measured"].get(key) or {}).get(stat)
+
+
+def model_label(model: str) -> str:
+    """'tiny', or the model directory's name."""
+    return model if model == "tiny" else os.path.basename(os.path.normpath(model)) or model

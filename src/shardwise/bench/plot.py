@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from shardwise.bench.report import _m, model_label
+from shardwise.bench.measure import measured_stat, model_label
 
 
 def write_png(rep: dict, path: str) -> None:
@@ -76,16 +76,16 @@ def write_png(rep: dict, path: str) -> None:
         ax.set_axisbelow(True)
 
     def tps(r):
-        return _m(r, "tokens_per_s")
+        return measured_stat(r, "tokens_per_s")
 
     def tps_range(r):
-        return _m(r, "tokens_per_s", "p10"), _m(r, "tokens_per_s", "p90")
+        return measured_stat(r, "tokens_per_s", "p10"), measured_stat(r, "tokens_per_s", "p90")
 
     def mem(r):
-        return _m(r, "peak_mem_gib", "max")
+        return measured_stat(r, "peak_mem_gib", "max")
 
     def mem_range(r):
-        mn = _m(r, "peak_mem_gib", "min")
+        mn = measured_stat(r, "peak_mem_gib", "min")
         return (mn if mn is not None else mem(r)), mem(r)
 
     panel(a1, "Throughput (median; whisker: p10–p90 over steps)", "tokens/s (all ranks)", tps, tps_range,

@@ -13,7 +13,7 @@ import platform
 import re
 import time
 
-from shardwise.bench.measure import error_pct, read_records, summarize
+from shardwise.bench.measure import error_pct, measured_stat, model_label, read_records, summarize
 
 SCHEMA = "shardwise-bench/1"
 RESULT_TEXT = {"ok": "ok", "oom": "does not fit", "failed": "failed", "unavailable": "cannot run here",
@@ -63,11 +63,6 @@ def hardware() -> dict:
     return {"accelerator": hw.accelerator, "device_name": hw.device_name, "device_count": hw.device_count,
             "device_memory_gib": round(hw.memory_gib, 2), "host_memory_gib": round(hw.host_memory_gib, 2),
             "cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform()}
-
-
-def model_label(model: str) -> str:
-    """'tiny', or the model directory's name."""
-    return model if model == "tiny" else os.path.basename(os.path.normpath(model)) or model
 
 
 def _tag(s: str) -> str:
@@ -155,29 +150,25 @@ def _loss_agreement(rows: list) -> None:
 # ----------------------------------------------------------------------------- verdict
 
 
-def _m(r, key, stat="median"):
-    return (r["measured"].get(key) or {}).get(stat)
-
-
 def verdict(rep: dict) -> list[str]:
     rows = rep["results"]
-    ok = [r for r in rows if r["status"] == "ok" and _m(r, "tokens_per_s") is not None]
+    ok = [r for r in rows if r["status"] == "ok" and measured_stat(r, "tokens_per_s") is not None]
     out = []
     if not ok:
         out.append("No strategy completed, so there is nothing to compare; the rows say why each did not run.")
     else:
-        fast = max(ok, key=lambda r: _m(r, "tokens_per_s"))
-        slow = min(ok, key=lambda r: _m(r, "tokens_per_s"))
-        line = f"Fastest: **{fast['strategy']}** at {_fmt_tps(_m(fast, 'tokens_per_s'))} tokens/s (median over steps)"
+        fast = max(ok, key=lambda r: measured_stat(r, "tokens_per_s"))
+        slow = min(ok, key=lambda r: measured_stat(r, "tokens_per_s"))
+        line = f"Fastest: **{fast['strategy']}** at {_fmt_tps(measured_stat(fast, 'tokens_per_s'))} tokens/s (median over steps)"
         if slow is not fast:
-            ratio = _m(fast, "tokens_per_s") / _m(slow, "tokens_per_s")
-            line += f", {ratio:.2f}x the slowest, {slow['strategy']} ({_fmt_tps(_m(slow, 'tokens_per_s'))})"
+            ratio = measured_stat(fast, "tokens_per_s") / measured_stat(slow, "tokens_per_s")
+            line += f", {ratio:.2f}x the slowest, {slow['strategy']} ({_fmt_tps(measured_stat(slow, 'tokens_per_s'))})"
         out.append(line + ".")
-        with_mem = [r for r in ok if _m(r, "peak_mem_gib", "max") is not None]
+        with_mem = [r for r in ok if measured_stat(r, "peak_mem_gib", "max") is not None]
         if with_mem:
-            lean = min(with_mem, key=lambda r: _m(r, "peak_mem_gib", "max"))
-            fat = max(with_mem, key=lambda r: _m(r, "peak_mem_gib", "max"))
-            lo, hi = _m(lean, "peak_mem_gib", "max"), _m(fat, "peak_mem_gib", "max")
+            lean = min(with_mem, key=lambda r: measured_stat(r, "peak_mem_gib", "max"))
+            fat = max(with_mem, key=lambda r: measured_stat(r, "peak_mem_gib", "max"))
+            lo, hi = measured_stat(lean, "peak_mem_gib", "max"), measured_stat(fat, "peak_mem_gib", "max")
             same_mem = hi <= lo * (1 + SAME_MEM_REL) or hi - lo < SAME_MEM_ABS_GIB
             if same_mem and fat is not lean:
                 out.append(f"Memory: about the same for all ({lo:.2f}–{hi:.2f} GiB per rank, peak, max over ranks): "
@@ -200,8 +191,8 @@ def verdict(rep: dict) -> list[str]:
                     out.append(f"Trade-off: none here; {fast['strategy']} is both the fastest and the leanest "
                                "at this model size and batch on this hardware." + why)
                 else:
-                    cost = 1 - _m(lean, "tokens_per_s") / _m(fast, "tokens_per_s")
-                    saved = 1 - _m(lean, "peak_mem_gib", "max") / _m(fast, "peak_mem_gib", "max")
+                    cost = 1 - measured_stat(lean, "tokens_per_s") / measured_stat(fast, "tokens_per_s")
+                    saved = 1 - measured_stat(lean, "peak_mem_gib", "max") / measured_stat(fast, "peak_mem_gib", "max")
                     out.append(f"Trade-off: {lean['strategy']} needs {saved:.0%} less memory per rank than "
                                f"{fast['strategy']} and gives up {cost:.0%} of its throughput; pick it when "
                                f"{fast['strategy']} does not fit or the memory buys a larger batch.")
@@ -226,11 +217,11 @@ def verdict(rep: dict) -> list[str]:
             else:
                 out.append(f"Final losses DISAGREE (up to {d:.1%} relative): {losses}; the strategies should "
                            "train the same model on the same data, so this is worth a bug report.")
-        with_comm = [r for r in ok if _m(r, "comm_exposed_s") is not None]
+        with_comm = [r for r in ok if measured_stat(r, "comm_exposed_s") is not None]
         if with_comm:
             out.append("Communication per step (profiled steps, median; max over ranks): " + "; ".join(
-                f"{r['strategy']} {_fmt('comm_exposed_s', _m(r, 'comm_exposed_s'))} exposed"
-                + (f" of {_fmt('comm_exposed_s', _m(r, 'comm_total_s'))}" if _m(r, "comm_total_s") is not None else "")
+                f"{r['strategy']} {_fmt('comm_exposed_s', measured_stat(r, 'comm_exposed_s'))} exposed"
+                + (f" of {_fmt('comm_exposed_s', measured_stat(r, 'comm_total_s'))}" if measured_stat(r, "comm_total_s") is not None else "")
                 for r in with_comm) + ".")
     out += _planner_lines(rep)
     bad = [r for r in rows if r["status"] != "ok"]
@@ -259,7 +250,7 @@ def _planner_lines(rep: dict) -> list[str]:
         label = {"tokens_per_s": "throughput", "step_time_s": "step time", "peak_mem_gib": "peak memory",
                  "comm_exposed_s": "exposed communication"}[k]
         pred = r["predicted"].get({"peak_mem_gib": "peak_mem_gib", "comm_exposed_s": "exposed_comm_s"}.get(k, k))
-        meas = _m(r, k, "max" if k == "peak_mem_gib" else "median")
+        meas = measured_stat(r, k, "max" if k == "peak_mem_gib" else "median")
         out.append(f"Planner: furthest off on {label} for {r['strategy']}: predicted {_fmt(k, pred)}, measured "
                    f"{_fmt(k, meas)} ({_err(e)}).")
         for k, label in (("tokens_per_s", "throughput"), ("peak_mem_gib", "peak memory")):

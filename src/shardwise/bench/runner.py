@@ -42,7 +42,6 @@ from shardwise.errors import ShardwiseError
 # Config keys the bench sets itself for every strategy.
 CONTROLLED = ("strategy", "max_steps", "epochs", "log_every", "output_dir", "resume", "overwrite",
               "save_final", "save_every", "keep_checkpoints", "max_restarts", "profile_steps", "profile_start")
-SECTION_BASE = {"fsdp": "fsdp", "deepspeed": "deepspeed"}  # section -> the base strategy it belongs to
 CAP_ENV = "SHARDWISE_BENCH_MEMORY_CAP_GIB"
 FAULT_ENV = "SHARDWISE_BENCH_FAULT"
 POLL_S = 0.5
@@ -90,18 +89,14 @@ def unavailable_reason(name: str) -> str | None:
     """Why a strategy cannot run in this installation, without importing its backend."""
     from shardwise import strategies
 
-    base = presets.base_strategy(name)
-    module = strategies.STRATEGIES[base].split(":")[0]
+    module = presets.spec_of(name).cls.split(":")[0]
     if importlib.util.find_spec(module) is None:
         return f"strategy '{name}' is not implemented in this version of shardwise"
-    if base == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        return "DeepSpeed is not installed (pip install 'shardwise[deepspeed]')"
-    return None
+    return strategies.missing_requirement(name)
 
 
 def _applies(key: str, base: str) -> bool:
-    sec = key.split(".", 1)[0] if "." in key else None
-    return sec not in SECTION_BASE or SECTION_BASE[sec] == base
+    return presets.section_applies(key.split(".", 1)[0] if "." in key else None, base)
 
 
 def strategy_flags(spec: BenchSpec, name: str, output_dir: str) -> dict[str, tuple[Any, str]]:
@@ -132,7 +127,7 @@ def strategy_config_file(spec: BenchSpec, name: str, output_dir: str) -> str | N
         return spec.config_path
     base = presets.base_strategy(name)
     kept = {k: v for k, v in data.items()
-            if k not in CONTROLLED and (k not in SECTION_BASE or SECTION_BASE[k] == base)}
+            if k not in CONTROLLED and presets.section_applies(k, base)}
     path = os.path.join(output_dir, "bench-input.yaml")
     with open(path + ".tmp", "w") as fh:
         fh.write(f"# {spec.config_path}, as `shardwise bench` runs it for strategy {name}\n")

@@ -11,7 +11,8 @@ Pure functions, no process group, no torch import (except `simulate`, which is o
 from __future__ import annotations
 
 from shardwise.plan.decide import Plan, StrategyPlan, fit_advice, plan_model
-from shardwise.plan.model_spec import ModelSpec, resolve_model
+from shardwise.plan.model_presets import resolve_model
+from shardwise.plan.model_spec import ModelSpec
 
 __all__ = ["Plan", "StrategyPlan", "ModelSpec", "fit_advice", "plan_model", "plan_run", "resolve_model"]
 

@@ -65,7 +65,7 @@ def build(args):
     from shardwise.plan.decide import plan_model
     from shardwise.plan.inputs import job_from_config, make_setup
     from shardwise.plan.lint import lint
-    from shardwise.plan.model_spec import resolve_model
+    from shardwise.plan.model_presets import resolve_model
 
     flags = config.flags_from_namespace(args)
     res = config.load_config(getattr(args, "config", None), flags)

@@ -26,8 +26,6 @@ DEFAULT_MFU = EAGER_MFU  # kept for callers that import it
 CPU_PEAK_FLOPS = 5e10  # per rank, when `shardwise doctor` has not measured a matmul
 CPU_MFU = 0.5  # of the measured matmul rate
 TIE = 0.05  # strategies within 5% of the fastest count as equally fast; the simpler one wins
-SIMPLICITY = ["single", "ddp", "fsdp", "fsdp-grad-op", "hybrid", "zero1", "zero2", "zero3",
-              "fsdp-offload", "zero2-offload", "zero3-offload"]
 TIGHT = 0.05  # less than 5% of device memory left is reported as tight
 
 
@@ -168,7 +166,7 @@ def opts_for(name: str, cfg=None) -> Opts:
 
     if cfg is None or cfg.strategy != name:
         base_cfg = Config()
-        for key, value in presets.PRESETS[name][1].items():
+        for key, value in presets.PRESETS[name].options.items():
             sec, attr = key.split(".", 1)
             setattr(getattr(base_cfg, sec), attr, value)
         cfg = base_cfg
@@ -210,7 +208,7 @@ def plan_strategy(spec: ModelSpec, job: Job, setup: Setup, name: str, opts: Opts
         notes.append(f"offloads {host_need:.1f} GiB per node to host RAM ({setup.host_mem_gib:.0f} GiB)")
         if not fits_host:
             notes.append("host RAM is too small for the offloaded state")
-    return StrategyPlan(name, opts.base, presets.PRESETS[name][2], opts, mem, timing,
+    return StrategyPlan(name, opts.base, presets.PRESETS[name].description, opts, mem, timing,
                         fits_dev and fits_host, setup.device_mem_gib, notes)
 
 
@@ -244,8 +242,7 @@ def recommend(plan: Plan) -> tuple[str, list[str]]:
         return best.strategy, reasons
     fastest = max(fitting, key=lambda s: s.tokens_per_s)
     close = [s for s in fitting if s.tokens_per_s >= (1 - TIE) * fastest.tokens_per_s]
-    order = {n: i for i, n in enumerate(SIMPLICITY)}
-    best = min(close, key=lambda s: order.get(s.strategy, 99))
+    best = min(close, key=lambda s: presets.PRESETS[s.strategy].simplicity)
     t = best.timing
     reasons = [f"{best.strategy} fits: {_gib(best.memory.total / GiB)} of {mem:.1f} GiB per rank "
                f"({_gib(best.headroom_gib)} headroom; peak at {best.memory.phase})"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shardwise import presets
 from shardwise.plan.model_spec import ModelSpec
 
 GiB = 2**30
@@ -155,22 +156,14 @@ class Memory:
 
 
 def shard_ranks(job: Job, o: Opts) -> int:
-    """How many ranks share one copy of the sharded state."""
-    if o.base == "fsdp":
-        if o.hybrid:
-            return o.shard_group_size or job.gpus_per_node
-        return job.world
-    if o.base == "deepspeed":
-        return job.world
-    return 1
+    """How many ranks share one copy of the sharded state (the family's rule, presets.StrategySpec.shard_ranks)."""
+    return presets.SPECS[o.base].shard_ranks(job.world, job.gpus_per_node, o.hybrid,
+                                             o.shard_group_size)
 
 
 def keeps_gathered(o: Opts, shard_n: int, compute_bytes: int, stored_bytes: int) -> bool:
-    """FSDPStrategy.keeps_gathered: on one shard rank computing in a narrower dtype than the stored weights, FSDP
-    keeps the gathered compute-dtype copies from forward to backward (nothing is sharded; resharding would only make
-    them twice), the memory single's autocast casts take; not with CPU offload (that preset is for the least GPU
-    memory), not with fsdp.keep_gathered_one_rank false."""
-    return o.keep_gathered_one_rank and not o.cpu_offload and shard_n == 1 and compute_bytes < stored_bytes
+    """FSDPStrategy's rule (presets.FSDPSpec.keeps_gathered): gathered weights kept from forward to backward."""
+    return presets.FSDP.keeps_gathered(o.keep_gathered_one_rank, o.cpu_offload, shard_n, compute_bytes, stored_bytes)
 
 
 def reshards(job: Job, o: Opts) -> bool:

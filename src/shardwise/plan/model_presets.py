@@ -1,4 +1,5 @@
-"""Published configs of common model families, written from their config.json values.
+"""Published configs of common model families, written from their config.json values, and
+`resolve_model`, which turns --model (a directory, a preset, 'tiny' or a count) into a ModelSpec.
 
 Each entry names the Hugging Face repository whose config.json the numbers come from.
 Columns: vocab, hidden, intermediate, layers, heads, KV heads, head_dim, tied, max positions.
@@ -6,7 +7,11 @@ Columns: vocab, hidden, intermediate, layers, heads, KV heads, head_dim, tied, m
 
 from __future__ import annotations
 
-from shardwise.plan.model_spec import ModelSpec
+import json
+import os
+
+from shardwise.errors import ShardwiseError
+from shardwise.plan.model_spec import PARAM_COUNT, ModelSpec, from_count, from_hf_config, tiny_config
 
 _ROWS = {
     # name: (HF repo, model_type, vocab, hidden, inter, layers, heads, kv, head_dim, tied, max_pos)
@@ -56,3 +61,39 @@ def find_preset(text: str) -> ModelSpec | None:
         if row[0].lower() == key or row[0].split("/")[-1].lower() == key:
             return MODEL_PRESETS[name]
     return None
+
+
+def resolve_model(text: str) -> ModelSpec:
+    """--model: a directory with config.json, a preset name, 'tiny', or a parameter count."""
+    text = str(text).strip()
+    if not text:
+        raise ShardwiseError("--model is empty; give a local model directory, a preset or a count like 7B")
+    if text == "tiny":
+        return from_hf_config({"model_type": "llama", **tiny_config()}, "tiny", "shardwise tiny model (models/tiny.py)")
+    if os.path.isdir(text):
+        path = os.path.join(text, "config.json")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                cfg = json.load(fh)
+        except FileNotFoundError:
+            raise ShardwiseError(f"{path}: no config.json in the model directory; point --model at a Hugging Face "
+                                 f"model directory (the one holding config.json)")
+        except (OSError, ValueError) as e:
+            raise ShardwiseError(f"{path}: cannot read config.json ({e}); fix or replace the file")
+        if not isinstance(cfg, dict):
+            raise ShardwiseError(f"{path}: config.json must hold a JSON object")
+        return from_hf_config(cfg, os.path.basename(os.path.normpath(text)), path)
+    preset = find_preset(text)
+    if preset is not None:
+        return preset
+    if PARAM_COUNT.match(text) or text[0].isdigit():
+        return from_count(text)
+    if "/" in text or text.startswith("."):
+        raise ShardwiseError(f"--model '{text}': no such directory; give a local Hugging Face model directory "
+                             f"(nothing is downloaded), a preset or a count like 7B")
+    import difflib
+
+    close = difflib.get_close_matches(text.lower(), list(MODEL_PRESETS), n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise ShardwiseError(f"--model '{text}': unknown preset{hint}; `shardwise plan --list-models` lists presets, "
+                         f"or give a local directory or a count like 7B")

@@ -1,14 +1,13 @@
 """The shape of a decoder-only model, as far as the planner needs it.
 
-A model comes from a local Hugging Face directory (only config.json is read, with json),
-a preset name (plan/model_presets.py), the project's `tiny` model, or a bare parameter
-count ("7B", "350M") for which a Llama-style shape is assumed. No torch, no transformers.
+A shape comes from a Hugging Face config.json (only read, with json), the project's `tiny`
+model, or a bare parameter count ("7B", "350M"); plan/model_presets.py adds the published
+presets and `resolve_model`, which picks one of them for --model. No torch, no transformers.
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import os
 import re
 from dataclasses import dataclass, replace
@@ -144,7 +143,7 @@ def from_hf_config(cfg: dict, name: str, source: str) -> ModelSpec:
     )
 
 
-_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMbBtT])\s*$")
+PARAM_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMbBtT])\s*$")
 _SCALE = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 # Llama-style shapes by size: (up to params, hidden, heads, kv heads)
 _SHAPES = [(2e8, 768, 12, 12), (6e8, 1024, 16, 16), (1.5e9, 2048, 16, 16), (4e9, 3072, 24, 24),
@@ -154,7 +153,7 @@ _SHAPES = [(2e8, 768, 12, 12), (6e8, 1024, 16, 16), (1.5e9, 2048, 16, 16), (4e9,
 
 def from_count(text: str) -> ModelSpec:
     """A Llama-style model of about this many parameters ("7B", "350M")."""
-    m = _COUNT.match(text)
+    m = PARAM_COUNT.match(text)
     if not m:
         raise ShardwiseError(f"--model '{text}': not a directory, preset or parameter count; "
                              f"give a local Hugging Face directory, a preset (shardwise plan --list-models) or a count like 7B or 350M")
@@ -191,41 +190,3 @@ def tiny_config() -> dict:
     except (OSError, SyntaxError, ValueError):
         pass
     return fallback
-
-
-def resolve_model(text: str) -> ModelSpec:
-    """--model: a directory with config.json, a preset name, 'tiny', or a parameter count."""
-    from shardwise.plan.model_presets import MODEL_PRESETS, find_preset
-
-    text = str(text).strip()
-    if not text:
-        raise ShardwiseError("--model is empty; give a local model directory, a preset or a count like 7B")
-    if text == "tiny":
-        return from_hf_config({"model_type": "llama", **tiny_config()}, "tiny", "shardwise tiny model (models/tiny.py)")
-    if os.path.isdir(text):
-        path = os.path.join(text, "config.json")
-        try:
-            with open(path, encoding="utf-8") as fh:
-                cfg = json.load(fh)
-        except FileNotFoundError:
-            raise ShardwiseError(f"{path}: no config.json in the model directory; point --model at a Hugging Face "
-                                 f"model directory (the one holding config.json)")
-        except (OSError, ValueError) as e:
-            raise ShardwiseError(f"{path}: cannot read config.json ({e}); fix or replace the file")
-        if not isinstance(cfg, dict):
-            raise ShardwiseError(f"{path}: config.json must hold a JSON object")
-        return from_hf_config(cfg, os.path.basename(os.path.normpath(text)), path)
-    preset = find_preset(text)
-    if preset is not None:
-        return preset
-    if _COUNT.match(text) or text[0].isdigit():
-        return from_count(text)
-    if "/" in text or text.startswith("."):
-        raise ShardwiseError(f"--model '{text}': no such directory; give a local Hugging Face model directory "
-                             f"(nothing is downloaded), a preset or a count like 7B")
-    import difflib
-
-    close = difflib.get_close_matches(text.lower(), list(MODEL_PRESETS), n=3)
-    hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    raise ShardwiseError(f"--model '{text}': unknown preset{hint}; `shardwise plan --list-models` lists presets, "
-                         f"or give a local directory or a count like 7B")

@@ -179,8 +179,10 @@ def wrap_fsdp(model, mesh, opts: Opts, compute: torch.dtype, param: torch.dtype)
     """As strategies/fsdp.py does it: each decoder layer a unit (the last kept gathered), then the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from shardwise.strategies.fsdp import block_units
+
     mp = MixedPrecisionPolicy(param_dtype=compute if compute != param else None, reduce_dtype=torch.float32)
-    layers = list(model.model.layers)
+    layers = block_units(model)
     reshard = opts.reshard_after_forward and not keeps_gathered(opts, mesh.shape[-1], compute.itemsize, param.itemsize)
     for i, layer in enumerate(layers):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(layers) - 1)

@@ -1,6 +1,7 @@
-"""Strategy registry: a preset name -> its strategy class (imported lazily) + options.
+"""Strategy lookup: a preset name -> its strategy class, imported lazily.
 
-Adding a strategy = one file + one line in STRATEGIES (and its presets in presets.py).
+Every family is declared once in `shardwise.presets` (class path, presets, requirements,
+planner rules); adding a strategy = one file here + one `register(StrategySpec(...))` there.
 """
 
 from __future__ import annotations
@@ -11,31 +12,25 @@ import importlib.util
 from shardwise import presets
 from shardwise.errors import ShardwiseError
 
-# base strategy name -> "module:Class"
-STRATEGIES = {
-    "single": "shardwise.strategies.single:SingleStrategy",
-    "ddp": "shardwise.strategies.ddp:DDPStrategy",
-    "fsdp": "shardwise.strategies.fsdp:FSDPStrategy",
-    "deepspeed": "shardwise.strategies.deepspeed:DeepSpeedStrategy",
-}
 
-# base strategy -> (module it needs, how to install it): checked before importing, so a
-# missing optional backend is one line in the launcher, not a traceback in every worker.
-REQUIRES = {
-    "deepspeed": ("deepspeed", "pip install 'shardwise[deepspeed]'"),
-}
+def missing_requirement(name: str) -> str | None:
+    """Why a preset's optional backend cannot be imported here (one line), or None; imports nothing."""
+    spec = presets.spec_of(name)
+    if spec.requires:
+        need, how = spec.requires
+        if importlib.util.find_spec(need) is None:
+            return f"strategy '{name}' needs {need}, which is not installed; install it with: {how}"
+    return None
 
 
 def get(name: str):
     """The strategy class for a preset or strategy name."""
     if name not in presets.PRESETS:
         raise ShardwiseError(f"unknown strategy '{name}'; known: {', '.join(presets.known_names())}")
-    base = presets.base_strategy(name)
-    if base in REQUIRES:
-        need, how = REQUIRES[base]
-        if importlib.util.find_spec(need) is None:
-            raise ShardwiseError(f"strategy '{name}' needs {need}, which is not installed; install it with: {how}")
-    module, cls = STRATEGIES[base].split(":")
+    missing = missing_requirement(name)
+    if missing:
+        raise ShardwiseError(missing)
+    module, cls = presets.spec_of(name).cls.split(":")
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:

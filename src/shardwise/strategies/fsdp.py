@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from shardwise import presets
 from shardwise.errors import ShardwiseError
 from shardwise.strategies.base import Strategy
 
@@ -132,10 +133,10 @@ class FSDPStrategy(Strategy):
         backward (a cast and a copy per parameter, 3-4% of a step on one H200: benchmarks/one_gpu_levers.py). Keep
         them from forward to backward instead, as single's autocast keeps its casts (same memory as single's);
         fsdp.keep_gathered_one_rank false turns it off; CPU offload (a choice for the least GPU memory) keeps
-        resharding. The planner mirrors this rule (plan/memory.py, `keeps_gathered`)."""
+        resharding. The rule is declared once, presets.FSDPSpec.keeps_gathered, which the planner calls too."""
         f = self.cfg.fsdp
-        return (f.keep_gathered_one_rank and not f.cpu_offload and self.mesh.shape[-1] == 1
-                and self.compute_dtype.itemsize < self.param_dtype.itemsize)
+        return presets.FSDP.keeps_gathered(f.keep_gathered_one_rank, f.cpu_offload, self.mesh.shape[-1],
+                                           self.compute_dtype.itemsize, self.param_dtype.itemsize)
 
     def optimizer_kernel(self) -> dict:
         return {"foreach": True} if self.cfg.fsdp.cpu_offload else super().optimizer_kernel()
