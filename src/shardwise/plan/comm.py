@@ -12,32 +12,22 @@ from dataclasses import dataclass, field
 from shardwise.plan.memory import QLORA_BYTES_PER_PARAM, Job, Opts, reshards, unit_params
 from shardwise.plan.model_spec import ModelSpec
 
-# The optimizer step on the host, parameters per second per node. Measured on one 16-core H200 host (1.14B Llama,
-# 8 x 2048, compiled; benchmarks/results/strategies-gpu-2026-11-29-offload.md): fsdp-offload 7,954 tokens/s = 2.06 s
-# a step, of which ~0.24 s is the GPU's forward/backward, leaves ~1.8 s for 1.14e9 parameters: 6.3e8/s with torch's
-# foreach AdamW (in-sample). DeepSpeed's CPUAdam ran at the same step time there (zero2-offload 7,967 tokens/s), so it
-# gets the same rate (out of sample: zero2-offload, zero3-offload). Both scale with the host's cores; pass a measured
-# rate where it matters.
+# The optimizer step on the host, parameters per second per node: torch's foreach AdamW and DeepSpeed's CPUAdam ran
+# at the same rate on a 16-core host; both scale with the host's cores (docs/planner.md, "Where the constants come
+# from").
 DS_CPU_ADAM_PARAMS_PER_S = 6.3e8
 TORCH_CPU_ADAM_PARAMS_PER_S = 6.3e8
 HOST_LINK_GBPS = 200.0  # PCIe Gen4 x16 nominal, per GPU, for offload traffic
 HBM_BYTES_PER_S = 2.0e12  # effective device memory bandwidth for the optimizer step (GPU)
 # Per-step work of a strategy beyond the model's FLOPs, the collectives and the optimizer step, as device-memory bytes
-# per local parameter at HBM_BYTES_PER_S. Fitted on one H200, one rank, compiled blocks (docs/planner.md, "Speed
-# overheads"): the 1.14B anchor at 8 x 2048 and a Llama-3.2-3B shape at 4 x 2048; both sizes are in-sample.
-#   ddp       the bucketed all-reduce's pass over the fp32 gradient buckets (average in place)          4 B/param
-#   fsdp      FSDP2 copy-in (read fp32 shard, write bf16 unsharded: 6 B) per all-gather, and the fp32
-#             reduce-scatter input + copy-out of the gradient (4 B): 6 + 6 + 4 with resharding,        16 B/param
-#             6 + 4 without (fsdp-grad-op)                                                             10 B/param
-#   zero1/2   the bf16 gradients into the bucket and into the fp32 partition, the norm and overflow
-#             checks, the fp32 master -> bf16 parameter copy and the parameter all-gather: listed
-#             copies come to ~28 B; the fit says 42                                                    42 B/param
+# per local parameter at HBM_BYTES_PER_S (what each term stands for: docs/planner.md, "Speed overheads per strategy"):
+#   ddp       the bucketed all-reduce's pass over the fp32 gradient buckets (average in place)
+#   fsdp      FSDP2 copy-in per all-gather and the fp32 reduce-scatter input + copy-out of the gradient
+#             (fsdp-grad-op: one all-gather fewer)
+#   zero1/2   the gradients into the bucket and the fp32 partition, norm and overflow checks, master -> bf16 copy
 STRATEGY_BYTES_PER_PARAM = {"ddp": 4.0, "fsdp": 16.0, "fsdp-grad-op": 10.0, "zero12": 42.0}
-# ZeRO-3: per-submodule fetch/release hooks (an all-gather into a new buffer and a copy even on one rank, the trace
-# bookkeeping, and graph breaks under torch.compile) cost time that grew faster than the parameters on the two sizes
-# measured: 0.112 s on the 1.14B (16 layers) and 0.57 s on the 3.2B (28 layers) a step. Modelled as proportional to
-# parameters x layers (each submodule's fetch walks work that grows with the trace length): seconds per parameter per
-# layer, fitted on both sizes (in-sample; the form was chosen after seeing them, so treat other sizes as rough).
+# ZeRO-3: per-submodule fetch/release hooks cost time that grows faster than the parameters; modelled as seconds per
+# parameter per layer (each submodule's fetch walks work that grows with the trace length).
 ZERO3_S_PER_PARAM_LAYER = 6.2e-12
 
 

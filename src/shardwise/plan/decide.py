@@ -15,14 +15,11 @@ from shardwise.plan.memory import (COMPILE_ACT_FACTOR, COMPILE_ACT_FACTOR_ZERO3,
                                    shard_ranks)
 from shardwise.plan.model_spec import ModelSpec
 
-# MFU of the forward/backward compute (the optimizer step is timed separately, comm.step_time), calibrated on one H200
-# (docs/planner.md, "Accuracy"; benchmarks/results/vs_hf_trainer_h200_2026-11-29.md, strategies-gpu-2026-11-29.md):
-# 1.14B Llama, 8 x 2048, bf16 autocast. The loop's own `mfu` counts the whole step, so it reads lower (0.39-0.40
-# eager, 0.53-0.545 compiled). Checkpointing needs no constant of its own: the recompute FLOPs at the same MFU
-# predict 54.4k (compiled) and 41.0k (eager) tokens/s within 2%.
-EAGER_MFU = 0.42  # 51.2-51.4k tokens/s eager (plain loop, HF Trainer, fused loss 50.7k)
-COMPILED_MFU = 0.57  # 69.2-70.7k tokens/s with torch.compile per block + fused loss (single)
-DEFAULT_MFU = EAGER_MFU  # kept for callers that import it
+# MFU of the forward/backward compute on a GPU (the optimizer step is timed separately, comm.step_time), with eager
+# and with compiled blocks; checkpointing needs no constant of its own (its recompute FLOPs at the same MFU). Where
+# they come from: docs/planner.md, "Step time and tokens/s".
+EAGER_MFU = 0.42
+COMPILED_MFU = 0.57
 CPU_PEAK_FLOPS = 5e10  # per rank, when `shardwise doctor` has not measured a matmul
 CPU_MFU = 0.5  # of the measured matmul rate
 TIE = 0.05  # strategies within 5% of the fastest count as equally fast; the simpler one wins

@@ -45,20 +45,13 @@ FRAGMENTATION = 0.07  # caching allocator: reserved exceeds allocated by a few p
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused linear + cross-entropy head (models/speed.py)
 # torch.compile per decoder block (inductor fuses the elementwise ops and recomputes them in backward): saved
-# activations of a block, compiled / eager. Calibrated on one H200 run (docs/planner.md, "Accuracy"): 1.14B Llama,
-# 8 x 2048, fused loss, single: 37.08 GiB compiled vs 49.08 GiB eager = 12.0 GiB over 16 blocks of 2.06 GiB each.
+# activations of a block, compiled / eager. Under DDP the engine keeps each compiled block one graph
+# (strategies/ddp.py: optimize_ddp = False), so DDP uses this factor too. Where it comes from: docs/planner.md,
+# "Where the constants come from".
 COMPILE_ACT_FACTOR = 0.64
 # ZeRO-3 (and zero3-offload): DeepSpeed's fetch/release hooks run around every submodule and dynamo breaks the graph
-# at them, so a compiled block is fused only between its linears and saves more. Calibrated on the one compiled
-# ZeRO-3 row of the 1.14B anchor (43.93 GiB; benchmarks/results/strategies-gpu-2026-11-29.md); out of sample: the
-# Llama-3.2-3B-shaped bench row (80.15 GiB) and zero3-offload (28.84 GiB). (Fitted when one-rank ZeRO-3 still counted
-# gathered copies; without them: 43.01, 80.78 and 26.99 GiB predicted, docs/planner.md.)
+# at them, so a compiled block is fused only between its linears and saves more (docs/planner.md, same section).
 COMPILE_ACT_FACTOR_ZERO3 = 0.80
-# Under DDP the engine turns dynamo's DDPOptimizer off (strategies/ddp.py: optimize_ddp = False), so each block stays
-# one graph and saves what it saves under single: on one H200 ddp = single + the fp32 gradient buckets, 41.32 =
-# 37.08 + 4.24 GiB (1.14B; benchmarks/results/strategies-gpu-2026-11-29-ddpfix.md) and 82.28 = 70.31 + 11.97 GiB
-# (Llama-3.2-3B shape; docs/benchmarks/llama32-3b_h200_2026-11-29.md). Kept as a name for callers that import it.
-COMPILE_ACT_FACTOR_DDP = COMPILE_ACT_FACTOR
 
 
 @dataclass(frozen=True)
@@ -296,8 +289,7 @@ def zero3_kept_gathered(spec: ModelSpec) -> float:
     it meets already gathered is skipped but marked as fetched for that later use, and a marked parameter is not
     released after its module (partitioned_param_coordinator.py, fetch_sub_module and __params_to_release). So
     modules stay gathered after their forward and the gathered count grows to stage3_max_live_parameters (1e9):
-    all of a model under that. Seen on one H200 (1.14B Llama, zero3-offload): 1.86 GiB of bf16 weights fetched
-    and alive at the end of forward."""
+    all of a model under that (docs/planner.md, "Where the constants come from")."""
     return min(spec.total_params, DS_MAX_LIVE)
 
 
@@ -352,7 +344,7 @@ def compile_factor(job: Job, o: Opts) -> float:
         return 1.0
     if o.base == "deepspeed" and o.stage == 3:
         return COMPILE_ACT_FACTOR_ZERO3
-    return COMPILE_ACT_FACTOR_DDP if o.base == "ddp" else COMPILE_ACT_FACTOR
+    return COMPILE_ACT_FACTOR
 
 
 def activations(spec: ModelSpec, job: Job, o: Opts) -> tuple[float, float, dict]:
@@ -370,123 +362,183 @@ def activations(spec: ModelSpec, job: Job, o: Opts) -> tuple[float, float, dict]
 # ----------------------------------------------------------------------------- states and buffers
 
 
-def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
-    """Per-rank memory of one steady-state step (optimizer states exist; grads set to None by zero_grad)."""
-    P = spec.total_params
-    c, w = job.c, job.w
-    N = shard_ranks(job, o)
-    full = job.tuner == "full"
-    if full:
-        P_t, frozen, tw = P, 0.0, w
+@dataclass
+class States:
+    """What one strategy family keeps per rank, filled in by its `*_states` function below: its states, the
+    buffers alive at each moment of the step (A end of forward, B end of backward; module docstring), and the
+    facts the peak needs."""
+
+    P_t: float  # trainable parameters
+    frozen: float  # bytes of the frozen base (LoRA / QLoRA), unsharded
+    tw: int  # bytes per trainable weight (and its gradient and each Adam moment)
+    params: float = 0.0
+    grads: float = 0.0
+    opt: float = 0.0
+    host: float = 0.0  # per rank, in host RAM (offload)
+    extraA: dict = field(default_factory=dict)  # buffers alive at moment A
+    extraB: dict = field(default_factory=dict)  # buffers alive at moment B
+    persist: dict = field(default_factory=dict)  # buffers alive all step
+    grads_persist: bool = False  # gradients allocated once and kept between steps
+    root_bwd: float = 0.0  # FSDP: the root unit's gathered params + unsharded grads at the end of backward
+    zero3_kept: float | None = None  # ZeRO-3: parameters its prefetcher keeps gathered (0: none); else None
+
+
+def trainable(spec: ModelSpec, job: Job) -> tuple[float, float, int]:
+    """(trainable parameters, bytes of the frozen base, bytes per trainable weight)."""
+    P, c, w = spec.total_params, job.c, job.w
+    if job.tuner == "full":
+        return P, 0.0, w
+    base_linear = spec.num_layers * spec.layer_linear_params
+    if job.tuner == "qlora":
+        frozen = base_linear * QLORA_BYTES_PER_PARAM + (P - base_linear) * c
     else:
-        P_t, tw = spec.lora_params(job.lora_r, job.lora_targets), w
-        base_linear = spec.num_layers * spec.layer_linear_params
-        if job.tuner == "qlora":
-            frozen = base_linear * QLORA_BYTES_PER_PARAM + (P - base_linear) * c
+        frozen = P * w  # the base is loaded in param_dtype and frozen
+    return spec.lora_params(job.lora_r, job.lora_targets), frozen, w
+
+
+def replica_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> None:
+    """single and ddp: every rank holds everything."""
+    c, w, P_t, tw = job.c, job.w, st.P_t, st.tw
+    st.params, st.grads, st.opt = st.frozen + tw * P_t, tw * P_t, 2 * tw * P_t
+    if o.base == "ddp":
+        if o.ddp_bucket_view:  # gradients are views of DDP's buckets: allocated once, never freed
+            st.grads_persist = True
         else:
-            frozen = P * w  # the base is loaded in param_dtype and frozen
+            st.persist["ddp_buckets"] = tw * P_t  # a flat bucket copy besides the gradients
+    if w > c and not uses_ds_linear(job, o):  # autocast keeps a compute-dtype copy of each linear weight
+        # (its weight cache holds them to the end of the autocast region, i.e. the end of forward, checkpointing or
+        # not; the fused head runs with autocast off and casts its weight itself: counted in its terms)
+        head = spec.vocab_size * spec.hidden_size if fused_head(spec, job) else 0
+        st.extraA["autocast_weights"] = c * (spec.linear_params - head)
+
+
+def fsdp_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> None:
+    """FSDP2: states sharded over N ranks; units gathered around their forward and backward."""
+    P, c, P_t, tw = spec.total_params, job.c, st.P_t, st.tw
     U, _ = unit_params(spec, o)
     rd = 4  # FSDP2 MixedPrecisionPolicy(reduce_dtype=fp32), as strategies/fsdp.py sets it
-    host = 0.0
-    extraA = {}  # buffers alive at moment A
-    extraB = {}  # buffers alive at moment B
-    extraC = {}  # ZeRO-3: buffers alive when it reduces its gradients (moment C, set below)
-    zero3_kept = None  # ZeRO-3: parameters its prefetcher keeps gathered (0 when it does not gather); else None
-    persist = {}  # buffers alive all step
+    st.params, st.grads, st.opt = (st.frozen + tw * P_t) / N, tw * P_t / N, 2 * tw * P_t / N
+    gb = QLORA_BYTES_PER_PARAM if job.tuner == "qlora" else c  # gathered bytes per block parameter
+    root = spec.root_params * c  # embeddings, final norm, head: the root unit
+    if reshards(job, o):  # the root is resharded after forward too and gathered again for the head's backward
+        st.extraA["gathered_units"] = 2 * gb * U  # the last unit (kept) + a prefetched one
+    else:  # every unit stays gathered from its forward to its backward
+        st.extraA["gathered_all"] = root + gb * (P - spec.root_params)
+    # backward of a block: the root and the block's unit gathered, its unsharded grads (c) and their fp32
+    # reduce-scatter input; the root's own backward comes last, when the block activations are gone (moment B)
+    full = job.tuner == "full"
+    g_unit = U if full else P_t / max(spec.num_layers, 1)
+    # the root unit is gathered again for the head's backward, at the start of backward, and resharded after
+    # the embedding's gradient, at its end: it is gathered beside every block's backward
+    st.extraB["gathered"] = (root if reshards(job, o) else gb * U) + gb * U
+    st.extraB["unsharded_grads+reduce_scatter"] = (c + rd) * g_unit
+    st.root_bwd = root + (c + rd) * (spec.root_params if full else 0)
+    if job.grad_accum > 1:  # no-sync micro-batches keep unsharded gradients, accumulated in the reduce dtype
+        st.extraA["unsharded_accumulated_grads"] = rd * P_t  # (freed unit by unit in the last backward)
+    if o.cpu_offload and job.accelerator != "cpu":  # on CPU ranks "offloaded" state stays in the same memory
+        st.host = st.params + st.grads + st.opt
+        st.params = st.grads = st.opt = 0.0
 
-    grads_persist = False
+
+def deepspeed_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> None:
+    """DeepSpeed ZeRO-1/2/3: fp32 master weights and Adam moments sharded; gradients from stage 2, weights at 3."""
+    P, c, w, P_t = spec.total_params, job.c, job.w, st.P_t
     offload_moves = job.accelerator != "cpu"  # on CPU ranks "offloaded" state stays in the same memory
-    root_bwd = 0.0  # FSDP: the root unit's gathered params + unsharded grads at the end of backward
-    if o.base in ("single", "ddp"):
-        params, grads, opt = frozen + tw * P_t, tw * P_t, 2 * tw * P_t
-        if o.base == "ddp":
-            if o.ddp_bucket_view:  # gradients are views of DDP's buckets: allocated once, never freed
-                grads_persist = True
-            else:
-                persist["ddp_buckets"] = tw * P_t  # a flat bucket copy besides the gradients
-        if w > c and not uses_ds_linear(job, o):  # autocast keeps a compute-dtype copy of each linear weight
-            # (its weight cache holds them to the end of the autocast region, i.e. the end of forward, checkpointing or
-            # not; the fused head runs with autocast off and casts its weight itself: counted in its terms)
-            head = spec.vocab_size * spec.hidden_size if fused_head(spec, job) else 0
-            extraA["autocast_weights"] = c * (spec.linear_params - head)
-    elif o.base == "fsdp":
-        params, grads, opt = (frozen + tw * P_t) / N, tw * P_t / N, 2 * tw * P_t / N
-        gb = QLORA_BYTES_PER_PARAM if job.tuner == "qlora" else c  # gathered bytes per block parameter
-        root = spec.root_params * c  # embeddings, final norm, head: the root unit
-        if reshards(job, o):  # the root is resharded after forward too and gathered again for the head's backward
-            extraA["gathered_units"] = 2 * gb * U  # the last unit (kept) + a prefetched one
-        else:  # every unit stays gathered from its forward to its backward
-            extraA["gathered_all"] = root + gb * (P - spec.root_params)
-        # backward of a block: the root and the block's unit gathered, its unsharded grads (c) and their fp32
-        # reduce-scatter input; the root's own backward comes last, when the block activations are gone (moment B)
-        g_unit = U if full else P_t / max(spec.num_layers, 1)
-        # the root unit is gathered again for the head's backward, at the start of backward, and resharded after
-        # the embedding's gradient, at its end: it is gathered beside every block's backward
-        extraB["gathered"] = (root if reshards(job, o) else gb * U) + gb * U
-        extraB["unsharded_grads+reduce_scatter"] = (c + rd) * g_unit
-        root_bwd = root + (c + rd) * (spec.root_params if full else 0)
-        if job.grad_accum > 1:  # no-sync micro-batches keep unsharded gradients, accumulated in the reduce dtype
-            extraA["unsharded_accumulated_grads"] = rd * P_t  # (freed unit by unit in the last backward)
-        if o.cpu_offload and offload_moves:
-            host = params + grads + opt
-            params = grads = opt = 0.0
-    elif o.base == "deepspeed":
-        master = 4 * P_t / N
-        opt = 8 * P_t / N + master
-        if full:
-            params = c * P / (N if o.stage == 3 else 1)
-        else:
-            params = (frozen + c * P_t) / (N if o.stage == 3 else 1)
-        grads = c * P_t / (1 if o.stage == 1 else N)
-        extraB["fp32_grad_partition"] = 4 * P_t / N
-        if o.stage == 3:
-            if not o.offload_optimizer:  # the step upcasts one sub-group at a time
-                extraB["fp32_grad_partition"] = 4 * zero3_fp32_grad_elements(spec, job, N)
-            # reduce dtype: fp32 over fp32 weights (the engine sets communication_data_type fp32), else the weights'
-            persist["reduce_bucket"] = DS_REDUCE_BUCKET * w
-            grads_persist = True  # grad_partitions_flat_buffer: allocated (zeros) at initialisation, kept
-            zero3_kept = 0.0
-            if N > 1 or (o.offload_params and offload_moves):
-                zero3_kept = max(zero3_kept_gathered(spec), max(U, spec.embed_params))
-                extraA["gathered"] = c * zero3_kept
-                extraB["gathered"] = c * (max(U, spec.embed_params) + min(DS_PREFETCH_BUCKET, U))
-            # else one rank, partitions on the device: ZeRO-3 does not all-gather there, a fetched parameter's data
-            # is its partition (partition_parameters.py, _no_gather_coalesced: ds_tensor.to(device) is a no-op)
-        else:  # ZeRO-1/2: allocated at the first gradient hook, when the activations are still all alive (so it
-            # counts at the start of backward, moment A), freed at the end of backward: not alive between steps
-            # (the H200 rows' state before the second step lacks it), which the peak does not see
-            persist["reduce_bucket"] = DS_REDUCE_BUCKET * c
-        if o.offload_optimizer and o.stage < 3:  # ZeRO-2 offload's staging buffers of the largest parameter's size
-            largest = max(spec.embed_params, spec.hidden_size * spec.intermediate_size)
-            persist["offload_staging"] = c * largest * (1 if offload_moves else 2)  # device one (+ the host one)
-        if o.offload_optimizer:
-            if offload_moves:
-                host += opt + extraB.pop("fp32_grad_partition")
-                opt = 0.0
-                # the gradients go to the host as they are reduced: ZeRO-3 keeps its flat gradient partition there
-                # (stage3.py allocates grad_partitions_flat_buffer on self.device, the CPU under offload), ZeRO-2
-                # copies each reduced bucket into the host's fp32 partition (stage_1_and_2.py)
-                # (ZeRO-1 keeps full gradients in param.grad on the GPU until the boundary's reduction)
-                if o.stage == 3:
-                    host += grads
-                if o.stage >= 2:
-                    grads, grads_persist = 0.0, False
-            else:  # CPU ranks: the offloaded fp32 gradient partition is allocated once and kept
-                persist["fp32_grad_partition"] = extraB.pop("fp32_grad_partition")
-        if o.offload_params and o.stage == 3 and offload_moves:
-            host += params
-            params = 0.0
+    U, _ = unit_params(spec, o)
+    master = 4 * P_t / N
+    st.opt = 8 * P_t / N + master
+    if job.tuner == "full":
+        st.params = c * P / (N if o.stage == 3 else 1)
     else:
+        st.params = (st.frozen + c * P_t) / (N if o.stage == 3 else 1)
+    st.grads = c * P_t / (1 if o.stage == 1 else N)
+    st.extraB["fp32_grad_partition"] = 4 * P_t / N
+    if o.stage == 3:
+        if not o.offload_optimizer:  # the step upcasts one sub-group at a time
+            st.extraB["fp32_grad_partition"] = 4 * zero3_fp32_grad_elements(spec, job, N)
+        # reduce dtype: fp32 over fp32 weights (the engine sets communication_data_type fp32), else the weights'
+        st.persist["reduce_bucket"] = DS_REDUCE_BUCKET * w
+        st.grads_persist = True  # grad_partitions_flat_buffer: allocated (zeros) at initialisation, kept
+        st.zero3_kept = 0.0
+        if N > 1 or (o.offload_params and offload_moves):
+            st.zero3_kept = max(zero3_kept_gathered(spec), max(U, spec.embed_params))
+            st.extraA["gathered"] = c * st.zero3_kept
+            st.extraB["gathered"] = c * (max(U, spec.embed_params) + min(DS_PREFETCH_BUCKET, U))
+        # else one rank, partitions on the device: ZeRO-3 does not all-gather there, a fetched parameter's data
+        # is its partition (partition_parameters.py, _no_gather_coalesced: ds_tensor.to(device) is a no-op)
+    else:  # ZeRO-1/2: allocated at the first gradient hook, when the activations are still all alive (so it
+        # counts at the start of backward, moment A), freed at the end of backward: not alive between steps
+        # (the H200 rows' state before the second step lacks it), which the peak does not see
+        st.persist["reduce_bucket"] = DS_REDUCE_BUCKET * c
+    if o.offload_optimizer and o.stage < 3:  # ZeRO-2 offload's staging buffers of the largest parameter's size
+        largest = max(spec.embed_params, spec.hidden_size * spec.intermediate_size)
+        st.persist["offload_staging"] = c * largest * (1 if offload_moves else 2)  # device one (+ the host one)
+    if o.offload_optimizer:
+        if offload_moves:
+            st.host += st.opt + st.extraB.pop("fp32_grad_partition")
+            st.opt = 0.0
+            # the gradients go to the host as they are reduced: ZeRO-3 keeps its flat gradient partition there
+            # (stage3.py allocates grad_partitions_flat_buffer on self.device, the CPU under offload), ZeRO-2
+            # copies each reduced bucket into the host's fp32 partition (stage_1_and_2.py)
+            # (ZeRO-1 keeps full gradients in param.grad on the GPU until the boundary's reduction)
+            if o.stage == 3:
+                st.host += st.grads
+            if o.stage >= 2:
+                st.grads, st.grads_persist = 0.0, False
+        else:  # CPU ranks: the offloaded fp32 gradient partition is allocated once and kept
+            st.persist["fp32_grad_partition"] = st.extraB.pop("fp32_grad_partition")
+    if o.offload_params and o.stage == 3 and offload_moves:
+        st.host += st.params
+        st.params = 0.0
+
+
+# strategy family (presets.StrategySpec.name) -> what it keeps per rank
+FAMILY_STATES = {"single": replica_states, "ddp": replica_states, "fsdp": fsdp_states,
+                 "deepspeed": deepspeed_states}
+
+
+def zero3_reduce_moment(spec: ModelSpec, job: Job, o: Opts, N: int, st: States, states: float,
+                        per_layer: float, act_detail: dict) -> tuple[float, bool, dict]:
+    """Moment C, ZeRO-3's gradient reduces: (peak bytes, whether it is the end-of-backward reduce, its buffers).
+    The blocks not yet through backward keep their saved activations (checkpointed: their inputs; eager: all, and
+    the block being run); the gradient flowing into the block and its recomputed first norm (fp32 and c) are alive;
+    kept parameters not yet through backward stay gathered."""
+    c = job.c
+    U, _ = unit_params(spec, o)
+    L = max(spec.num_layers, 1)
+    moment_c, reduce_end, extraC = 0.0, False, {}
+    for red in zero3_reduces(spec, job, N):
+        if job.checkpointing:
+            act_c = red["layers_left"] * act_detail["layers_kept"] / L
+        else:
+            act_c = min(red["layers_left"] + 1, spec.num_layers) * per_layer
+        act_c += job.tokens * spec.hidden_size * (4 + 2 * c)
+        held = c * (min(st.zero3_kept, red["rest"]) + min(DS_PREFETCH_BUCKET, U)) if st.zero3_kept else 0.0
+        m_c = states + act_c + red["copy"] + held
+        if m_c > moment_c:
+            moment_c, reduce_end = m_c, red["layers_left"] == 0
+            extraC = {"reduce_copy": red["copy"], **({"gathered": held} if held else {})}
+    return moment_c, reduce_end, extraC
+
+
+def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
+    """Per-rank memory of one steady-state step (optimizer states exist; grads set to None by zero_grad)."""
+    if o.base not in FAMILY_STATES:
         raise ValueError(o.base)
+    N = shard_ranks(job, o)
+    st = States(*trainable(spec, job))
+    FAMILY_STATES[o.base](spec, job, o, N, st)
+    P_t, tw, grads, extraA, extraB, persist = st.P_t, st.tw, st.grads, st.extraA, st.extraB, st.persist
+    offload_moves = job.accelerator != "cpu"
 
     if job.tuner == "qlora":  # bitsandbytes dequantises one weight at a time for the matmul
-        extraB["dequant"] = c * spec.hidden_size * spec.intermediate_size
-        extraA["dequant"] = c * spec.hidden_size * spec.intermediate_size
+        extraB["dequant"] = job.c * spec.hidden_size * spec.intermediate_size
+        extraA["dequant"] = job.c * spec.hidden_size * spec.intermediate_size
 
     act_end, per_layer, act_detail = activations(spec, job, o)
     # accumulating: earlier micro-batches' gradients are alive (FSDP keeps them unsharded, counted above)
-    accum_grads = grads if job.grad_accum > 1 and not grads_persist and o.base != "fsdp" else 0.0
-    states = params + opt + sum(persist.values()) + (grads if grads_persist else 0.0)
+    accum_grads = grads if job.grad_accum > 1 and not st.grads_persist and o.base != "fsdp" else 0.0
+    states = st.params + st.opt + sum(persist.values()) + (grads if st.grads_persist else 0.0)
     moment_a = states + act_end + sum(extraA.values()) + accum_grads
     # end of backward: all grads, the first block's activations and their gradients (or the recomputed block)
     # a block's backward: its saved activations (recomputed under checkpointing) plus the gradients in flight
@@ -495,35 +547,21 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     if o.base in ("single", "ddp", "fsdp") and not (o.base == "fsdp" and o.cpu_offload and offload_moves):
         # torch AdamW: fused on GPU needs no full-size temporaries; foreach (CPU) makes one sqrt(v) list
         step_tmp = 0.0 if job.accelerator == "cuda" else tw * P_t / (N if o.base == "fsdp" else 1)
-    g = 0.0 if grads_persist else grads
-    moment_b = states + g + max(workspace + sum(extraB.values()), root_bwd, step_tmp)
+    g = 0.0 if st.grads_persist else grads
+    moment_b = states + g + max(workspace + sum(extraB.values()), st.root_bwd, step_tmp)
     # start of backward (the last block's backward) under checkpointing, where the gradients leave the device
     # (offloaded): the inputs saved at the other blocks' boundaries are still alive beside the recomputed block.
-    # Where the gradients stay on the device, the end of backward holds them in place of the boundaries (as much or
-    # more on every measured row; counted there too, the tiny CPU rows came out 11-13% over: the block workspace is
-    # overestimated at small sizes). Without checkpointing moment A holds more than this.
+    # Where the gradients stay on the device, the end of backward holds them in place of the boundaries; without
+    # checkpointing moment A holds more than this.
     moment_b0 = 0.0
-    if job.checkpointing and spec.num_layers and g == 0 and not grads_persist:
+    if job.checkpointing and spec.num_layers and g == 0 and not st.grads_persist:
         bwd = sum(v for k, v in extraB.items() if k != "fp32_grad_partition")
         accumulated = extraA.get("unsharded_accumulated_grads", 0.0) + accum_grads  # earlier micro-batches'
         moment_b0 = (states + act_detail["layers_kept"] * (spec.num_layers - 1) / spec.num_layers + workspace + bwd
                      + accumulated)
-    moment_c, reduce_end = 0.0, False
-    if zero3_kept is not None:  # ZeRO-3's reduces: the blocks not yet through backward keep their saved
-        # activations (checkpointed: their inputs; eager: all, and the block being run); the gradient flowing into
-        # the block and its recomputed first norm (fp32 and c) are alive; kept parameters not yet through backward
-        L = max(spec.num_layers, 1)
-        for red in zero3_reduces(spec, job, N):
-            if job.checkpointing:
-                act_c = red["layers_left"] * act_detail["layers_kept"] / L
-            else:
-                act_c = min(red["layers_left"] + 1, spec.num_layers) * per_layer
-            act_c += job.tokens * spec.hidden_size * (4 + 2 * c)
-            held = c * (min(zero3_kept, red["rest"]) + min(DS_PREFETCH_BUCKET, U)) if zero3_kept else 0.0
-            m_c = states + act_c + red["copy"] + held
-            if m_c > moment_c:
-                moment_c, reduce_end = m_c, red["layers_left"] == 0
-                extraC = {"reduce_copy": red["copy"], **({"gathered": held} if held else {})}
+    moment_c, reduce_end, extraC = 0.0, False, {}
+    if st.zero3_kept is not None:
+        moment_c, reduce_end, extraC = zero3_reduce_moment(spec, job, o, N, st, states, per_layer, act_detail)
     peak = max(moment_a, moment_b, moment_b0, moment_c)
     phase = ("end of forward (activations + logits)" if peak == moment_a else
              ("ZeRO-3 reducing its gradients at the end of backward" if reduce_end else
@@ -539,6 +577,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
               **{f"buffer_bwd.{k}": v for k, v in extraB.items()},
               **{f"buffer_reduce.{k}": v for k, v in extraC.items()},
               **{f"act.{k}": v for k, v in act_detail.items()},
-              "moment_a": moment_a, "moment_b": moment_b, "moment_b0": moment_b0, "moment_c": moment_c, "trainable_params": P_t, "shard_ranks": N}
-    return Memory(params=params, grads=grads, optimizer=opt, activations=act_end, buffers=buffers,
-                  peak_tensors=peak, allowance=allowance, host=host, phase=phase, detail=detail)
+              "moment_a": moment_a, "moment_b": moment_b, "moment_b0": moment_b0, "moment_c": moment_c,
+              "trainable_params": P_t, "shard_ranks": N}
+    return Memory(params=st.params, grads=grads, optimizer=st.opt, activations=act_end, buffers=buffers,
+                  peak_tensors=peak, allowance=allowance, host=st.host, phase=phase, detail=detail)
