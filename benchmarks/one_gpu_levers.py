@@ -29,7 +29,6 @@ kernels of two profiled steps of those variants, and the GPU's busy fraction (ke
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -139,7 +138,7 @@ def run_variant(variant: str, a, env, repeat: int = 0) -> dict:
         out["mfu"] = round(flops_per_token(n_params, L, H, a.seq_len) * tokens / elapsed / 989e12, 4)
         if cuda and repeat == 0 and variant in a.profile.split(","):
             out["profile"] = profile(one, a.warmup + a.steps)
-        del model, optimizer, strategy, batch, head, fused_head
+        model = optimizer = strategy = batch = head = fused_head = None  # free them before cleanup (one() holds them)
     finally:
         FSDPStrategy.mp_policy, FSDPStrategy.keeps_gathered = orig_policy, orig_keep
         pa.cleanup(cuda)

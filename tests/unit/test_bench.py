@@ -14,8 +14,16 @@ from shardwise import config
 from shardwise.bench import measure, plot, report
 from shardwise.bench.command import add_parser, spec_from_args
 from shardwise.bench.predict import predict
-from shardwise.bench.runner import (BenchSpec, Outcome, classify, fault_for, memory_cap_bytes,
-                                    strategy_config_file, strategy_flags, train_argv)
+from shardwise.bench.runner import (
+    BenchSpec,
+    Outcome,
+    classify,
+    fault_for,
+    memory_cap_bytes,
+    strategy_config_file,
+    strategy_flags,
+    train_argv,
+)
 from shardwise.errors import ShardwiseError
 from tests.helpers import write_jsonl
 

@@ -13,8 +13,8 @@ import pytest
 
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import Hardware
-from shardwise.plan import fit_advice, plan_model, plan_run, resolve_model
 from shardwise.plan import command as plan_cmd
+from shardwise.plan import fit_advice, plan_model, plan_run, resolve_model
 from shardwise.plan.inputs import make_setup
 from shardwise.plan.memory import GiB, Job, Opts, estimate
 from shardwise.plan.model_presets import MODEL_PRESETS
@@ -620,8 +620,13 @@ def test_deepspeed_linear_keeps_no_autocast_weight_copies_and_saves_shared_input
 def test_strategy_overheads_by_hand():
     """Per-step work of each strategy on one H200-like rank (comm.strategy_overhead): bytes per parameter at the HBM
     rate, ZeRO-3 seconds per parameter per layer; nothing for single or on CPU ranks."""
-    from shardwise.plan.comm import (HBM_BYTES_PER_S, STRATEGY_BYTES_PER_PARAM, ZERO3_S_PER_PARAM_LAYER, Compute,
-                                     strategy_overhead)
+    from shardwise.plan.comm import (
+        HBM_BYTES_PER_S,
+        STRATEGY_BYTES_PER_PARAM,
+        ZERO3_S_PER_PARAM_LAYER,
+        Compute,
+        strategy_overhead,
+    )
     from shardwise.plan.memory import Job, Opts
     from shardwise.plan.model_spec import ModelSpec
 

@@ -11,8 +11,16 @@ from dataclasses import dataclass, field
 from shardwise import hardware, presets
 from shardwise.errors import ShardwiseError
 from shardwise.plan.comm import Compute, Links, Timing, step_time
-from shardwise.plan.memory import (COMPILE_ACT_FACTOR, COMPILE_ACT_FACTOR_ZERO3, GiB, Job, Memory, Opts, estimate,
-                                   shard_ranks)
+from shardwise.plan.memory import (
+    COMPILE_ACT_FACTOR,
+    COMPILE_ACT_FACTOR_ZERO3,
+    GiB,
+    Job,
+    Memory,
+    Opts,
+    estimate,
+    shard_ranks,
+)
 from shardwise.plan.model_spec import ModelSpec
 
 # MFU of the forward/backward compute on a GPU (the optimizer step is timed separately, comm.step_time), with eager

@@ -11,12 +11,11 @@ one saved under ddp loads under fsdp and back.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
-
-import errno
 
 import torch
 import torch.distributed.checkpoint as dcp
