@@ -70,15 +70,22 @@ def register(spec: StrategySpec) -> StrategySpec:
     """Add a strategy family and its presets; names must be new."""
     if spec.name in SPECS:
         raise ValueError(f"strategy family '{spec.name}' is registered twice")
-    for p in spec.presets:
-        if p.name in PRESETS or p.name in SPECIAL:
-            raise ValueError(f"strategy preset '{p.name}' is registered twice")
-        if p.base != spec.name:
-            raise ValueError(f"preset '{p.name}' names family '{p.base}' but is registered with '{spec.name}'")
+    if any(p.base != spec.name for p in spec.presets):
+        raise ValueError(f"a preset of family '{spec.name}' names another family")
     SPECS[spec.name] = spec
     for p in spec.presets:
-        PRESETS[p.name] = p
+        add_preset(p)
     return spec
+
+
+def add_preset(preset: Preset) -> Preset:
+    """Add one preset to a registered family (register() does this for the presets a spec lists)."""
+    if preset.name in PRESETS or preset.name in SPECIAL:
+        raise ValueError(f"strategy preset '{preset.name}' is registered twice")
+    if preset.base not in SPECS:
+        raise ValueError(f"preset '{preset.name}' names family '{preset.base}', which is not registered")
+    PRESETS[preset.name] = preset
+    return preset
 
 
 # Names accepted by --strategy besides the presets.
