@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from shardwise import __version__
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardwise: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`shardwise plan | head`): stop quietly, as other tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not raise again
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by the broken pipe
 
 
 if __name__ == "__main__":

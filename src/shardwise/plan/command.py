@@ -141,14 +141,15 @@ def _job_line(plan) -> str:
 
 
 def render(plan, sim=None) -> str:
+    from shardwise.plan import text
     from shardwise.plan.memory import GiB, Opts, compile_factor, head_activations, layer_activations
 
     s, h = plan.spec, plan.setup
-    lines = [f"model     {s.name}: {s.total_params / 1e9:.3g}B params ({s.num_layers} layers, hidden {s.hidden_size}, "
+    lines = [f"model     {s.name}: {text.count(s.total_params)} params ({s.num_layers} layers, hidden {s.hidden_size}, "
              f"vocab {s.vocab_size}) — {s.source}",
              f"job       {_job_line(plan)}",
-             f"hardware  {h.gpus_per_node} x {h.device_name} ({h.device_mem_gib:.1f} GiB) x {h.nodes} node(s) = "
-             f"{h.world} ranks; intra-node {h.intra_label}"
+             f"hardware  {h.gpus_per_node} x {h.device_name} ({h.device_mem_gib:.1f} GiB) x {text.plural(h.nodes, 'node')} = "
+             f"{text.plural(h.world, 'rank')}; intra-node {h.intra_label}"
              + (f"; inter-node {h.inter_label}" if h.nodes > 1 else "")]
     for n in h.notes:
         lines.append(f"          - {n}")
@@ -183,6 +184,7 @@ def render(plan, sim=None) -> str:
     t = plan.tree
     lines += ["", f"article's decision tree: {t['path']} (says {t['says']}); planner: {t['planner']} — "
                   f"{'agree' if t['agree'] else 'differ'}"] + [f"  - {w}" for w in t["why"]]
+    lines.append(f"  (the tree comes from {t['source']})")
     if plan.configured:
         from shardwise.plan.decide import fit_advice
 

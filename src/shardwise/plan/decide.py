@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from shardwise import hardware, presets
 from shardwise.errors import ShardwiseError
+from shardwise.plan import text
 from shardwise.plan.comm import Compute, Links, Timing, step_time
 from shardwise.plan.memory import (
     COMPILE_ACT_FACTOR,
@@ -31,6 +32,9 @@ COMPILED_MFU = 0.57
 CPU_PEAK_FLOPS = 5e10  # per rank, when `shardwise doctor` has not measured a matmul
 CPU_MFU = 0.5  # of the measured matmul rate
 TIE = 0.05  # strategies within 5% of the fastest count as equally fast; the simpler one wins
+# the decision tree's source (the project's seed text; there is no link to give)
+ARTICLE = ("a Chinese-language article comparing DDP and FSDP on several GPUs and advising which to choose in ms-swift, "
+           "a fine-tuning framework that runs several distributed backends behind one interface")
 TIGHT = 0.05  # less than 5% of device memory left is reported as tight
 
 
@@ -251,7 +255,9 @@ def recommend(plan: Plan) -> tuple[str, list[str]]:
     t = best.timing
     reasons = [f"{best.strategy} fits: {_gib(best.memory.total / GiB)} of {mem:.1f} GiB per rank "
                f"({_gib(best.headroom_gib)} headroom; peak at {best.memory.phase})"]
-    if best is fastest:
+    if len(fitting) == 1:
+        reasons.append(f"it is the only strategy that fits: {best.tokens_per_s:,.0f} tokens/s predicted")
+    elif best is fastest:
         reasons.append(f"it is the fastest of the {len(fitting)} strategies that fit: "
                        f"{best.tokens_per_s:,.0f} tokens/s predicted")
     else:
@@ -270,8 +276,15 @@ def recommend(plan: Plan) -> tuple[str, list[str]]:
         sharded = [s for s in fitting if s.base != "ddp"]
         if sharded:
             f = max(sharded, key=lambda s: s.tokens_per_s)
-            reasons.append(f"sharding would free memory ({f.strategy}: {_gib(f.memory.total / GiB)}) but is not "
-                           f"meaningfully faster here ({f.tokens_per_s:,.0f} tokens/s) and adds collectives")
+            lean = min(sharded, key=lambda s: s.memory.total)
+            if lean.memory.total < best.memory.total:
+                reasons.append(f"sharding would free memory ({lean.strategy}: {text.size(lean.memory.total)} vs "
+                               f"{text.size(best.memory.total)}) but is not meaningfully faster here "
+                               f"({f.strategy}: {f.tokens_per_s:,.0f} tokens/s) and adds collectives")
+            else:  # small models: a sharded strategy's buffers outweigh the states it splits
+                reasons.append(f"sharding would not free memory here (the smallest, {lean.strategy}, needs "
+                               f"{text.size(lean.memory.total)} vs {text.size(best.memory.total)}) and is not "
+                               f"meaningfully faster ({f.strategy}: {f.tokens_per_s:,.0f} tokens/s)")
     return best.strategy, reasons
 
 
@@ -280,15 +293,17 @@ def decision_tree(plan: Plan) -> dict:
     P = plan.spec.total_params
     mem_gb = plan.setup.device_mem_gib * GiB / 1e9
     big_mem = mem_gb >= 79  # "80 GB" cards report ~79.6-85 GB
+    size = text.count(P)
     if P < 8e9:  # the article's "7B" class: Mistral 7.2B and Qwen2.5-7B 7.6B are in it, Llama 3.1 8B is not
+        cls = f"model {size} params, under 8B (the tree's 7B class),"
         if big_mem:
-            says, path = "ddp", "model <= 7B and >= 80 GB per GPU -> DDP"
+            says, path = "ddp", f"{cls} with >= 80 GB per GPU -> DDP"
         else:
-            says, path = "fsdp-offload", "model <= 7B and < 80 GB per GPU -> FSDP + CPU offload"
+            says, path = "fsdp-offload", f"{cls} with < 80 GB per GPU -> FSDP + CPU offload"
     elif plan.setup.world >= 8:
-        says, path = "fsdp", ">7B with >= 8 GPUs -> FSDP + mixed precision + gradient checkpointing"
+        says, path = "fsdp", f"model {size} params, 8B or more (above the tree's 7B class), with >= 8 GPUs -> FSDP + mixed precision + gradient checkpointing"
     else:
-        says, path = "fsdp", ">7B with < 8 GPUs -> FSDP with sharding optimizations"
+        says, path = "fsdp", f"model {size} params, 8B or more (above the tree's 7B class), with < 8 GPUs -> FSDP with sharding optimizations"
     rec = plan.for_strategy(plan.recommended)
     tree_plan = next((s for s in plan.strategies if s.strategy == says), None)
     why = []
@@ -310,7 +325,8 @@ def decision_tree(plan: Plan) -> dict:
     if says == "fsdp" and "checkpointing" in path and not plan.job.checkpointing:
         why.append("the tree also says gradient checkpointing; " +
                    ("it is not needed at this micro-batch" if rec.fits else "turning it on cuts activations"))
-    return {"says": says, "path": path, "planner": plan.recommended, "agree": says == plan.recommended, "why": why}
+    return {"source": ARTICLE, "says": says, "path": path, "planner": plan.recommended,
+            "agree": says == plan.recommended, "why": why}
 
 
 def assumptions(plan: Plan) -> list[str]:
@@ -335,7 +351,7 @@ def assumptions(plan: Plan) -> list[str]:
            "in forward, the root and one unit in backward; "
            "DeepSpeed: default buckets (reduce 5e8, prefetch 5e7 elements), fp32 master partition, "
            "overlap_comm off for ZeRO-1/2",
-           f"step time: FLOPs (6N + 12*L*H*S per token) at {s.mfu_for(j):.0%} of {s.peak_flops / 1e12:.0f} TFLOP/s"
+           f"step time: FLOPs (6N + 12*L*H*S per token) at {s.mfu_for(j):.0%} of {text.flops(s.peak_flops)}"
            + ("" if s.mfu is not None else " (compiled blocks)" if j.compile else " (eager blocks)")
            + (" (measured matmul rate)" if "doctor" in " ".join(s.notes) and s.accelerator == "cpu" else "")
            + "; communication overlapped with compute where the strategy does it",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shardwise import hardware
 from shardwise.errors import ShardwiseError
+from shardwise.plan import text
 from shardwise.plan.decide import CPU_MFU, CPU_PEAK_FLOPS, Setup
 from shardwise.plan.memory import Job
 
@@ -74,7 +75,8 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
         count = ranks_per_node or 2
         host = hw.host_memory_gib
         mem = host / count
-        notes.append(f"CPU only: {count} ranks share {host:.0f} GiB of host RAM ({mem:.1f} GiB each)")
+        notes.append(f"CPU only: {host:.0f} GiB of host RAM split between {text.plural(count, 'rank')} "
+                     f"({mem:.1f} GiB each)")
     count = ranks_per_node or count
     doctor = hardware.load_doctor() if use_doctor else None
     measured_bw = None
@@ -84,7 +86,7 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
         if ar and intra_gbps is None and nodes == 1:
             measured_bw = max(r["busbw_gbps"] for r in ar) / 8 * 1e9
             notes.append(f"intra-node bus bandwidth measured by `shardwise doctor`: {measured_bw * 8 / 1e9:.1f} Gb/s "
-                         f"({doctor.get('world_size')} ranks, {doctor.get('backend')})")
+                         f"({text.plural(doctor.get('world_size'), 'rank')}, {doctor.get('backend')})")
         if accel == "cpu" and doctor.get("matmul_gflops"):
             peak = doctor["matmul_gflops"] * 1e9
             notes.append(f"CPU matmul rate measured by `shardwise doctor`: {peak / 1e9:.0f} GFLOP/s per rank")
@@ -94,7 +96,7 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
             notes.append(f"CPU matmul rate assumed {peak / 1e9:.0f} GFLOP/s per rank (run `shardwise doctor` to measure)")
         else:
             peak = hardware.peak_flops(DEFAULT_GPU, "bf16")
-            notes.append(f"peak FLOP/s of '{name}' unknown: assumed {DEFAULT_GPU} ({peak / 1e12:.0f} TFLOP/s)")
+            notes.append(f"peak FLOP/s of '{name}' unknown: assumed {DEFAULT_GPU} ({text.flops(peak)})")
     if intra_gbps is not None:
         intra, intra_label = intra_gbps, f"given: {intra_gbps:g} Gb/s"
     else:

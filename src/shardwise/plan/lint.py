@@ -5,7 +5,7 @@ Each finding says what it sees (with the config line when known) and what to do.
 
 from __future__ import annotations
 
-from shardwise.plan.decide import Plan
+from shardwise.plan.decide import TIE, Plan
 from shardwise.plan.memory import GiB, unit_params
 
 SMALL_UNIT = 1e8  # the article: min_num_params=1e8 for size-based wrapping
@@ -64,12 +64,15 @@ def lint(plan: Plan, res=None) -> list[dict]:
            (setup.measured_busbw is not None and setup.measured_busbw * 8 / 1e9 < SLOW_INTRA_GBPS) or \
            (setup.nodes > 1 and setup.inter_gbps < SLOW_INTER_GBPS)
     ddp = get("ddp")
-    if sharded and slow and ddp and ddp.fits and ddp.headroom_gib >= ROOMY * mem:
+    # only where ddp is predicted as fast, or within the planner's tie (and simpler): never quoting a faster sp
+    if (sharded and slow and ddp and ddp.fits and ddp.headroom_gib >= ROOMY * mem
+            and ddp.tokens_per_s >= (1 - TIE) * sp.tokens_per_s):
+        speed = (f"ddp {ddp.tokens_per_s:,.0f} vs {sp.tokens_per_s:,.0f} tokens/s" if ddp.tokens_per_s >= sp.tokens_per_s
+                 else f"ddp within {TIE:.0%} at {ddp.tokens_per_s:,.0f} vs {sp.tokens_per_s:,.0f} tokens/s, and simpler")
         add("fsdp-where-ddp-fits", "warn",
             f"{_where(res, 'strategy')}{name} shards a model that ddp fits with {ddp.headroom_gib:.1f} GiB to spare, on "
             f"a slow link; it moves {sp.comm_gb_per_step:.2f} GB per rank per step against ddp's "
-            f"{ddp.comm_gb_per_step:.2f} GB ({sp.tokens_per_s:,.0f} vs {ddp.tokens_per_s:,.0f} tokens/s): "
-            f"use --strategy ddp")
+            f"{ddp.comm_gb_per_step:.2f} GB ({speed}): use --strategy ddp")
 
     # 4. FSDP across nodes on a slow network without hybrid sharding
     if o.base == "fsdp" and not o.hybrid and setup.nodes > 1 and setup.inter_gbps < SLOW_INTER_GBPS:

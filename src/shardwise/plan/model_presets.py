@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan.model_spec import PARAM_COUNT, ModelSpec, from_count, from_hf_config, tiny_config
@@ -50,6 +51,8 @@ def _spec(name: str, row: tuple) -> ModelSpec:
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {name: _spec(name, row) for name, row in _ROWS.items()}
+# a bare size that names one well-known shape: what a user typing it means (other counts get an assumed shape)
+NOMINAL_SIZES = {"8B": "llama-3.1-8b", "70B": "llama-3.1-70b"}
 
 
 def find_preset(text: str) -> ModelSpec | None:
@@ -86,6 +89,11 @@ def resolve_model(text: str) -> ModelSpec:
     preset = find_preset(text)
     if preset is not None:
         return preset
+    nominal = NOMINAL_SIZES.get(text.upper())
+    if nominal is not None:
+        p = MODEL_PRESETS[nominal]
+        return replace(p, name=text, source=f"a bare {text} taken as {p.name}'s shape ({p.source}; "
+                                            f"--model {p.name} says so, a directory gives your own)")
     if PARAM_COUNT.match(text) or text[0].isdigit():
         return from_count(text)
     if "/" in text or text.startswith("."):
