@@ -27,6 +27,11 @@ class Preset:
     options: dict  # config key (dotted for a section) -> value, under what the user sets
     description: str  # one line, shown by `plan`, `bench` and the docs
     simplicity: int  # the planner's tie-break among equally fast presets: lower is simpler
+    planned_on: str = "any"  # where `plan` lists it: any | one-rank | multi-node
+
+    def planned_for(self, world: int, nodes: int) -> bool:
+        """Whether `plan` lists this preset for a setup (the configured one is planned anyway)."""
+        return {"any": True, "one-rank": world == 1, "multi-node": nodes > 1}[self.planned_on]
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ SPECIAL = ("auto",)
 
 SINGLE = register(StrategySpec(
     "single", "shardwise.strategies.single:SingleStrategy",
-    presets=(Preset("single", "single", {}, "one process, no wrapping", 0),)))
+    presets=(Preset("single", "single", {}, "one process, no wrapping", 0, planned_on="one-rank"),)))
 
 DDP = register(StrategySpec(
     "ddp", "shardwise.strategies.ddp:DDPStrategy",
@@ -110,7 +115,7 @@ FSDP = register(FSDPSpec(
         Preset("fsdp-offload", "fsdp", {"fsdp.reshard_after_forward": True, "fsdp.cpu_offload": True},
                "FSDP2 full shard with parameters, gradients and optimizer step on the CPU", 8),
         Preset("hybrid", "fsdp", {"fsdp.reshard_after_forward": True, "fsdp.hybrid": True},
-               "HSDP: shard within a node, replicate across nodes (2-D device mesh)", 4),
+               "HSDP: shard within a node, replicate across nodes (2-D device mesh)", 4, planned_on="multi-node"),
     )))
 
 DEEPSPEED = register(StrategySpec(

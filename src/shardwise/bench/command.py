@@ -4,7 +4,6 @@ machine, with the planner's prediction beside each number."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shlex
 import sys
@@ -58,7 +57,9 @@ def spec_from_args(args):
     if args.strategies:
         names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     else:
-        names = list(DEMO_STRATEGIES) + (list(DEMO_DEEPSPEED) if importlib.util.find_spec("deepspeed") else [])
+        from shardwise import strategies
+
+        names = list(DEMO_STRATEGIES) + [n for n in DEMO_DEEPSPEED if strategies.missing_requirement(n) is None]
     unknown = [n for n in names if n not in presets.PRESETS]
     if unknown:
         raise ShardwiseError(f"--strategies: unknown strategy '{unknown[0]}'; known: {', '.join(presets.PRESETS)}")

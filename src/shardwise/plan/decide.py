@@ -188,14 +188,7 @@ def opts_for(name: str, cfg=None) -> Opts:
 
 
 def preset_names(setup: Setup) -> list[str]:
-    out = []
-    for name in presets.PRESETS:
-        if name == "single" and setup.world != 1:
-            continue
-        if name == "hybrid" and setup.nodes <= 1:
-            continue
-        out.append(name)
-    return out
+    return [name for name, p in presets.PRESETS.items() if p.planned_for(setup.world, setup.nodes)]
 
 
 # ----------------------------------------------------------------------------- core
