@@ -1,5 +1,5 @@
 """The package's imports follow its layers (DESIGN.md, "The layers"; docs/architecture.md): no circle, nothing
-imported from a floor above, and nothing below the strategies imports torch.distributed.
+imported from a floor above, and the planner (and what it stands on) imports no torch.distributed.
 
 The rule, as this test reads the source (ast, nothing is imported):
 - every `import shardwise.x` / `from shardwise.x import y` counts, at module level and inside functions alike
@@ -21,19 +21,21 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 # floor -> module name patterns ("x.*" is every module under package x); lower floors are imported by higher ones
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    ("ground", ("shardwise", "shardwise.errors", "shardwise.presets")),
+    ("ground", ("shardwise", "shardwise.errors", "shardwise.presets", "shardwise.rundir")),
     ("config and hardware", ("shardwise.config", "shardwise.hardware")),
     ("planner, models, data (no process group)", ("shardwise.plan", "shardwise.plan.*", "shardwise.models",
                                                    "shardwise.models.*", "shardwise.data", "shardwise.data.*")),
     ("backend adapters", ("shardwise.strategies", "shardwise.strategies.*",
                           "shardwise.plan.simulate")),  # --simulate runs the strategies' own wrapping (opt-in)
     ("training engine", ("shardwise.train", "shardwise.train.*")),
-    ("launch and tools", ("shardwise.launch", "shardwise.export", "shardwise.doctor", "shardwise.bench",
-                          "shardwise.bench.*")),
+    ("launch and tools", ("shardwise.launch", "shardwise.export", "shardwise.doctor", "shardwise.chat",
+                          "shardwise.bench", "shardwise.bench.*")),
     ("user interface", ("shardwise.cli", "shardwise.__main__", "shardwise.plan.command")),
 ]
-# floors below this one never import torch.distributed (the planner needs no process group)
-NO_TORCH_DISTRIBUTED_BELOW = "backend adapters"
+# never import torch.distributed: the planner needs no process group (plan/simulate, on the adapters' floor, is
+# its opt-in exception), and neither do the floors under it (models/ may: sequence parallelism's attention wrapper)
+NO_TORCH_DISTRIBUTED = ("shardwise", "shardwise.errors", "shardwise.presets", "shardwise.rundir", "shardwise.config",
+                        "shardwise.hardware", "shardwise.plan", "shardwise.plan.*")
 
 # Known exceptions, each named with why it is allowed and when it goes.
 KNOWN_CIRCLES = {
@@ -180,10 +182,14 @@ def test_no_import_up_a_floor():
     assert not bad, "\n".join(sorted(bad))
 
 
-def test_nothing_below_the_strategies_imports_torch_distributed():
-    limit = [n for n, _ in FLOORS].index(NO_TORCH_DISTRIBUTED_BELOW)
-    bad = sorted(m for m, deps in graph().items() if "torch.distributed" in deps and floor_of(m) < limit)
-    assert not bad, f"import torch.distributed below the strategies: {bad}"
+def test_the_planner_and_the_floors_under_it_import_no_torch_distributed():
+    def barred(m):
+        return m != "shardwise.plan.simulate" and any(
+            m == p or (p.endswith(".*") and m.startswith(p[:-1])) for p in NO_TORCH_DISTRIBUTED)
+
+    bad = sorted(m for m, deps in graph().items() if "torch.distributed" in deps and barred(m))
+    assert not bad, f"import torch.distributed where no process group may be needed: {bad}"
+    assert barred("shardwise.plan.memory") and not barred("shardwise.plan.simulate")
 
 
 def test_the_checker_sees_each_kind_of_import(tmp_path):

@@ -3,6 +3,8 @@ the planner and bench; the planner and FSDPStrategy share one rule for what stay
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from shardwise import config, presets, strategies
@@ -74,13 +76,11 @@ def test_fsdp_strategy_and_planner_share_the_keeps_gathered_rule(keep, offload, 
     from shardwise.plan.memory import Opts, keeps_gathered
     from shardwise.strategies.fsdp import FSDPStrategy
 
-    class Mesh:
-        shape = (ranks,)
-
     cfg = config.Config()
     cfg.fsdp.keep_gathered_one_rank, cfg.fsdp.cpu_offload = keep, offload
     s = FSDPStrategy.__new__(FSDPStrategy)  # the rule only: no process group needed
-    s.cfg, s.mesh = cfg, Mesh()
+    # the shard degree as the strategy reads it: its mesh's last dimension (or the run's ParallelDims.dp_shard)
+    s.cfg, s.mesh, s.dims = cfg, SimpleNamespace(shape=(ranks,)), SimpleNamespace(dp_shard=ranks)
     s.compute_dtype = torch.bfloat16 if c == 2 else torch.float32
     s.param_dtype = torch.float32 if w == 4 else torch.bfloat16
     assert s.keeps_gathered() is expect
