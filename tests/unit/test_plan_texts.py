@@ -105,6 +105,18 @@ def test_decision_tree_says_the_model_size_it_classed(model, size, in_class):
     assert ("under 8B" in t["path"]) is in_class and ("8B or more" in t["path"]) is not in_class
 
 
+def test_decision_tree_never_rounds_a_model_under_8b_up_to_8b():
+    from dataclasses import replace
+
+    from shardwise.plan.decide import decision_tree
+
+    p = gpu_plan("llama-3.1-8b")
+    p.spec = replace(p.spec, vocab_size=p.spec.vocab_size - 3900)  # untied: 2 x 4096 parameters a token fewer
+    assert 7.995e9 < p.spec.total_params < 8e9
+    path = decision_tree(p)["path"]
+    assert "under 8B" in path and "7.998B params" in path
+
+
 def test_decision_tree_names_its_source_article():
     t = gpu_plan("llama-3.2-1b").tree
     assert "article" in t["source"] and "DDP" in t["source"] and "FSDP" in t["source"]

@@ -286,7 +286,8 @@ def decision_tree(plan: Plan) -> dict:
     P = plan.spec.total_params
     mem_gb = plan.setup.device_mem_gib * GiB / 1e9
     big_mem = mem_gb >= 79  # "80 GB" cards report ~79.6-85 GB
-    size = text.count(P)
+    size = text.count(P) if P >= 8e9 or P < 7.995e9 else f"{P / 1e9:.3f}B"  # never "8B ... under 8B"
+    big = f"model {size} params, 8B or more (above the tree's 7B class),"
     if P < 8e9:  # the article's "7B" class: Mistral 7.2B and Qwen2.5-7B 7.6B are in it, Llama 3.1 8B is not
         cls = f"model {size} params, under 8B (the tree's 7B class),"
         if big_mem:
@@ -294,9 +295,9 @@ def decision_tree(plan: Plan) -> dict:
         else:
             says, path = "fsdp-offload", f"{cls} with < 80 GB per GPU -> FSDP + CPU offload"
     elif plan.setup.world >= 8:
-        says, path = "fsdp", f"model {size} params, 8B or more (above the tree's 7B class), with >= 8 GPUs -> FSDP + mixed precision + gradient checkpointing"
+        says, path = "fsdp", f"{big} with >= 8 GPUs -> FSDP + mixed precision + gradient checkpointing"
     else:
-        says, path = "fsdp", f"model {size} params, 8B or more (above the tree's 7B class), with < 8 GPUs -> FSDP with sharding optimizations"
+        says, path = "fsdp", f"{big} with < 8 GPUs -> FSDP with sharding optimizations"
     rec = plan.for_strategy(plan.recommended)
     tree_plan = next((s for s in plan.strategies if s.strategy == says), None)
     why = []
