@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught below, not at interpreter exit
+        return rc
     except ShardwiseError as e:
         if getattr(args, "debug", False):
             raise
