@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config-docs", help="Print every config key as a Markdown table.")
     c.set_defaults(func=_config_docs)
 
-    for name in ("shardwise.plan.command", "shardwise.doctor", "shardwise.bench.command", "shardwise.export"):
+    for name in ("shardwise.plan.command", "shardwise.doctor", "shardwise.bench.command", "shardwise.export",
+                 "shardwise.ui.command"):
         try:
             mod = __import__(name, fromlist=["add_parser"])
         except ImportError:

@@ -104,7 +104,7 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
 
     from shardwise.data.encode import encode
     from shardwise.data.formats import demo_dataset, read_records
-    from shardwise.models.load import check_weights, load_tokenizer, max_positions, resolve_model_dir
+    from shardwise.models.load import load_tokenizer
     from shardwise.train import checkpoint as ckpt
 
     quiet_libraries()
@@ -127,12 +127,7 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
 
     strategies.get(cfg.strategy)  # unknown / not installed -> one clear line now, not in N workers
 
-    model_dir = resolve_model_dir(cfg.model, cfg.seed)
-    check_weights(model_dir)
-    limit = max_positions(model_dir)
-    if limit and cfg.seq_len > limit:
-        raise ShardwiseError(f"{res.where('seq_len')}: seq_len {cfg.seq_len} is larger than the model supports "
-                             f"(max_position_embeddings {limit}); lower --seq-len")
+    model_dir = check_model(cfg, res)
     check_fit(cfg, res, world, force)
     tokenizer = load_tokenizer(model_dir, cfg.trust_remote_code)
     if cfg.data == "demo":
@@ -173,6 +168,20 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
     job_path = os.path.join(prep, "job.json")
     _atomic_write(job_path, json.dumps(job, indent=1))
     return Prepared(cfg, out, job_path, world)
+
+
+def check_model(cfg: Config, res: Resolved) -> str:
+    """The model directory, checked: usable, weights complete, seq_len within its positions.
+    Also used by `shardwise ui` before it starts a run."""
+    from shardwise.models.load import check_weights, max_positions, resolve_model_dir
+
+    model_dir = resolve_model_dir(cfg.model, cfg.seed)
+    check_weights(model_dir)
+    limit = max_positions(model_dir)
+    if limit and cfg.seq_len > limit:
+        raise ShardwiseError(f"{res.where('seq_len')}: seq_len {cfg.seq_len} is larger than the model supports "
+                             f"(max_position_embeddings {limit}); lower --seq-len")
+    return model_dir
 
 
 def check_fit(cfg: Config, res: Resolved, world: int, force: bool) -> None:
@@ -249,13 +258,15 @@ def launch(p: Prepared) -> dict | None:
         # the agent's own warnings repeat what our one line says; SHARDWISE_DEBUG=1 keeps them
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     shutil.rmtree(error_dir(p.output_dir), ignore_errors=True)
+    interrupted = os.path.join(p.output_dir, ".prep", "interrupted.json")
+    if os.path.isfile(interrupted):  # left by an attempt stopped through the agent (SignalException below)
+        os.remove(interrupted)
     try:
         elastic_launch(lc, sys.executable)("-u", "-m", "shardwise.train.worker", p.job_path)
     except ChildFailedError as e:
         raise ShardwiseError(_worker_error(p.output_dir) or _failure_line(e)) from None
     except SignalException as e:
         raise Interrupted(int(e.sigval)) from None
-    interrupted = os.path.join(p.output_dir, ".prep", "interrupted.json")
     if os.path.isfile(interrupted):  # a worker received the signal; the agent did not
         import signal
 

@@ -1,0 +1,192 @@
+"""The Starlette app behind `shardwise ui`: static pages, a JSON API, server-sent events.
+
+Every answer comes from the modules the CLI uses: the form is parsed as CLI arguments
+(forms.py), runs are read from what `shardwise train` writes (runs.py), bench reports are
+the JSON `shardwise bench` writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+from importlib import resources
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from shardwise.errors import ShardwiseError
+from shardwise.ui import forms, runs
+
+STATIC = str(resources.files("shardwise.ui").joinpath("static"))
+TOKEN_HEADER = "x-shardwise-token"
+
+
+class TokenMiddleware:
+    """With --host: every request carries the printed token (?token=, the header, or the
+    cookie the first tokened page load sets)."""
+
+    def __init__(self, app, token: str):
+        self.app, self.token = app, token
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        req = Request(scope)
+        given = req.query_params.get("token") or req.headers.get(TOKEN_HEADER) or req.cookies.get("shardwise_token")
+        if not given or not hmac.compare_digest(given, self.token):
+            resp = PlainTextResponse("shardwise ui: a token is required (open the URL printed at start)", 401)
+            return await resp(scope, receive, send)
+        if req.query_params.get("token"):
+            async def send_cookie(message):
+                if message["type"] == "http.response.start":
+                    message.setdefault("headers", []).append(
+                        (b"set-cookie", f"shardwise_token={self.token}; HttpOnly; SameSite=Strict; Path=/".encode()))
+                await send(message)
+            return await self.app(scope, receive, send_cookie)
+        return await self.app(scope, receive, send)
+
+
+def _error(e: ShardwiseError, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": str(e), "field": getattr(e, "field", None)}, status)
+
+
+async def _body(request: Request) -> dict:
+    if request.headers.get("content-type", "").split(";")[0] != "application/json":
+        raise ShardwiseError("requests that change something must be JSON (application/json)")
+    try:
+        d = await request.json()
+    except ValueError:
+        raise ShardwiseError("the request body is not valid JSON")
+    if not isinstance(d, dict):
+        raise ShardwiseError("the request body must be a JSON object")
+    return d
+
+
+def create_app(runs_dir: str, token: str | None = None, allowed_hosts: list[str] | None = None) -> Starlette:
+    runs_dir = os.path.abspath(runs_dir)
+    os.makedirs(runs_dir, exist_ok=True)
+
+    def page(name):
+        async def handler(request):
+            return FileResponse(os.path.join(STATIC, name))
+        return handler
+
+    async def form_fields(request):
+        return JSONResponse({"fields": [f.__dict__ for f in forms.fields()], "runs_dir": runs_dir})
+
+    async def plan(request):
+        try:
+            values = await _body(request)
+            p = await asyncio.to_thread(forms.plan, values)
+            t = await asyncio.to_thread(forms.train, values)
+        except ShardwiseError as e:
+            return _error(e)
+        return JSONResponse({"plan": p, "train": t})
+
+    async def launch(request):
+        try:
+            values = await _body(request)
+            t = await asyncio.to_thread(forms.train, values, runs_dir, True)
+            started = runs.launch(runs_dir, t)
+        except ShardwiseError as e:
+            return _error(e)
+        return JSONResponse({**started, "command": t["command"]})
+
+    async def run_list(request):
+        return JSONResponse({"runs": [runs.info(runs_dir, p) for p in runs.find(runs_dir)], "runs_dir": runs_dir})
+
+    def _run(request) -> str:
+        return runs.resolve(runs_dir, request.query_params.get("run", ""))
+
+    async def run_detail(request):
+        try:
+            path = _run(request)
+            d = await asyncio.to_thread(runs.info, runs_dir, path, True)
+        except ShardwiseError as e:
+            return _error(e, 404)
+        d["metrics"], _ = runs.metrics(path)
+        return JSONResponse(d)
+
+    async def run_action(request):
+        action = request.path_params["action"]
+        try:
+            body = await _body(request)
+            path = runs.resolve(runs_dir, str(body.get("run", "")))
+            result = runs.stop(path) if action == "stop" else runs.resume(path)
+        except ShardwiseError as e:
+            return _error(e)
+        return JSONResponse(result)
+
+    async def run_diff(request):
+        try:
+            a = runs.resolve(runs_dir, request.query_params.get("a", ""))
+            b = runs.resolve(runs_dir, request.query_params.get("b", ""))
+        except ShardwiseError as e:
+            return _error(e, 404)
+        return JSONResponse({"diff": runs.diff(a, b)})
+
+    async def events(request):
+        """Server-sent events: the run list when it changes; new metrics records of ?run=."""
+        from sse_starlette.sse import EventSourceResponse
+
+        name = request.query_params.get("run")
+
+        async def gen():
+            last, offset = None, 0
+            while not await request.is_disconnected():
+                listing = [runs.info(runs_dir, p) for p in runs.find(runs_dir)]
+                key = json.dumps([(r["name"], r["state"], r["why"]) for r in listing])
+                if key != last:
+                    last = key
+                    yield {"event": "runs", "data": json.dumps(listing)}
+                if name:
+                    try:
+                        recs, offset = runs.metrics(runs.resolve(runs_dir, name), offset)
+                    except ShardwiseError:
+                        recs = []
+                    if recs:
+                        yield {"event": "metrics", "data": json.dumps(recs)}
+                await asyncio.sleep(1.0)
+
+        return EventSourceResponse(gen(), ping=15)
+
+    async def bench_list(request):
+        return JSONResponse({"reports": runs.bench_reports(runs_dir)})
+
+    async def bench_one(request):
+        try:
+            return JSONResponse(runs.bench_report(runs_dir, request.query_params.get("report", "")))
+        except ShardwiseError as e:
+            return _error(e, 404)
+
+    routes = [
+        Route("/", page("plan.html")),
+        Route("/runs", page("runs.html")),
+        Route("/bench", page("bench.html")),
+        Route("/api/fields", form_fields),
+        Route("/api/plan", plan, methods=["POST"]),
+        Route("/api/launch", launch, methods=["POST"]),
+        Route("/api/runs", run_list),
+        Route("/api/run", run_detail),
+        Route("/api/run/{action:str}", run_action, methods=["POST"]),
+        Route("/api/diff", run_diff),
+        Route("/api/events", events),
+        Route("/api/bench", bench_list),
+        Route("/api/bench/report", bench_one),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+    ]
+    middleware = []
+    if allowed_hosts:  # loopback: refuse other Host headers (DNS rebinding)
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts))
+    if token:
+        middleware.append(Middleware(TokenMiddleware, token=token))
+    app = Starlette(routes=routes, middleware=middleware)
+    app.state.runs_dir = runs_dir
+    return app

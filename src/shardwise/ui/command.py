@@ -1,0 +1,70 @@
+"""`shardwise ui`: serve the Plan / Runs / Bench pages on 127.0.0.1 (or --host, with a token)."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+from shardwise.errors import ShardwiseError
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "ui", help="A local web page to plan, launch, watch and compare runs.",
+        description="Serve a web page that plans a run as you type (the planner of `shardwise plan`), starts it "
+                    "as `shardwise train` in the background, shows every run of the runs directory with live "
+                    "curves, and charts bench reports. Binds 127.0.0.1 unless --host is given; then every "
+                    "request needs the token printed at start.")
+    p.add_argument("--runs-dir", default="runs", help="Directory of the runs (default: ./runs).")
+    p.add_argument("--port", default="7860", help="Port (default 7860; 0: any free port).")
+    p.add_argument("--host", default=None, help="Address to bind instead of 127.0.0.1 (requires the printed token).")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def _socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ShardwiseError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); choose another --port")
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args) -> int:
+    try:
+        port = int(args.port)
+        if not 0 <= port < 65536:
+            raise ValueError
+    except ValueError:
+        raise ShardwiseError(f"--port must be an integer in 0..65535, got '{args.port}'")
+    try:
+        import uvicorn
+
+        from shardwise.ui.app import create_app
+    except ImportError as e:
+        raise ShardwiseError(f"shardwise ui needs the 'ui' extra ({e.name} is missing): pip install 'shardwise[ui]'")
+    import secrets
+
+    host = args.host or "127.0.0.1"
+    token = None if host in LOOPBACK else secrets.token_urlsafe(18)
+    sock = _socket(host, port)
+    port = sock.getsockname()[1]
+    allowed = ["127.0.0.1", "localhost", "[::1]"] if token is None else None
+    app = create_app(args.runs_dir, token=token, allowed_hosts=allowed)
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
+    print(f"shardwise ui: serving {app.state.runs_dir} at {url}", flush=True)
+    if token:
+        print(f"shardwise ui: listening on {host} (not only this machine): every request needs the token "
+              f"(?token=... or header X-Shardwise-Token)", flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0

@@ -1,0 +1,304 @@
+"""Runs in a runs directory: find them, tell their state, start, stop and resume them.
+
+A run started from the page is `python -m shardwise train ...` in a session of its own
+(no shell), its output in `ui-launch.log` and its process id in `ui-launch.json` inside the
+run directory: it outlives the page and the server, and a restarted server finds it again by
+scanning the runs directory. Runs started from a terminal are found the same way (by their
+config.yaml / metrics.jsonl / summary.json) and read the same way, from what the CLI writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import yaml
+
+from shardwise.errors import ShardwiseError
+
+RECORD = "ui-launch.json"
+LOG = "ui-launch.log"
+MARKERS = ("config.yaml", "metrics.jsonl", "summary.json", RECORD)
+INTERRUPTED_LINE = "shardwise: interrupted by signal"
+ERROR_LINE = "shardwise: error: "
+
+_children: dict[int, subprocess.Popen] = {}  # launched by this server: reaped here
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def find(runs_dir: str, max_depth: int = 3) -> list[str]:
+    """Every run directory under runs_dir (bench runs sit two levels down), newest first."""
+    found = []
+    root = os.path.abspath(runs_dir)
+    for dirpath, dirnames, filenames in os.walk(root):
+        depth = dirpath[len(root):].count(os.sep)
+        names = set(filenames) | set(dirnames)
+        if dirpath != root and any(m in names for m in MARKERS):
+            found.append(dirpath)
+            dirnames[:] = []
+            continue
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in ("tensorboard", "checkpoints", "final")]
+        if depth >= max_depth:
+            dirnames[:] = []
+    return sorted(found, key=lambda p: os.path.getmtime(p), reverse=True)
+
+
+def resolve(runs_dir: str, name: str) -> str:
+    """A run's directory from its name relative to runs_dir; nothing outside runs_dir."""
+    root = os.path.realpath(runs_dir)
+    path = os.path.realpath(os.path.join(root, name))
+    if os.path.commonpath([root, path]) != root or path == root or not os.path.isdir(path):
+        raise ShardwiseError(f"run '{name}': no such run in {root}")
+    return path
+
+
+def _alive(rec: dict | None) -> bool:
+    if not rec:
+        return False
+    pid = rec.get("pid")
+    child = _children.get(pid)
+    if child is not None:
+        if child.poll() is None:
+            return True
+        _children.pop(pid, None)
+        return False
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        if abs(p.create_time() - rec.get("create_time", 0)) > 1.0:
+            return False  # the id was reused by another process
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _last_line(path: str, prefix: str) -> str | None:
+    try:
+        with open(path, errors="replace") as fh:
+            lines = fh.read().splitlines()[-200:]
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if line.startswith(prefix):
+            return line
+    return None
+
+
+def state(path: str) -> tuple[str, str]:
+    """(running | finished | failed | interrupted | unknown, why)."""
+    rec = _read_json(os.path.join(path, RECORD))
+    if _alive(rec):
+        return "running", f"process {rec['pid']} started {time.strftime('%H:%M:%S', time.localtime(rec['started']))}"
+    log = os.path.join(path, LOG)
+    summary = os.path.join(path, "summary.json")
+    if rec:  # started by the page: its launcher's last words say how it ended
+        line = _last_line(log, INTERRUPTED_LINE)
+        if line:
+            return "interrupted", line[len("shardwise: "):]
+        line = _last_line(log, ERROR_LINE)
+        if line:
+            return "failed", line[len(ERROR_LINE):]
+        if os.path.isfile(summary) and os.path.getmtime(summary) >= rec.get("started", 0) - 1:
+            return "finished", "summary.json written"
+        return "failed", "the launcher exited without a message (killed?); see " + LOG
+    # started from a terminal: what the run directory holds
+    marker = _read_json(os.path.join(path, ".prep", "interrupted.json"))
+    if marker:
+        return "interrupted", f"stopped by a signal after step {marker.get('step')}; checkpoint {marker.get('checkpoint')}"
+    errors = os.path.join(path, ".prep", "errors")
+    if os.path.isdir(errors):
+        for f in sorted(os.listdir(errors)):
+            with open(os.path.join(errors, f), errors="replace") as fh:
+                text = fh.read().strip()
+            if text:
+                return "failed", text.splitlines()[0]
+    if os.path.isfile(summary):
+        return "finished", "summary.json written"
+    metrics = os.path.join(path, "metrics.jsonl")
+    if os.path.isfile(metrics) and time.time() - os.path.getmtime(metrics) < 120:
+        return "running", "metrics.jsonl written in the last 2 minutes (started outside the page)"
+    return "unknown", "no summary.json and no record of how it ended (started outside the page)"
+
+
+def metrics(path: str, offset: int = 0) -> tuple[list[dict], int]:
+    """metrics.jsonl records from byte offset on (whole lines only) and the next offset."""
+    p = os.path.join(path, "metrics.jsonl")
+    try:
+        with open(p, "rb") as fh:
+            fh.seek(offset)
+            data = fh.read()
+    except OSError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    out = []
+    for line in data[:end].splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out, offset + end
+
+
+def config_of(path: str) -> dict:
+    """config.yaml of a run, flattened to dotted keys."""
+    try:
+        with open(os.path.join(path, "config.yaml")) as fh:
+            d = yaml.safe_load(fh) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    flat = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            flat.update({f"{k}.{sk}": sv for sk, sv in v.items()})
+        else:
+            flat[k] = v
+    return flat
+
+
+def diff(a: str, b: str) -> list[dict]:
+    ca, cb = config_of(a), config_of(b)
+    return [{"key": k, "a": ca.get(k), "b": cb.get(k)} for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k)]
+
+
+def predicted(path: str) -> dict | None:
+    """The planner's peak memory per rank and step time for the run's resolved config."""
+    from shardwise.config import from_dict
+
+    flat = config_of(path)
+    if not flat:
+        return None
+    nested: dict = {}
+    for k, v in flat.items():
+        if "." in k:
+            sec, name = k.split(".", 1)
+            nested.setdefault(sec, {})[name] = v
+        else:
+            nested[k] = v
+    try:
+        from shardwise.plan import plan_run
+
+        cfg = from_dict(nested)
+        sp = plan_run(cfg, None, (cfg.nproc_per_node or 1) * cfg.nnodes).for_strategy(cfg.strategy)
+    except Exception as e:  # an old or hand-edited config: say so, do not fail the page
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"peak_mem_gib": sp.mem_gib["total"], "step_time_s": sp.step_time_s, "tokens_per_s": sp.tokens_per_s}
+
+
+def commands(path: str) -> dict:
+    final = os.path.join(path, "final")
+    return {"resume": f"shardwise train {path}/config.yaml --output-dir {path} --resume auto",
+            "export": f"shardwise export {path} --out {path}-export" if os.path.isdir(os.path.join(path, "checkpoints"))
+            else None,
+            "final": final if os.path.isdir(final) else None}
+
+
+def info(runs_dir: str, path: str, detail: bool = False) -> dict:
+    st, why = state(path)
+    d = {"name": os.path.relpath(path, os.path.abspath(runs_dir)), "path": path, "state": st, "why": why,
+         "summary": _read_json(os.path.join(path, "summary.json")),
+         "mtime": os.path.getmtime(path)}
+    cfg = config_of(path)
+    d["strategy"] = cfg.get("strategy")
+    d["world"] = (cfg.get("nproc_per_node") or 0) * (cfg.get("nnodes") or 1) or None
+    if detail:
+        d["commands"] = commands(path)
+        d["predicted"] = predicted(path)
+        d["config"] = cfg
+        try:
+            with open(os.path.join(path, LOG), errors="replace") as fh:
+                d["log_tail"] = "".join(fh.readlines()[-15:])
+        except OSError:
+            d["log_tail"] = ""
+    return d
+
+
+def _start(out: str, argv: list[str]) -> int:
+    os.makedirs(out, exist_ok=True)
+    import psutil
+
+    with open(os.path.join(out, LOG), "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "shardwise", "train", *argv], stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    _children[proc.pid] = proc
+    rec = {"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(), "started": time.time(),
+           "argv": ["shardwise", "train", *argv]}
+    tmp = os.path.join(out, RECORD + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(rec, fh)
+    os.replace(tmp, os.path.join(out, RECORD))
+    return proc.pid
+
+
+def launch(runs_dir: str, train: dict) -> dict:
+    """Start a validated `shardwise train` (forms.train's result) into its run directory."""
+    out = train["output_dir"]
+    root = os.path.realpath(runs_dir)
+    if os.path.commonpath([root, os.path.realpath(out)]) != root:
+        raise ShardwiseError(f"{out}: a run directory must be inside the runs directory {root}")
+    pid = _start(out, train["argv"])
+    return {"pid": pid, "name": os.path.relpath(out, os.path.abspath(runs_dir))}
+
+
+def stop(path: str) -> dict:
+    """SIGTERM to the launcher: its workers checkpoint and it exits saying how to resume."""
+    rec = _read_json(os.path.join(path, RECORD))
+    if not _alive(rec):
+        raise ShardwiseError(f"{path}: not running (only runs started from this page can be stopped here)")
+    os.kill(rec["pid"], signal.SIGTERM)
+    return {"pid": rec["pid"], "signal": "SIGTERM"}
+
+
+def resume(path: str) -> dict:
+    """`shardwise train RUN/config.yaml --output-dir RUN --resume auto`, as the CLI prints it."""
+    if _alive(_read_json(os.path.join(path, RECORD))):
+        raise ShardwiseError(f"{path}: still running; stop it first")
+    cfg = os.path.join(path, "config.yaml")
+    if not os.path.isfile(cfg):
+        raise ShardwiseError(f"{path}: no config.yaml; this run never started, launch it again from the Plan page")
+    from shardwise import config
+
+    config.load_config(cfg, {"resume": ("auto", "ui"), "output_dir": (path, "ui")})  # validated as the CLI will
+    pid = _start(path, [cfg, f"--output-dir={path}", "--resume=auto"])
+    return {"pid": pid}
+
+
+def bench_reports(runs_dir: str) -> list[dict]:
+    """Every shardwise bench report (JSON, schema shardwise-bench/*) under runs_dir."""
+    out = []
+    root = os.path.abspath(runs_dir)
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in ("tensorboard", "checkpoints", "final")]
+        for f in filenames:
+            if f.endswith(".json") and f not in ("summary.json", RECORD, "config.json"):
+                p = os.path.join(dirpath, f)
+                if os.path.getsize(p) > 20_000_000:
+                    continue
+                d = _read_json(p)
+                if isinstance(d, dict) and str(d.get("schema", "")).startswith("shardwise-bench/"):
+                    out.append({"name": os.path.relpath(p, root), "created": d.get("created"),
+                                "command": d.get("command")})
+    return sorted(out, key=lambda r: r["created"] or "", reverse=True)
+
+
+def bench_report(runs_dir: str, name: str) -> dict:
+    root = os.path.realpath(runs_dir)
+    p = os.path.realpath(os.path.join(root, name))
+    if os.path.commonpath([root, p]) != root or not p.endswith(".json"):
+        raise ShardwiseError(f"bench report '{name}': not a report in {root}")
+    d = _read_json(p)
+    if not isinstance(d, dict) or not str(d.get("schema", "")).startswith("shardwise-bench/"):
+        raise ShardwiseError(f"bench report '{name}': not a shardwise bench report")
+    return d
