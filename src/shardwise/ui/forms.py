@@ -76,6 +76,8 @@ def fields() -> list[Field]:
         Field("log_every", "log every", None, "--log-every", default="1", help=_help("log_every"), launch_only=True),
         Field("save_every", "save every", None, "--save-every", default="0", help=_help("save_every"),
               launch_only=True),
+        Field("save_final", "save the final model", None, "--save-final", "bool", "true", _help("save_final"),
+              launch_only=True),
         Field("rdzv_endpoint", "rendezvous HOST:PORT", None, "--rdzv-endpoint", help=_help("rdzv_endpoint"),
               launch_only=True),
         Field("trust_remote_code", "trust remote code", None, "--trust-remote-code", "bool", "false",
