@@ -141,6 +141,8 @@ def argv_for(values: dict, which: str) -> list[str]:
 
 
 def _parse(which: str, argv: list[str]):
+    import argparse
+
     from shardwise.cli import build_parser
 
     parser = build_parser()
@@ -150,7 +152,7 @@ def _parse(which: str, argv: list[str]):
             sub.exit_on_error = False
     try:
         return parser.parse_args([which, *argv])
-    except Exception as e:  # argparse.ArgumentError
+    except argparse.ArgumentError as e:
         raise ShardwiseError(str(e)) from None
 
 

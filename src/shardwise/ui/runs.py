@@ -191,7 +191,7 @@ def predicted(path: str) -> dict | None:
 
         cfg = from_dict(nested)
         sp = plan_run(cfg, None, (cfg.nproc_per_node or 1) * cfg.nnodes).for_strategy(cfg.strategy)
-    except Exception as e:  # an old or hand-edited config: say so, do not fail the page
+    except (ShardwiseError, TypeError, ValueError, KeyError) as e:  # an old or hand-edited config: say so
         return {"error": f"{type(e).__name__}: {e}"}
     return {"peak_mem_gib": sp.mem_gib["total"], "step_time_s": sp.step_time_s, "tokens_per_s": sp.tokens_per_s}
 
