@@ -25,6 +25,7 @@ LOG = "ui-launch.log"
 MARKERS = ("config.yaml", "metrics.jsonl", "summary.json", RECORD)
 INTERRUPTED_LINE = "shardwise: interrupted by signal"
 ERROR_LINE = "shardwise: error: "
+ATTEMPT = "=== shardwise ui started: "
 
 _children: dict[int, subprocess.Popen] = {}  # launched by this server: reaped here
 
@@ -84,13 +85,19 @@ def _alive(rec: dict | None) -> bool:
         return False
 
 
-def _last_line(path: str, prefix: str) -> str | None:
+def _attempt_lines(path: str) -> list[str]:
+    """The launcher output of the newest attempt (each attempt starts with an ATTEMPT line)."""
     try:
         with open(path, errors="replace") as fh:
-            lines = fh.read().splitlines()[-200:]
+            lines = fh.read().splitlines()
     except OSError:
-        return None
-    for line in reversed(lines):
+        return []
+    starts = [i for i, line in enumerate(lines) if line.startswith(ATTEMPT)]
+    return lines[starts[-1]:] if starts else lines
+
+
+def _last_line(path: str, prefix: str) -> str | None:
+    for line in reversed(_attempt_lines(path)[-200:]):
         if line.startswith(prefix):
             return line
     return None
@@ -216,11 +223,7 @@ def info(runs_dir: str, path: str, detail: bool = False) -> dict:
         d["commands"] = commands(path)
         d["predicted"] = predicted(path)
         d["config"] = cfg
-        try:
-            with open(os.path.join(path, LOG), errors="replace") as fh:
-                d["log_tail"] = "".join(fh.readlines()[-15:])
-        except OSError:
-            d["log_tail"] = ""
+        d["log_tail"] = "\n".join(_attempt_lines(os.path.join(path, LOG))[-15:])
     return d
 
 
@@ -228,7 +231,9 @@ def _start(out: str, argv: list[str]) -> int:
     os.makedirs(out, exist_ok=True)
     import psutil
 
-    with open(os.path.join(out, LOG), "w") as log:
+    with open(os.path.join(out, LOG), "a") as log:  # every attempt's output, the newest last
+        log.write(f"{ATTEMPT}shardwise train {' '.join(argv)} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        log.flush()
         proc = subprocess.Popen([sys.executable, "-m", "shardwise", "train", *argv], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
