@@ -30,7 +30,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("training engine", ("shardwise.train", "shardwise.train.*")),
     ("launch and tools", ("shardwise.launch", "shardwise.export", "shardwise.doctor", "shardwise.chat",
                           "shardwise.bench", "shardwise.bench.*")),
-    ("user interface", ("shardwise.cli", "shardwise.__main__", "shardwise.plan.command")),
+    ("user interface", ("shardwise.cli", "shardwise.__main__", "shardwise.plan.command", "shardwise.ui",
+                        "shardwise.ui.*")),
 ]
 # never import torch.distributed: the planner needs no process group (plan/simulate, on the adapters' floor, is
 # its opt-in exception), and neither do the floors under it (models/ may: sequence parallelism's attention wrapper)

@@ -140,18 +140,33 @@ def argv_for(values: dict, which: str) -> list[str]:
     return argv
 
 
+def _parser(which: str):
+    """The parser of `shardwise plan` or `shardwise train`, as cli.py builds it, reporting
+    instead of exiting (cli.py imports this package by name, so it is not imported here)."""
+    import argparse
+
+    from shardwise import config
+
+    root = argparse.ArgumentParser(prog="shardwise", exit_on_error=False)
+    sub = root.add_subparsers(dest="command")
+    if which == "plan":
+        from shardwise.plan.command import add_parser
+
+        add_parser(sub)
+    else:
+        t = sub.add_parser("train")
+        t.add_argument("config", nargs="?")
+        config.add_flags(t)
+    for p in sub.choices.values():
+        p.exit_on_error = False
+    return root
+
+
 def _parse(which: str, argv: list[str]):
     import argparse
 
-    from shardwise.cli import build_parser
-
-    parser = build_parser()
-    parser.exit_on_error = False
-    for action in parser._subparsers._group_actions:  # the subcommand parsers report, not exit
-        for sub in action.choices.values():
-            sub.exit_on_error = False
     try:
-        return parser.parse_args([which, *argv])
+        return _parser(which).parse_args([which, *argv])
     except argparse.ArgumentError as e:
         raise ShardwiseError(str(e)) from None
 

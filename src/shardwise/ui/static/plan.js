@@ -37,8 +37,8 @@ function render(d) {
   document.getElementById("hardware").textContent =
     `${p.model.name}: ${sw.fmt(p.model.params / 1e9, 3)}B params · ${h.gpus_per_node} × ${h.device} (${sw.fmt(h.device_mem_gib, 1)} GiB) × ${h.nodes} node(s) = ${h.world_size} ranks`;
   const t = p.decision_tree;
-  document.querySelectorAll(".tree .leaf").forEach(li => li.classList.toggle("taken", li.dataset.path === t.path));
-  document.getElementById("tree-verdict").innerHTML = `says <b>${sw.esc(t.says)}</b>; planner <b>${sw.esc(t.planner)}</b> — ${t.agree ? "agree" : "differ"}`;
+  document.querySelectorAll(".tree .leaf").forEach(li => li.classList.toggle("taken", t.path.includes(li.dataset.match)));
+  document.getElementById("tree-verdict").innerHTML = `${sw.esc(t.path)}<br>says <b>${sw.esc(t.says)}</b>; planner <b>${sw.esc(t.planner)}</b> — ${t.agree ? "agree" : "differ"}`;
   document.getElementById("tree-why").innerHTML = t.why.map(w => `<li>${sw.esc(w)}</li>`).join("");
   document.querySelector("#strategies tbody").innerHTML = p.strategies.map(s =>
     `<tr${s.strategy === p.recommended ? ' class="sel"' : ""}><td>${sw.esc(s.strategy)}${s.strategy === p.recommended ? " ★" : ""}</td><td>${s.fits ? "yes" : "NO"}</td>
