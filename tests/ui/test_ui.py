@@ -174,11 +174,11 @@ def test_launch_watch_stop_resume(server, page, runs_dir, shots):
     page.wait_for_selector("#f-model")
     _fill(page, "gpu_memory", "")
     page.select_option("#f-strategy", "ddp")
-    _fill(page, "max_steps", "60")
+    _fill(page, "max_steps", "200")
     _fill(page, "log_every", "1")
     _fill(page, "run_name", "demo")
     page.uncheck("#f-save_final")  # no final Hugging Face directory: the test watches the loop, not the export
-    page.wait_for_function("() => document.getElementById('command').textContent.includes('--max-steps=60') && document.getElementById('command').textContent.includes('--no-save-final')")
+    page.wait_for_function("() => document.getElementById('command').textContent.includes('--max-steps=200') && document.getElementById('command').textContent.includes('--no-save-final')")
     page.click("#launch")
     page.wait_for_url("**/runs?run=demo", timeout=180_000)  # the first check builds the tiny model
     state = page.locator("#run-state")
@@ -195,7 +195,7 @@ def test_launch_watch_stop_resume(server, page, runs_dir, shots):
     why = page.locator("#run-why").inner_text()
     assert why.startswith("interrupted by signal 15") and "--resume auto" in why, why
     stopped_at = page.evaluate("window.shardwise.charts.loss.data.labels.at(-1)")
-    assert stopped_at < 60, "the run ended before Stop took effect"
+    assert stopped_at < 200, "the run ended before Stop took effect"
     assert os.path.isdir(os.path.join(runs_dir, "demo", "checkpoints"))
     page.screenshot(path=os.path.join(shots, "runs-interrupted.png"), full_page=True)
 
@@ -205,11 +205,11 @@ def test_launch_watch_stop_resume(server, page, runs_dir, shots):
     server.start()
     page.goto(server.base + "/runs?run=demo")
     _wait_state(page, runs_dir, "demo", "finished", 300)
-    page.wait_for_function("() => window.shardwise.charts.loss.data.labels.at(-1) === 60")
+    page.wait_for_function("() => window.shardwise.charts.loss.data.labels.at(-1) === 200")
     labels = page.evaluate("window.shardwise.charts.loss.data.labels")
-    assert labels[-1] == 60 and stopped_at in labels
+    assert labels[-1] == 200 and stopped_at in labels
     with open(os.path.join(runs_dir, "demo", "summary.json")) as fh:
-        assert json.load(fh)["steps"] == 60
+        assert json.load(fh)["steps"] == 200
     assert "shardwise train " in page.locator("#cmds").inner_text()
     pvm = page.locator("#pvm").inner_text()
     assert "peak memory per rank" in pvm and "step time" in pvm
