@@ -47,7 +47,7 @@ class DistEnv:
     local_world_size: int
     device: torch.device
     backend: str
-    dims: ParallelDims | None = None  # the run's parallel degrees and mesh (Strategy fills it in when absent)
+    dims: ParallelDims | None = None  # the run's parallel degrees and mesh (train.loop sets it)
 
     @property
     def is_main(self) -> bool:
@@ -67,9 +67,9 @@ class Strategy:
                                         cls.dp_split)
 
     def __init__(self, cfg: Config, env: DistEnv):
-        if env.dims is None:  # a caller that made its own DistEnv: the degrees from the config
-            env.dims = self.parallel_dims(cfg, env)
-        self.cfg, self.env, self.dims = cfg, env, env.dims
+        self.cfg, self.env = cfg, env
+        # the run's dims (the loop builds them once); a harness's bare DistEnv: this strategy's, from the config
+        self.dims = env.dims if env.dims is not None else self.parallel_dims(cfg, env)
         self.compute_dtype = DTYPES[cfg.mixed_precision]
         self.param_dtype = DTYPES[cfg.param_dtype]
         self.scaler = None
