@@ -1,8 +1,8 @@
 """What each candidate speed lever buys on one GPU, measured in one process through the engine's path.
 
 A variant is a strategy preset plus optional levers; each builds what `shardwise train` builds
-(`train.loop.build_model`: compile per block, fused loss head, as on CUDA by default; the registry's
-strategy and its `setup`) and runs `train.loop.train_step` + a step, as plan_accuracy.py does:
+(`train.loop.build_model`: the fused loss head; the registry's
+strategy and its `setup`) and runs `train.loop.forward_backward_step` + a step, as plan_accuracy.py does:
 
     single, fsdp, fsdp-grad-op, ddp ...   the preset as the engine runs it now
     +bf16reduce     FSDP's MixedPrecisionPolicy without reduce_dtype: gradients reduced (on one rank:
@@ -103,7 +103,7 @@ def run_variant(variant: str, a, env, repeat: int = 0) -> dict:
         def one(step):
             for g in optimizer.param_groups:
                 g["lr"] = 1e-5
-            loss = loop.train_step(model, strategy, batch, 1, env.device, faults, step + 1, fused_head)
+            loss = loop.forward_backward_step(model, strategy, batch, 1, env.device, faults, step + 1, fused_head)
             strategy.take_nonfinite()  # the previous step's flag, read where loop.run reads it
             if "sync" in levers:
                 sync_step(strategy, model, optimizer)

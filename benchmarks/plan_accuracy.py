@@ -2,20 +2,21 @@
 
 Every case builds what `shardwise train` builds and runs what its loop runs:
 
-* the model: `train.loop.build_model(cfg, ...)` (storage dtype, gradient checkpointing,
-  the fused loss head, torch.compile of the blocks), with its `load_model` swapped for a
+* the model: `train.loop.build_model(cfg, ...)` (storage dtype, adapters, the fused loss
+  head), with its `load_model` swapped for a
   random init from a Llama config (`AutoModelForCausalLM.from_config`, SDPA) instead of
   a safetensors directory: nothing is written to disk;
 * `train.dist.init_distributed` and `ensure_same_weights`, then the strategy from the
-  registry (`shardwise.strategies.get(preset)(cfg, env)`) and `strategy.setup(model)`,
+  registry (`shardwise.strategies.get(preset)(cfg, env)`) and `strategy.setup(model)` (its
+  parallelize pipeline: gradient checkpointing, torch.compile of the blocks, the wrapping),
   the Config built by `config.load_config` (preset options under the case's flags);
-* two (or --steps) optimizer steps of `train.loop.train_step` (per micro-batch: `strategy.sync`,
+* two (or --steps) optimizer steps of `train.loop.forward_backward_step` (per micro-batch: `strategy.sync`,
   `strategy.autocast`, the loop's loss: the fused chunked head when on, else `loss_sum`,
   `strategy.backward`) and `strategy.step` (clip, step, zero_grad). The batch is a
   `StepBatch` of random tokens at full length (no padding), as the sampler makes it.
 
-The loop has no single-step function besides `train_step`; this harness calls it and
-`strategy.step` the way `loop.run` does and skips only data loading, logging and
+This harness calls `forward_backward_step` and `strategy.step` the way the loop's
+`Trainer.train_step` does and skips only data loading, logging and
 checkpointing, which hold no tensors at the peak.
 
 Measured: the largest peak of the steps after the first (the steady state; each step's own peak is
@@ -378,7 +379,7 @@ def _steps(c: dict, env, tracker, out: dict, holder: dict) -> dict:
             ts = time.time()
             for g in optimizer.param_groups:
                 g["lr"] = loop.lr_at(cfg, step, n_steps)
-            loss = loop.train_step(model, strategy, batch, env.world_size, env.device, faults, step + 1, fused_head)
+            loss = loop.forward_backward_step(model, strategy, batch, env.world_size, env.device, faults, step + 1, fused_head)
             strategy.step(model, optimizer)
             out["loss"] = float(loss)  # a host sync: the step has finished
             if cuda:

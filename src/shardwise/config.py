@@ -83,6 +83,8 @@ class Config:
     rdzv_endpoint: str = _f("", "HOST:PORT of the c10d rendezvous (needed when nnodes > 1).")
     collective_timeout: float = _f(1800.0, "Seconds before a collective that does not complete (a hung or dead rank) becomes an error naming the rank and operation.")
     max_restarts: int = _f(0, "Restart the worker group this many times after a failure; the run resumes from its newest checkpoint.")
+    sequence_parallel: int = _f(1, "Ranks that split each sequence (context parallelism); the data-parallel degree is the world size / (sequence_parallel x tensor_parallel). Only 1 in this version.")
+    tensor_parallel: int = _f(1, "Ranks that split each weight matrix (tensor parallelism). Only 1 in this version.")
     # optimisation
     max_steps: int = _f(-1, "Optimizer steps to run; -1 means as many as `epochs` take.")
     epochs: int = _f(1, "Passes over the data (used when max_steps is -1).")
@@ -361,6 +363,10 @@ def validate(res: Resolved) -> None:
     need(c.nnodes >= 1, "nnodes", f"nnodes must be >= 1, got {c.nnodes}")
     need(0 <= c.node_rank < c.nnodes, "node_rank", f"node_rank must be in [0, nnodes={c.nnodes}), got {c.node_rank}")
     need(c.max_restarts >= 0, "max_restarts", f"max_restarts must be >= 0, got {c.max_restarts}")
+    for key, issue in (("sequence_parallel", "sequence parallelism"), ("tensor_parallel", "tensor parallelism")):
+        degree = get(c, key)
+        need(degree >= 1, key, f"{key} must be >= 1, got {degree}")
+        need(degree == 1, key, f"{key} {degree}: not yet supported in this version (issue: {issue}); use 1")
     need(c.nnodes == 1 or bool(c.rdzv_endpoint), "nnodes",
          "a multi-node run needs --rdzv-endpoint HOST:PORT (the address of node 0)")
     if c.rdzv_endpoint:

@@ -1,6 +1,7 @@
-"""Speed-ups applied to the Hugging Face model before any strategy wraps it (so they
-compose with every strategy): a chunked linear + cross-entropy head that never holds the
-full logits, and torch.compile of each decoder block."""
+"""Speed-ups of the Hugging Face model that compose with every strategy: a chunked linear +
+cross-entropy head that never holds the full logits (installed by `train.loop.build_model`),
+and torch.compile of each decoder block (the `apply_compile` step of a strategy's
+parallelize pipeline, strategies/parallelize.py, before the data-parallel wrapping)."""
 
 from __future__ import annotations
 

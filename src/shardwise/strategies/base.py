@@ -2,7 +2,7 @@
 
 The training loop calls only these methods and never branches on the strategy:
 
-    model, optimizer = strategy.setup(model)         # wrap, move to device, build optimizer
+    model, optimizer = strategy.setup(model)         # the parallelize pipeline, then the optimizer
     with strategy.sync(model, last_micro), strategy.autocast():
         loss = ...
     strategy.backward(loss)
@@ -12,18 +12,29 @@ The training loop calls only these methods and never branches on the strategy:
     strategy.load_state_dict(model, optimizer, state)
     full = strategy.full_model_state_dict(model)      # rank 0: full tensors on the CPU
 
-Gradient reduction across ranks is a mean (DDP, FSDP and ZeRO all average), so the loop
-scales each rank's loss by the world size after dividing by the global loss-token count.
+`setup` runs the strategy's parallelize pipeline, in this order (strategies/parallelize.py):
+tensor parallel -> activation checkpointing -> compile -> data-parallel wrapping (`wrap`, or
+DeepSpeed's engine) + the optimizer. Every degree, rank and group comes from `env.dims`
+(strategies/parallel.py), which owns the one device mesh; no strategy builds its own.
+
+Gradient reduction across data-parallel ranks is a mean (DDP, FSDP and ZeRO all average), so
+the loop scales each rank's loss by the data-parallel degree after dividing by the global
+loss-token count.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from shardwise.config import Config
+from shardwise.strategies.parallel import ParallelDims, replicate_all
+from shardwise.strategies.parallelize import apply_activation_checkpointing, apply_compile, apply_tensor_parallel
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"no": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,6 +47,7 @@ class DistEnv:
     local_world_size: int
     device: torch.device
     backend: str
+    dims: ParallelDims | None = None  # the run's parallel degrees and mesh (train.loop sets it)
 
     @property
     def is_main(self) -> bool:
@@ -44,9 +56,20 @@ class DistEnv:
 
 class Strategy:
     name = "base"
+    # (cfg, data-parallel degree, ranks per node) -> (dp_replicate, dp_shard): how this strategy lays its
+    # data-parallel ranks on the mesh (strategies/parallel.py)
+    dp_split = staticmethod(replicate_all)
+
+    @classmethod
+    def parallel_dims(cls, cfg: Config, env: DistEnv) -> ParallelDims:
+        """The run's degrees and mesh, with this strategy's data-parallel layout."""
+        return ParallelDims.from_config(cfg, env.world_size, env.rank, env.local_world_size, env.device.type,
+                                        cls.dp_split)
 
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
+        # the run's dims (the loop builds them once); a harness's bare DistEnv: this strategy's, from the config
+        self.dims = env.dims if env.dims is not None else self.parallel_dims(cfg, env)
         self.compute_dtype = DTYPES[cfg.mixed_precision]
         self.param_dtype = DTYPES[cfg.param_dtype]
         self.scaler = None
@@ -56,6 +79,22 @@ class Strategy:
 
     # -- setup -------------------------------------------------------------------------
     def setup(self, model: torch.nn.Module):
+        """The loaded model (adapters added) -> (the model to train, its optimizer)."""
+        return self.parallelize(model)
+
+    def parallelize(self, model: torch.nn.Module):
+        """What happens to the model, in order; the mesh is read from self.dims, never built here."""
+        cfg = self.cfg
+        done = [apply_tensor_parallel(model, self.dims),
+                apply_activation_checkpointing(model, cfg),
+                apply_compile(model, cfg)]
+        model, optimizer = self.apply_data_parallel(model)
+        if self.env.is_main:
+            log.info("parallelize: %s; then %s", "; ".join(done), self.name)
+        return model, optimizer
+
+    def apply_data_parallel(self, model: torch.nn.Module):
+        """The data-parallel wrapper (`wrap`) and the optimizer over the wrapped parameters."""
         model = self.wrap(model)
         return model, self.build_optimizer(model)
 

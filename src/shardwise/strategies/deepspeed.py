@@ -22,10 +22,12 @@ import torch
 from shardwise.errors import ShardwiseError
 from shardwise.strategies import ds_state
 from shardwise.strategies.base import Strategy
+from shardwise.strategies.parallel import shard_all
 
 
 def ds_config(cfg, world: int, cuda: bool) -> dict:
-    """The DeepSpeed JSON for this run, from our config; the user's file overrides keys."""
+    """The DeepSpeed JSON for this run, from our config; the user's file overrides keys.
+    `world`: the data-parallel degree (dims.dp_size; the world size while sp = tp = 1)."""
     ds = cfg.deepspeed
     zero: dict = {"stage": ds.stage}
     if ds.offload_optimizer:
@@ -74,14 +76,18 @@ def merge(base: dict, over: dict) -> dict:
 
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
+    dp_split = staticmethod(shard_all)  # ZeRO partitions over every data-parallel rank
 
     def __init__(self, cfg, env):
         super().__init__(cfg, env)
         self.scaler = None  # DeepSpeed scales fp16 losses itself
         self.engine = None
-        self.config = ds_config(cfg, env.world_size, env.device.type == "cuda")
+        self.config = ds_config(cfg, self.dims.dp_size, env.device.type == "cuda")
 
-    def setup(self, model: torch.nn.Module):
+    def apply_data_parallel(self, model: torch.nn.Module):
+        """DeepSpeed's engine around the model and our optimizer (it flattens the groups).
+        Its data-parallel group is the default one, which is dims.dp_group while sp = tp = 1;
+        sequence/tensor parallelism will have to hand it the mesh's groups."""
         import deepspeed
         import deepspeed.ops
 

@@ -17,11 +17,8 @@ import torch
 
 
 def _mesh(strategy):
-    if getattr(strategy, "_mesh", None) is None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        strategy._mesh = init_device_mesh(strategy.env.device.type, (strategy.env.world_size,))
-    return strategy._mesh
+    """The 1-D mesh ZeRO partitions over (the run's dp_shard dimension)."""
+    return strategy.dims.dp_shard_mesh
 
 
 def _shard(full: torch.Tensor, strategy):
@@ -30,10 +27,11 @@ def _shard(full: torch.Tensor, strategy):
 
     if full.ndim == 0:
         return full.detach().clone().cpu()
-    world, rank = strategy.env.world_size, strategy.env.rank
+    mesh = _mesh(strategy)
+    world, rank = mesh.size(), mesh.get_local_rank()
     chunks = torch.chunk(full.detach(), world, dim=0)
     local = chunks[rank] if rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
-    return DTensor.from_local(local.contiguous().clone(), _mesh(strategy), [Shard(0)], run_check=False,
+    return DTensor.from_local(local.contiguous().clone(), mesh, [Shard(0)], run_check=False,
                               shape=full.shape, stride=full.contiguous().stride())
 
 

@@ -5,7 +5,7 @@ reduce-scattered after backward.
 
 The parallelize step is a short composition, as in torchtitan:
 
-    mesh  -> units (wrap policy) -> fully_shard(each unit) -> fully_shard(root) -> prefetch
+    mesh (env.dims) -> units (wrap policy) -> fully_shard(each unit) -> fully_shard(root) -> prefetch
 
 Mixed precision is FSDP's MixedPrecisionPolicy (no autocast): parameters are cast to the
 compute dtype when gathered, gradients reduced in fp32 and kept in the storage dtype.
@@ -27,16 +27,16 @@ from shardwise.strategies.base import Strategy
 log = logging.getLogger(__name__)
 
 
-def build_mesh(device_type: str, world: int, hybrid: bool, shard_group_size: int):
-    """1-D mesh over all ranks, or a 2-D (replicate, shard) mesh for HSDP."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not hybrid:
-        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    if shard_group_size < 1 or world % shard_group_size:
-        raise ShardwiseError(f"fsdp.shard_group_size {shard_group_size} must divide the world size {world}")
-    return init_device_mesh(device_type, (world // shard_group_size, shard_group_size),
-                            mesh_dim_names=("replicate", "shard"))
+def dp_split(cfg, dp: int, local_world_size: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard): shard over every data-parallel rank, or for HSDP within groups
+    of fsdp.shard_group_size ranks (a node by default) and replicate across the groups."""
+    f = cfg.fsdp
+    if not f.hybrid:
+        return 1, dp
+    sgs = f.shard_group_size or local_world_size
+    if sgs < 1 or dp % sgs:
+        raise ShardwiseError(f"fsdp.shard_group_size {sgs} must divide the world size {dp}")
+    return dp // sgs, sgs
 
 
 def tied_params(model: nn.Module) -> set[int]:
@@ -87,6 +87,7 @@ def size_units(model: nn.Module, min_params: int) -> list[nn.Module]:
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+    dp_split = staticmethod(dp_split)
 
     def __init__(self, cfg, env):
         super().__init__(cfg, env)
@@ -106,8 +107,7 @@ class FSDPStrategy(Strategy):
         # no model.to(device): each fully_shard call moves its unit's tensors to the device and
         # shards them (and, with offload, moves the shards to the CPU), so setup never holds
         # more than one unit unsharded on the GPU
-        sgs = f.shard_group_size or self.env.local_world_size
-        self.mesh = build_mesh(self.env.device.type, self.env.world_size, f.hybrid, sgs)
+        self.mesh = self.dims.dp_shard_mesh  # (dp_shard,), or (dp_replicate, dp_shard) for HSDP
         units = block_units(model) if f.wrap == "block" else size_units(model, int(f.wrap[5:]))
         self.reshard = f.reshard_after_forward and not self.keeps_gathered()
         kw = dict(mesh=self.mesh, mp_policy=self.mp_policy(),
@@ -135,7 +135,7 @@ class FSDPStrategy(Strategy):
         fsdp.keep_gathered_one_rank false turns it off; CPU offload (a choice for the least GPU memory) keeps
         resharding. The rule is declared once, presets.FSDPSpec.keeps_gathered, which the planner calls too."""
         f = self.cfg.fsdp
-        return presets.FSDP.keeps_gathered(f.keep_gathered_one_rank, f.cpu_offload, self.mesh.shape[-1],
+        return presets.FSDP.keeps_gathered(f.keep_gathered_one_rank, f.cpu_offload, self.dims.dp_shard,
                                            self.compute_dtype.itemsize, self.param_dtype.itemsize)
 
     def optimizer_kernel(self) -> dict:

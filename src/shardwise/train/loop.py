@@ -11,7 +11,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import time
 from dataclasses import dataclass
 
@@ -26,10 +25,11 @@ from shardwise.data.encode import IGNORE, Encoded
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import peak_flops
 from shardwise.models.load import load_model, load_tokenizer
-from shardwise.models.speed import compile_blocks, install_fused_loss
+from shardwise.models.speed import install_fused_loss
 from shardwise.strategies.base import DTYPES
 from shardwise.train import checkpoint as ckpt
 from shardwise.train import dist as sdist
+from shardwise.train.control import Control
 from shardwise.train.faults import Faults
 from shardwise.train.metrics import Reporter, Window, flops_per_token, peak_memory_gib
 from shardwise.train.profile import StepProfiler
@@ -66,257 +66,241 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def build_model(cfg: Config, model_dir: str):
-    """The HF model on the CPU, before any strategy touches it: storage dtype,
-    gradient checkpointing and adapters are the same for every strategy."""
+    """The HF model on the CPU, before any strategy touches it: storage dtype, adapters and
+    the fused loss head (it changes what the head returns, not how the model is parallelised).
+    Checkpointing and compile are the strategy's parallelize steps (Strategy.parallelize)."""
     model = load_model(model_dir, DTYPES[cfg.param_dtype], cfg.trust_remote_code)
     if cfg.tuner != "full":
         from shardwise.models.lora import apply_lora
 
         model = apply_lora(model, cfg)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.fused_loss:
         install_fused_loss(model)
-    if cfg.compile == "on" or (cfg.compile == "auto" and torch.cuda.is_available()):
-        compile_blocks(model)
     return model
 
 
-class Control:
-    """Decisions every rank must take at the same step: stop (SIGTERM/SIGINT reached some
-    rank) and save (save_every_minutes elapsed on rank 0's clock). A request names a step
-    two ahead of the requester's, through the rendezvous store; ranks are never more than
-    one step apart (every step has collectives), so all of them see it in time. No GPU
-    sync, no extra communicator: two store reads per step."""
-
-    MARGIN = 2
-
-    def __init__(self, env, save_every_minutes: float):
-        self.signal: int | None = None
-        self.rank = env.rank
-        self.interval = save_every_minutes * 60
-        self.last_save = time.monotonic()
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.keys = (f"shardwise/control/{attempt}/stop_at", f"shardwise/control/{attempt}/save_at")
-        self.store = dist.distributed_c10d._get_default_store() if env.world_size > 1 else None
-        self.local = {k: 0 for k in self.keys}
-        if self.store is not None and self.rank == 0:
-            for k in self.keys:
-                self.store.set(k, "0")
-        sdist.barrier()
-        self.proposed_stop = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.signal = signum
-
-    def _propose(self, key: str, step: int) -> None:
-        if self.store is None:
-            self.local[key] = step
-        elif key == self.keys[0]:
-            self.store.compare_set(key, "0", str(step))  # the first request wins
-        else:
-            self.store.set(key, str(step))  # only rank 0 proposes saves
-
-    def _read(self, key: str) -> int:
-        return int(self.store.get(key)) if self.store is not None else self.local[key]
-
-    def poll(self, step: int) -> tuple[bool, bool]:
-        """After `step` finished: (stop, save) as every rank decides it at this step."""
-        stop_key, save_key = self.keys
-        if self.signal is not None and not self.proposed_stop:
-            self._propose(stop_key, step + (self.MARGIN if self.store is not None else 0))
-            self.proposed_stop = True
-        save_at = self._read(save_key)
-        due = save_at == step
-        # rank 0 proposes the next save only once the agreed one has passed (never moves a
-        # pending one, which another rank may already have read)
-        if (self.rank == 0 and not due and save_at < step and self.interval > 0
-                and time.monotonic() - self.last_save >= self.interval):
-            self._propose(save_key, step + (self.MARGIN if self.store is not None else 0))
-            if self.store is None:
-                due = True
-        stop_at = self._read(stop_key)
-        return (stop_at != 0 and stop_at <= step), due
-
-    def saved(self) -> None:
-        self.last_save = time.monotonic()
-
-    def close(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL)
-
-
 def run(job: Job) -> dict:
-    cfg = from_dict(job.config)
-    env = sdist.init_distributed(cfg.collective_timeout)
-    torch.manual_seed(cfg.seed)
-    out = job.output_dir
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    faults = Faults(env.rank)
+    """One training run on this rank: set up, train, write the final model and summary."""
+    return Trainer(job).train()
 
-    tokenizer = load_tokenizer(job.model_dir, cfg.trust_remote_code)
-    model = build_model(cfg, job.model_dir)
-    hf_config = model.config
-    head = model.get_output_embeddings()
-    fused_head = head if getattr(head, "loss_targets", "absent") is None else None
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    broadcasted = sdist.ensure_same_weights(model, env)
 
-    strategy = strategies.get(cfg.strategy)(cfg, env)
-    model, optimizer = strategy.setup(model)
+class Trainer:
+    """The run's state on this rank. `setup` builds it (torchtitan's Trainer.__init__),
+    `train_step` is one optimizer step, `train` the loop around it and the end of the run."""
 
-    from safetensors.torch import load_file
+    def __init__(self, job: Job):
+        self.job, self.cfg, self.out = job, from_dict(job.config), job.output_dir
+        self.phase = "setup"
+        self.setup()
 
-    data = Encoded.from_tensors(load_file(job.data_file))
-    sampler = StepSampler(data, cfg.micro_batch_size, cfg.grad_accum, env.world_size, env.rank, cfg.seed,
-                          tokenizer.pad_token_id)
-    total = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * sampler.steps_per_epoch
+    # -- setup ------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg, job = self.cfg, self.job
+        env = self.env = sdist.init_distributed(cfg.collective_timeout)
+        strategy_cls = strategies.get(cfg.strategy)
+        # the run's parallel degrees and its one device mesh: everything below reads them from here
+        env.dims = self.dims = strategy_cls.parallel_dims(cfg, env)
+        torch.manual_seed(cfg.seed)
+        self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+        self.faults = Faults(env.rank)
 
-    # -- resume ------------------------------------------------------------------------
-    step, pos, tokens_seen, resume_from = 0, DataPosition(), 0, None
-    resume = "auto" if restarted and job.resume == "none" else job.resume
-    if resume == "auto":
-        resume_from = ckpt.latest(out)
-    elif resume != "none":
-        resume_from = resume
-    notes = []
-    if broadcasted:
-        notes.append("ranks held different initial weights; rank 0's were broadcast to all")
-    if restarted:
-        notes.append(f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')} after a worker failure")
-    if resume_from:
+        self.tokenizer = load_tokenizer(job.model_dir, cfg.trust_remote_code)
+        model = build_model(cfg, job.model_dir)
+        self.hf_config = model.config
+        head = model.get_output_embeddings()
+        self.fused_head = head if getattr(head, "loss_targets", "absent") is None else None
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        broadcasted = sdist.ensure_same_weights(model, env)
+        self.strategy = strategy_cls(cfg, env)
+        self.model, self.optimizer = self.strategy.setup(model)  # the strategy's parallelize pipeline
+
+        from safetensors.torch import load_file
+
+        self.data = Encoded.from_tensors(load_file(job.data_file))
+        # each data-parallel rank reads its own share (sequence/tensor-parallel peers read the same one)
+        self.sampler = StepSampler(self.data, cfg.micro_batch_size, cfg.grad_accum, self.dims.dp_size,
+                                   self.dims.dp_rank, cfg.seed, self.tokenizer.pad_token_id)
+        self.total = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * self.sampler.steps_per_epoch
+        notes = ["ranks held different initial weights; rank 0's were broadcast to all"] if broadcasted else []
+        if self.restarted:
+            notes.append(f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')} after a worker failure")
+        self.resume(notes)
+        self.announce(notes)
+
+        self.peak = None
+        if env.device.type == "cuda":
+            self.peak = peak_flops(torch.cuda.get_device_name(env.device),
+                                   cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32")
+        self.control = Control(env, cfg.save_every_minutes)
+        self.profiler = StepProfiler.from_config(cfg, env.device, self.total)
+        self.new_window()
+        self.skipped, self.tokens_run, self.first_loss, self.last_rec = 0, 0, None, {}
+        # Steps whose non-finite flag has not been read: the loop reads it one step late, once the next step's
+        # forward/backward is queued (so the GPU never idles waiting for the host), or at a log step, a checkpoint or
+        # the end, whichever is first. A skipped update was never applied, so --on-nan stop still stops before any
+        # later update; their losses stay out of the logged mean.
+        self.unread: list[tuple[int, StepBatch, torch.Tensor]] = []
+
+    def resume(self, notes: list[str]) -> None:
+        """The step, data position and state to start from: a checkpoint's, or the beginning."""
+        cfg, env, out = self.cfg, self.env, self.out
+        self.step, self.pos, self.tokens_seen, self.resume_from = 0, DataPosition(), 0, None
+        resume = "auto" if self.restarted and self.job.resume == "none" else self.job.resume
+        if resume == "auto":
+            self.resume_from = ckpt.latest(out)
+        elif resume != "none":
+            self.resume_from = resume
+        if not self.resume_from:
+            return
+        resume_from = self.resume_from
         if env.is_main:
             ckpt.remove_partial(out)
         meta = ckpt.read_meta(resume_from)
-        state = strategy.state_dict(model, optimizer)
+        state = self.strategy.state_dict(self.model, self.optimizer)
         ckpt.load(resume_from, state)
-        strategy.load_state_dict(model, optimizer, state)
-        step, tokens_seen = meta["step"], meta.get("tokens_seen", 0)
-        pos = DataPosition(**meta["data_position"])
+        self.strategy.load_state_dict(self.model, self.optimizer, state)
+        self.step, self.tokens_seen = meta["step"], meta.get("tokens_seen", 0)
+        pos = self.pos = DataPosition(**meta["data_position"])
         same_world = meta.get("world_size") == env.world_size
         if same_world:
             ckpt.restore_rng(resume_from, env.rank)
-        notes.append(f"resumed from {resume_from} at step {step} (saved by {meta.get('strategy')} on "
+        notes.append(f"resumed from {resume_from} at step {self.step} (saved by {meta.get('strategy')} on "
                      f"{meta.get('world_size')} ranks; now {cfg.strategy} on {env.world_size})"
                      + ("" if same_world else f"; data continues at row {pos.offset} of epoch {pos.epoch}, "
                         "so no row of the epoch is repeated or skipped; RNG streams restart"))
 
-    rep = Reporter(out, env.is_main, total, step, append=resume_from is not None)
-    rep.say(f"shardwise: {strategy.describe()} on {env.world_size} rank(s) ({env.backend}, {env.device.type}), "
-            f"{n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), {len(data)} sequences, "
-            f"global batch {sampler.global_batch}, {total} steps")
-    for n in notes:
-        rep.say("shardwise: " + n)
+    def announce(self, notes: list[str]) -> None:
+        env = self.env
+        self.rep = Reporter(self.out, env.is_main, self.total, self.step, append=self.resume_from is not None)
+        self.rep.say(f"shardwise: {self.strategy.describe()} on {env.world_size} rank(s) ({env.backend}, "
+                     f"{env.device.type}), {self.n_params / 1e6:.2f}M params ({self.n_trainable / 1e6:.2f}M "
+                     f"trainable), {len(self.data)} sequences, global batch {self.sampler.global_batch}, "
+                     f"{self.total} steps")
+        for n in notes:
+            self.rep.say("shardwise: " + n)
 
-    peak = None
-    if env.device.type == "cuda":
-        peak = peak_flops(torch.cuda.get_device_name(env.device),
-                          cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32")
-    world = env.world_size
-    control = Control(env, cfg.save_every_minutes)
-    profiler = StepProfiler.from_config(cfg, env.device, total)
-    save = lambda: save_checkpoint(cfg, env, strategy, model, optimizer, out, step, pos, tokens_seen,  # noqa: E731
-                                   job.model_dir, tokenizer)
-    window, loss_acc, seq_acc = Window(), torch.zeros((), device=env.device), 0.0
-    t_start = time.time()
-    last_rec, first_loss, skipped, loss_n, tokens_run = {}, None, 0, 0, 0
-    # Steps whose non-finite flag has not been read: the loop reads it one step late, once the next step's
-    # forward/backward is queued (so the GPU never idles waiting for the host), or at a log step, a checkpoint or
-    # the end, whichever is first. A skipped update was never applied, so --on-nan stop still stops before any
-    # later update; their losses stay out of the logged mean.
-    unread: list[tuple[int, StepBatch, torch.Tensor]] = []
+    # -- one step -----------------------------------------------------------------------------
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step: the next batch, forward/backward over its micro-batches, the update.
+        Returns the pre-clip gradient norm (a tensor: no host sync)."""
+        cfg, step = self.cfg, self.step
+        self.phase = f"step {step + 1}: forward/backward (gradient reduction)"
+        self.faults.before_step(step + 1)
+        batch, next_pos = self.sampler.next(self.pos)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr_at(cfg, step, self.total)
+        with self.profiler.step(step + 1):  # a null context unless this step is profiled
+            step_loss = forward_backward_step(self.model, self.strategy, batch, self.dims.dp_size, self.env.device,
+                                              self.faults, step + 1, self.fused_head)
+            self.settle()  # the previous step's flag
+            self.phase = f"step {step + 1}: optimizer step (gradient-norm reduction)"
+            grad_norm = self.strategy.step(self.model, self.optimizer)
+        self.step, self.pos = step + 1, next_pos
+        self.unread.append((self.step, batch, step_loss))
+        self.tokens_seen += batch.tokens
+        self.tokens_run += batch.tokens
+        self.window.add(batch.tokens)
+        self.seq_acc += batch.tokens / len(batch.rows)
+        return grad_norm
 
-    def settle() -> None:
-        nonlocal skipped, loss_acc, loss_n
-        for (s, b, loss), bad in zip(unread, strategy.take_nonfinite()):
+    def settle(self) -> None:
+        """Read the non-finite flags of the steps not read yet: count (or stop on) skipped updates,
+        add the others' losses to the logged mean."""
+        for (s, b, loss), bad in zip(self.unread, self.strategy.take_nonfinite()):
             if bad:
-                skipped += 1
-                on_nonfinite(cfg, env, rep, s, b, job, out)
+                self.skipped += 1
+                on_nonfinite(self.cfg, self.env, self.rep, s, b, self.job, self.out)
             else:
-                loss_acc += loss
-                loss_n += 1
-        unread.clear()
+                self.loss_acc += loss
+                self.loss_n += 1
+        self.unread.clear()
 
-    model.train()
-    phase = "setup"
-    try:
-        while step < total:
-            phase = f"step {step + 1}: forward/backward (gradient reduction)"
-            faults.before_step(step + 1)
-            batch, next_pos = sampler.next(pos)
-            for g in optimizer.param_groups:
-                g["lr"] = lr_at(cfg, step, total)
-            with profiler.step(step + 1):  # a null context unless this step is profiled
-                step_loss = train_step(model, strategy, batch, world, env.device, faults, step + 1, fused_head)
-                settle()  # the previous step's flag
-                phase = f"step {step + 1}: optimizer step (gradient-norm reduction)"
-                grad_norm = strategy.step(model, optimizer)
-            step, pos = step + 1, next_pos
-            unread.append((step, batch, step_loss))
-            tokens_seen += batch.tokens
-            tokens_run += batch.tokens
-            window.add(batch.tokens)
-            seq_acc += batch.tokens / len(batch.rows)
-            # a profiled step is logged on its own: the step before it closes the window
-            if step % cfg.log_every == 0 or step == total or profiler.wants(step) or profiler.wants(step + 1):
-                phase = f"step {step}: metrics reduction"
-                settle()
-                rec = log_record(env, cfg, window, loss_acc, loss_n, seq_acc, step, total, grad_norm, pos, tokens_seen,
-                                 skipped, peak, n_params, hf_config, profiler.take())
-                rep.log(rec)
-                if rec.get("profiled"):
-                    rep.say(f"shardwise: step {step} profiled: communication {rec['comm_total_s'] * 1e3:.1f} ms, "
-                            f"exposed {rec['comm_exposed_s'] * 1e3:.1f} ms (max over ranks; {rec['comm_method']})")
-                first_loss = rec["loss"] if first_loss is None else first_loss
-                last_rec = rec
-                window, loss_acc, seq_acc, loss_n = Window(), torch.zeros((), device=env.device), 0.0, 0
-            stop, due = control.poll(step)
-            save_due = step < total and ((cfg.save_every and step % cfg.save_every == 0) or due)
-            if stop or save_due:
-                settle()  # a checkpoint follows a step whose update is known
-            if stop:
-                phase = "checkpoint save"
-                path = save()
-                rep.say(f"shardwise: stopped by a signal after step {step}; checkpoint written to {path}")
-                if env.is_main:
-                    _write_json(os.path.join(out, ".prep", "interrupted.json"), {"step": step, "checkpoint": path})
-                raise Preempted(path)
-            if save_due:
-                phase = f"step {step}: checkpoint save"
-                save()
-                control.saved()
-        settle()
-        if cfg.save_every and not (ckpt.latest(out) or "").endswith(f"step_{step:08d}"):
-            phase = "final checkpoint save"
-            save()
-    except (RuntimeError, dist.DistBackendError) as e:
-        if is_collective_timeout(e):
-            raise ShardwiseError(
-                f"rank {env.rank}: a collective did not complete within --collective-timeout "
-                f"{cfg.collective_timeout:g}s during {phase}: another rank is hung or dead "
-                f"({str(e).strip().splitlines()[0][:160]})") from e
-        raise
-    finally:
-        control.close()
+    def new_window(self) -> None:
+        self.window, self.loss_acc, self.seq_acc, self.loss_n = Window(), torch.zeros((), device=self.env.device), 0.0, 0
 
-    final_dir = save_final(cfg, env, strategy, model, tokenizer, out) if cfg.save_final else None
-    wall = time.time() - t_start
-    summary = {"strategy": cfg.strategy, "world_size": world, "steps": step, "first_loss": first_loss,
-               "final_loss": last_rec.get("loss"), "mean_tokens_per_s": tokens_run / wall if wall > 0 else None,
-               "peak_mem_gib": last_rec.get("peak_mem_gib"), "wall_time_s": wall, "params": n_params,
-               "trainable_params": n_trainable, "skipped_nonfinite_steps": skipped, "final_model": final_dir}
-    if env.is_main:
-        _write_json(os.path.join(out, "summary.json"), summary)
-    rep.say(f"shardwise: done: {step} steps, loss {first_loss:.4f} (first logged) -> {summary['final_loss']:.4f} (last)"
-            if first_loss is not None else f"shardwise: done: {step} steps")
-    rep.close()
-    sdist.barrier()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return summary
+    def log(self, grad_norm) -> None:
+        step = self.step
+        self.phase = f"step {step}: metrics reduction"
+        self.settle()
+        rec = log_record(self.env, self.cfg, self.window, self.loss_acc, self.loss_n, self.seq_acc, step, self.total,
+                         grad_norm, self.pos, self.tokens_seen, self.skipped, self.peak, self.n_params, self.hf_config,
+                         self.profiler.take())
+        self.rep.log(rec)
+        if rec.get("profiled"):
+            self.rep.say(f"shardwise: step {step} profiled: communication {rec['comm_total_s'] * 1e3:.1f} ms, "
+                         f"exposed {rec['comm_exposed_s'] * 1e3:.1f} ms (max over ranks; {rec['comm_method']})")
+        self.first_loss = rec["loss"] if self.first_loss is None else self.first_loss
+        self.last_rec = rec
+        self.new_window()
+
+    def save(self) -> str:
+        return save_checkpoint(self.cfg, self.env, self.strategy, self.model, self.optimizer, self.out, self.step,
+                               self.pos, self.tokens_seen, self.job.model_dir, self.tokenizer)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg, env, out, total = self.cfg, self.env, self.out, self.total
+        self.t_start = time.time()
+        self.model.train()
+        try:
+            while self.step < total:
+                grad_norm = self.train_step()
+                step, profiler = self.step, self.profiler
+                # a profiled step is logged on its own: the step before it closes the window
+                if step % cfg.log_every == 0 or step == total or profiler.wants(step) or profiler.wants(step + 1):
+                    self.log(grad_norm)
+                stop, due = self.control.poll(step)
+                save_due = step < total and ((cfg.save_every and step % cfg.save_every == 0) or due)
+                if stop or save_due:
+                    self.settle()  # a checkpoint follows a step whose update is known
+                if stop:
+                    self.phase = "checkpoint save"
+                    path = self.save()
+                    self.rep.say(f"shardwise: stopped by a signal after step {step}; checkpoint written to {path}")
+                    if env.is_main:
+                        _write_json(os.path.join(out, ".prep", "interrupted.json"), {"step": step, "checkpoint": path})
+                    raise Preempted(path)
+                if save_due:
+                    self.phase = f"step {step}: checkpoint save"
+                    self.save()
+                    self.control.saved()
+            self.settle()
+            if cfg.save_every and not (ckpt.latest(out) or "").endswith(f"step_{self.step:08d}"):
+                self.phase = "final checkpoint save"
+                self.save()
+        except (RuntimeError, dist.DistBackendError) as e:
+            if is_collective_timeout(e):
+                raise ShardwiseError(
+                    f"rank {env.rank}: a collective did not complete within --collective-timeout "
+                    f"{cfg.collective_timeout:g}s during {self.phase}: another rank is hung or dead "
+                    f"({str(e).strip().splitlines()[0][:160]})") from e
+            raise
+        finally:
+            self.control.close()
+        return self.finish()
+
+    def finish(self) -> dict:
+        """The final model, summary.json, the last line; the process group is closed."""
+        cfg, env, out = self.cfg, self.env, self.out
+        final_dir = save_final(cfg, env, self.strategy, self.model, self.tokenizer, out) if cfg.save_final else None
+        wall = time.time() - self.t_start
+        first_loss, step = self.first_loss, self.step
+        summary = {"strategy": cfg.strategy, "world_size": env.world_size, "steps": step, "first_loss": first_loss,
+                   "final_loss": self.last_rec.get("loss"),
+                   "mean_tokens_per_s": self.tokens_run / wall if wall > 0 else None,
+                   "peak_mem_gib": self.last_rec.get("peak_mem_gib"), "wall_time_s": wall, "params": self.n_params,
+                   "trainable_params": self.n_trainable, "skipped_nonfinite_steps": self.skipped,
+                   "final_model": final_dir}
+        if env.is_main:
+            _write_json(os.path.join(out, "summary.json"), summary)
+        self.rep.say(f"shardwise: done: {step} steps, loss {first_loss:.4f} (first logged) -> "
+                     f"{summary['final_loss']:.4f} (last)" if first_loss is not None else f"shardwise: done: {step} steps")
+        self.rep.close()
+        sdist.barrier()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return summary
 
 
 def is_collective_timeout(e: BaseException) -> bool:
@@ -325,14 +309,14 @@ def is_collective_timeout(e: BaseException) -> bool:
                                    "connection reset by peer"))
 
 
-def train_step(model, strategy, batch: StepBatch, world: int, device, faults: Faults, step: int,
-               fused_head=None) -> torch.Tensor:
+def forward_backward_step(model, strategy, batch: StepBatch, dp_size: int, device, faults: Faults, step: int,
+                          fused_head=None) -> torch.Tensor:
     """Forward/backward over the rank's micro-batches; returns this rank's share of the
     global mean loss (a tensor, so no host sync). Each micro-batch's summed loss is divided
-    by the global batch's loss-token count and scaled by the world size, because every
-    strategy averages gradients over ranks: the result equals one process on the whole
-    global batch."""
-    scale = world / batch.loss_tokens
+    by the global batch's loss-token count and scaled by the data-parallel degree
+    (dims.dp_size), because every strategy averages gradients over the data-parallel ranks:
+    the result equals one process on the whole global batch."""
+    scale = dp_size / batch.loss_tokens
     total = torch.zeros((), device=device)
     last = len(batch.micro) - 1
     for i, mb in enumerate(batch.micro):
@@ -348,7 +332,7 @@ def train_step(model, strategy, batch: StepBatch, world: int, device, faults: Fa
                 summed = loss_sum(model(input_ids=ids, position_ids=pos).logits, tg)
             loss = faults.poison_loss(step, summed * scale)
         strategy.backward(loss)
-        total += loss.detach() / world
+        total += loss.detach() / dp_size
     return total
 
 
@@ -373,7 +357,7 @@ def log_record(env, cfg, window, loss_acc, loss_n, seq_acc, step, total, grad_no
                    profiled=True)
     if peak:
         fpt = flops_per_token(n_params, hf_config.num_hidden_layers, hf_config.hidden_size, seq_acc / window.steps)
-        rec["mfu"] = fpt * tps / (peak * env.world_size)
+        rec["mfu"] = fpt * tps / (peak * env.dims.world_size)  # every rank's hardware, whatever its role
     return rec
 
 

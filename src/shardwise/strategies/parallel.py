@@ -1,0 +1,131 @@
+"""The parallel degrees of a run and its one device mesh.
+
+Every rank is placed on a 4-D grid, outermost first:
+
+    dp_replicate x dp_shard x sp x tp = world size
+
+- dp_replicate: data-parallel ranks that hold full replicas (DDP; HSDP's groups);
+- dp_shard: data-parallel ranks that shard parameters/states (FSDP, ZeRO; HSDP within a group);
+- sp: sequence (context) parallel ranks that split one sequence (1 until that issue lands);
+- tp: tensor parallel ranks that split each weight (1 until that issue lands).
+
+The data-parallel degree is dp_replicate x dp_shard: the sampler, the loss normalisation and
+DeepSpeed's batch size read it (never the world size); the metrics read the world size (every
+rank's hardware). Ranks are laid out as `init_device_mesh` lays them (row-major), so the
+data-parallel rank, sequence rank and tensor rank are arithmetic on the world rank and need no
+mesh. The `DeviceMesh` itself is built on first use (it creates process groups, which is a
+collective): a dimension that spans the world uses the default group, so a pure data-parallel
+run has the same groups as before the mesh existed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardwise.errors import ShardwiseError
+
+DIM_NAMES = ("dp_replicate", "dp_shard", "sp", "tp")
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    sp: int
+    tp: int
+    world_size: int
+    rank: int
+    device_type: str = "cpu"
+    _mesh: object = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        degrees = (self.dp_replicate, self.dp_shard, self.sp, self.tp)
+        if min(degrees) < 1:
+            raise ShardwiseError(f"parallel degrees must be >= 1, got {self.describe()}")
+        if self.dp_replicate * self.dp_shard * self.sp * self.tp != self.world_size:
+            raise ShardwiseError(
+                f"parallel degrees {self.describe()} multiply to "
+                f"{self.dp_replicate * self.dp_shard * self.sp * self.tp}, not the world size {self.world_size} "
+                "(nnodes x nproc_per_node); set --sequence-parallel, --tensor-parallel and --fsdp-shard-group-size "
+                "so that data-parallel x sequence x tensor = world size")
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int, rank: int, local_world_size: int, device_type: str,
+                    dp_split) -> ParallelDims:
+        """The degrees of this run: sp and tp from the config, data-parallel the rest of the world,
+        split into (replicate, shard) by the strategy's `dp_split(cfg, dp_degree, local_world_size)`."""
+        sp, tp = cfg.sequence_parallel, cfg.tensor_parallel
+        if sp < 1 or tp < 1 or world_size % (sp * tp):
+            raise ShardwiseError(
+                f"--sequence-parallel {sp} x --tensor-parallel {tp} must divide the world size {world_size} "
+                "(nnodes x nproc_per_node); the rest of the ranks are data-parallel")
+        replicate, shard = dp_split(cfg, world_size // (sp * tp), local_world_size)
+        return cls(replicate, shard, sp, tp, world_size, rank, device_type)
+
+    # -- degrees and ranks (no mesh needed) -----------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: how many different batches one step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which share of the global batch it reads."""
+        return self.rank // (self.sp * self.tp)
+
+    @property
+    def sp_rank(self) -> int:
+        return (self.rank // self.tp) % self.sp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    def describe(self) -> str:
+        return " x ".join(f"{n} {d}" for n, d in zip(DIM_NAMES, (self.dp_replicate, self.dp_shard, self.sp, self.tp)))
+
+    # -- the mesh and its groups (built on first use) -----------------------------------
+    @property
+    def mesh(self):
+        """The one DeviceMesh of the run, dims named DIM_NAMES (size-1 dims included)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.device_type, (self.dp_replicate, self.dp_shard, self.sp, self.tp),
+                                          mesh_dim_names=DIM_NAMES)
+        return self._mesh
+
+    @property
+    def dp_shard_mesh(self):
+        """The mesh FSDP and the ZeRO checkpoint form shard over: 1-D (dp_shard), or 2-D
+        (dp_replicate, dp_shard) for HSDP. (Sequence parallelism will shard over dp_shard x sp
+        flattened, as torchtitan's dp_shard_cp.)"""
+        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    @property
+    def dp_group(self):
+        """The process group gradients are averaged over (all data-parallel ranks)."""
+        import torch.distributed as dist
+
+        if self.dp_size == self.world_size:
+            return dist.group.WORLD  # the group the mesh would give for a dim spanning the world
+        return self.mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+
+    @property
+    def sp_group(self):
+        """The sequence-parallel group: the ranks that split one sequence (a single rank today)."""
+        return self.mesh["sp"].get_group()
+
+    @property
+    def tp_group(self):
+        return self.mesh["tp"].get_group()
+
+
+def replicate_all(cfg, dp: int, local_world_size: int) -> tuple[int, int]:
+    """Every data-parallel rank holds a full replica (single, DDP)."""
+    return dp, 1
+
+
+def shard_all(cfg, dp: int, local_world_size: int) -> tuple[int, int]:
+    """Every data-parallel rank holds a shard (FSDP, ZeRO)."""
+    return 1, dp

@@ -1,0 +1,78 @@
+"""Decisions every rank takes at the same step (stop on a signal, save on a timer), agreed
+through the rendezvous store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch.distributed as dist
+
+from shardwise.train import dist as sdist
+
+
+class Control:
+    """Decisions every rank must take at the same step: stop (SIGTERM/SIGINT reached some
+    rank) and save (save_every_minutes elapsed on rank 0's clock). A request names a step
+    two ahead of the requester's, through the rendezvous store; ranks are never more than
+    one step apart (every step has collectives), so all of them see it in time. No GPU
+    sync, no extra communicator: two store reads per step."""
+
+    MARGIN = 2
+
+    def __init__(self, env, save_every_minutes: float):
+        self.signal: int | None = None
+        self.rank = env.rank
+        self.interval = save_every_minutes * 60
+        self.last_save = time.monotonic()
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.keys = (f"shardwise/control/{attempt}/stop_at", f"shardwise/control/{attempt}/save_at")
+        self.store = dist.distributed_c10d._get_default_store() if env.world_size > 1 else None
+        self.local = {k: 0 for k in self.keys}
+        if self.store is not None and self.rank == 0:
+            for k in self.keys:
+                self.store.set(k, "0")
+        sdist.barrier()
+        self.proposed_stop = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal = signum
+
+    def _propose(self, key: str, step: int) -> None:
+        if self.store is None:
+            self.local[key] = step
+        elif key == self.keys[0]:
+            self.store.compare_set(key, "0", str(step))  # the first request wins
+        else:
+            self.store.set(key, str(step))  # only rank 0 proposes saves
+
+    def _read(self, key: str) -> int:
+        return int(self.store.get(key)) if self.store is not None else self.local[key]
+
+    def poll(self, step: int) -> tuple[bool, bool]:
+        """After `step` finished: (stop, save) as every rank decides it at this step."""
+        stop_key, save_key = self.keys
+        if self.signal is not None and not self.proposed_stop:
+            self._propose(stop_key, step + (self.MARGIN if self.store is not None else 0))
+            self.proposed_stop = True
+        save_at = self._read(save_key)
+        due = save_at == step
+        # rank 0 proposes the next save only once the agreed one has passed (never moves a
+        # pending one, which another rank may already have read)
+        if (self.rank == 0 and not due and save_at < step and self.interval > 0
+                and time.monotonic() - self.last_save >= self.interval):
+            self._propose(save_key, step + (self.MARGIN if self.store is not None else 0))
+            if self.store is None:
+                due = True
+        stop_at = self._read(stop_key)
+        return (stop_at != 0 and stop_at <= step), due
+
+    def saved(self) -> None:
+        self.last_save = time.monotonic()
+
+    def close(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
