@@ -11,6 +11,7 @@
 #   bash benchmarks/h200_session.sh setup PART...     PART: tests strategies offload qlora accuracy bench3b
 #                                                    accuracy3 levers fsdp1 proftest accuracy4 levers2 defaults (third session)
 #                                                    accuracy5 levers3 accuracy6 vshf (fourth session)
+#                                                    vshf5 (fifth session)
 #                                                    twogpu (fourth session, on the nvidia-h200-x2 kind)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
@@ -76,6 +77,10 @@ twogpu() {  # two GPUs: NCCL bandwidth, then every strategy of the demo round-ro
   python3 -m shardwise doctor --json > "$OUT/doctor2gpu.json"
   python3 -m shardwise bench --strategies ddp,fsdp,zero2,zero3 --repeat 2 --report-dir "$OUT" --report-name bench-2gpu \
     --runs-dir /tmp/bench-runs
+}
+# fifth session (after the mesh refactor: ParallelDims + the strategy's parallelize pipeline): issue 13's check
+vshf5() {
+  python3 benchmarks/vs_hf_trainer.py --out "$OUT" --steps 24 --warmup 8 --variants hf-trainer,sw-single,sw-fsdp
 }
 setup
 LOGF="$OUT/logs-$(date +%H%M%S).txt"
