@@ -83,6 +83,9 @@ class Job:
     # and projections that share an input save it once. On for zero3 itself; plan_accuracy sets it for the cases that
     # ran after a ZeRO-3 case in the same process.
     ds_linear: bool = False
+    # the fused head computed the weight gradient of a frozen head too (LoRA/QLoRA), as the engine did before it
+    # checked needs_input_grad (commit 8a138bc): only for comparing with rows measured before then
+    frozen_head_grad: bool = False
 
     @property
     def gpus_per_node(self) -> int:
@@ -274,7 +277,7 @@ def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     chunk = min(FUSED_LOSS_CHUNK, T)
     # a chunk: fp32 logits -> softmax gradient in place, its compute-dtype copy, the head-gradient matmul result
     # and its fp32 upcast; the compute-dtype casts of the hidden states and the weight
-    trains = job.tuner == "full"
+    trains = job.tuner == "full" or job.frozen_head_grad
     forward = chunk * V * (4 + c) + (V * h * (c + 4 if c != 4 else 4) if trains else 0) \
         + (T * h * c if r != c else 0) + (V * h * c if hw != c else 0)
     # its backward instead: the returned gradients (hidden states, head weight)
