@@ -223,8 +223,11 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
         d["linear_inputs"] = sum(lin_in.values())
     else:
         width = spec.lora_input_width(job.lora_targets)
-        if job.lora_dropout > 0:  # each adapter keeps its own dropped-out input (c) and mask (1 byte)
-            d["lora_inputs"] = T * width * (c + 1)
+        if job.lora_dropout > 0:  # each adapter keeps its own dropped-out input (c) and mask: peft casts the input
+            # to the adapter dtype (w) first; CUDA's fused dropout saves a 1-byte mask, the CPU path (input * noise)
+            # saves the noise in the input's dtype
+            mask = 1 if job.accelerator == "cuda" else job.w
+            d["lora_inputs"] = T * width * (c + mask)
         else:
             d["lora_inputs"] = sum(lin_in.values())
         d["lora_inputs"] += 7 * T * job.lora_r * c  # lora_A outputs, saved by lora_B
