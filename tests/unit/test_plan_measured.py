@@ -34,7 +34,7 @@ H200 = ["--gpu-type", "H200", "--gpu-memory", "141"]
 Q15 = "qwen2.5-1.5b"
 
 # (label, argv, strategy, measured tokens/s (all ranks), measured peak GiB[, Job fields of the engine as measured])
-# The LoRA rows ran before the fused head skipped a frozen head's weight gradient (commit 8a138bc): they are
+# The LoRA rows ran before the fused head skipped a frozen head's weight gradient (issue 16): they are
 # compared with the planner's account of the engine as it ran (Job.frozen_head_grad).
 OLD_HEAD = {"frozen_head_grad": True}
 ROWS = [

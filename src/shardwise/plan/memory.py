@@ -84,7 +84,7 @@ class Job:
     # ran after a ZeRO-3 case in the same process.
     ds_linear: bool = False
     # the fused head computed the weight gradient of a frozen head too (LoRA/QLoRA), as the engine did before it
-    # checked needs_input_grad (commit 8a138bc): only for comparing with rows measured before then
+    # checked needs_input_grad (issue 16): only for comparing with rows measured before then
     frozen_head_grad: bool = False
 
     @property
