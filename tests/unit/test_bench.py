@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import pytest
@@ -199,8 +200,9 @@ def _outcome(tmp_path, name, status, recs=None, pred=None, world=2, reason="", r
                    prediction=pred or {"available": False, "note": "this build has no planner"})
 
 
-def _pred(tps, mem, fits=True):
-    return {"available": True, "fits": fits, "tokens_per_s": tps, "step_time_s": 0.1, "peak_mem_gib": mem,
+def _pred(tps, mem, fits=True, step=0.1):
+    return {"available": True, "fits": fits, "tokens_per_s": tps, "slot_tokens_per_s": tps, "step_time_s": step,
+            "peak_mem_gib": mem,
             "exposed_comm_s": 0.01, "mem_gib": {"total": mem}}
 
 
@@ -228,7 +230,10 @@ def test_report_files_schema_table_and_verdict(tmp_path):
     assert [r["strategy"] for r in data["results"]] == ["ddp", "fsdp", "zero3", "zero2"]
     assert rows["ddp"]["measured"]["steps_counted"] == 3
     assert rows["ddp"]["measured"]["peak_mem_gib"] == {**rows["ddp"]["measured"]["peak_mem_gib"], "max": 2.0, "min": 1.9}
-    assert rows["ddp"]["error_pct"]["tokens_per_s"] == pytest.approx((2500 - 2004) / 2004 * 100)
+    # throughput at the measured (real) tokens per step: median of tokens/s x step time, over the predicted step
+    real = statistics.median([(2000 + i) * (0.1 + 0.001 * i) for i in (3, 4, 5)]) / 0.1
+    assert rows["ddp"]["predicted"]["tokens_per_s"] == pytest.approx(real)
+    assert rows["ddp"]["error_pct"]["tokens_per_s"] == pytest.approx((real - 2004) / 2004 * 100)
     assert rows["zero3"]["result"] == "does not fit" and rows["zero3"]["predicted"]["peak_mem_gib"] == 0.9
     assert rows["zero2"]["result"] == "cannot run here" and rows["zero2"]["reason"] == "DeepSpeed is not installed"
     assert rows["fsdp"]["measured"]["loss_vs_reference"]["final_rel_diff"] == 0.0
@@ -270,6 +275,26 @@ def test_losses_compared_only_at_the_same_global_batch(tmp_path):
     assert "loss_vs_reference" not in rep["results"][1]["measured"]
 
 
+def test_throughput_compared_in_real_tokens_not_padded_slots(tmp_path):
+    """Short records padded to seq_len: the loop counts 500 real tokens/s, the planner 2,000 slot tokens/s at the
+    same step time. That is a correct prediction (0%), not a +300% over-estimate; a slower predicted step reads as
+    an under-estimate of throughput."""
+    spec = _spec(tmp_path, strategies=("ddp", "fsdp"))
+    recs = [{"step": i, "loss": 5.0, "tokens_per_s": 500.0, "step_time_s": 0.1, "peak_mem_gib": 1.0}
+            for i in range(1, 6)]
+    outs = [_outcome(tmp_path, "ddp", "ok", recs, _pred(2000.0, 1.0, step=0.1)),
+            _outcome(tmp_path, "fsdp", "ok", recs, _pred(1000.0, 1.0, step=0.2))]
+    rep = report.build(spec, outs, HW, {}, "shardwise bench", 0.0)
+    ddp, fsdp = rep["results"]
+    assert ddp["error_pct"]["tokens_per_s"] == pytest.approx(0.0)
+    assert ddp["predicted"]["slot_tokens_per_s"] == 2000.0 and ddp["predicted"]["tokens_per_s"] == pytest.approx(500)
+    assert fsdp["error_pct"]["tokens_per_s"] == pytest.approx(-50.0)  # predicted step twice as slow
+    assert fsdp["error_pct"]["step_time_s"] == pytest.approx(100.0)
+    assert not any("over-estimated throughput" in v for v in rep["verdict"])
+    report.write_all(rep, str(tmp_path / "rep"), "r")
+    assert "real (non-padding) tokens" in open(tmp_path / "rep" / "r.md").read()
+
+
 def test_report_stem_names_model_hardware_date():
     gpu = dict(HW, accelerator="cuda", device_name="NVIDIA H200", device_count=8)
     assert report.report_stem("/models/Llama-3.2-1B/", gpu, 8, "2026-12-01") == "Llama-3.2-1B_8xH200_2026-12-01"
@@ -278,7 +303,7 @@ def test_report_stem_names_model_hardware_date():
 
 def test_png_keeps_measurements_readable_when_a_prediction_is_far_off(tmp_path):
     spec = _spec(tmp_path, strategies=("ddp",))
-    outs = [_outcome(tmp_path, "ddp", "ok", _records(4, 1, 1000), _pred(3.7e7, 0.8))]
+    outs = [_outcome(tmp_path, "ddp", "ok", _records(4, 1, 1000), _pred(3.7e7, 0.8, step=2.7e-6))]
     rep = report.build(spec, outs, dict(HW, accelerator="cuda", device_name="NVIDIA H200", device_count=1),
                        {}, "shardwise bench", 0.0)
     assert rep["results"][0]["error_pct"]["tokens_per_s"] > 1000

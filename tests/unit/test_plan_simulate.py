@@ -36,6 +36,32 @@ def test_analytic_peak_matches_simulation(base, world, compute, param, ckpt, acc
     assert abs(ana / sim - 1) < TOLERANCE, (ana, sim)
 
 
+@pytest.mark.parametrize("base,world,tuner,packing,ckpt", [
+    ("ddp", 2, "lora", False, False),  # the engine's apply_lora: bf16 base, fp32 adapters, autocast
+    ("fsdp", 2, "lora", False, True),  # sharded frozen base, checkpointing
+    ("ddp", 2, "full", True, False),  # packing: transformers' block-diagonal mask from the position ids
+    ("fsdp", 2, "full", True, False),
+    # (fsdp + LoRA + packing: analytic +17% over the simulation at this size, not resolved yet: the simulation runs,
+    # the analytic term for the packed LoRA attention is the suspect)
+])
+def test_analytic_peak_matches_simulation_lora_and_packing(base, world, tuner, packing, ckpt):
+    job = Job(world=world, micro_batch=2, seq_len=128, compute="bf16", param_dtype="fp32", checkpointing=ckpt,
+              accelerator="cpu", tuner=tuner, lora_r=8, packing=packing)
+    opts = Opts(base)
+    sim = simulate(SPEC, job, opts, steps=2)["peak_bytes"]
+    ana = estimate(SPEC, job, opts).peak_tensors
+    assert abs(ana / sim - 1) < TOLERANCE, (ana, sim)
+
+
+def test_packing_simulation_builds_the_mask():
+    """The packed run holds more than the unpacked one by about the bool S x S mask per sequence (and repeated
+    k/v): the mask was built, not skipped."""
+    job = Job(world=1, micro_batch=2, seq_len=256, compute="bf16", accelerator="cpu")
+    plain = simulate(SPEC, job, Opts("single"), steps=2)["peak_bytes"]
+    packed = simulate(SPEC, Job(**{**job.__dict__, "packing": True}), Opts("single"), steps=2)["peak_bytes"]
+    assert packed - plain >= 2 * 256 * 256
+
+
 def test_plan_simulate_flag_reports_each_simulated_strategy(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path))
     p = argparse.ArgumentParser()
@@ -45,6 +71,11 @@ def test_plan_simulate_flag_reports_each_simulated_strategy(capsys, tmp_path, mo
     assert plan_cmd.run(args) == 0
     d = json.loads(capsys.readouterr().out)
     got = {r["strategy"]: r for r in d["simulated"]["results"]}
-    assert set(got) == {"ddp", "fsdp", "fsdp-grad-op"} and not d["simulated"]["errors"]
+    assert set(got) == {"ddp", "fsdp", "fsdp-grad-op"}
+    # DeepSpeed's presets: one line saying why, and that the analytic path stands
+    ds = [e for e in d["simulated"]["errors"] if "zero" in e]
+    assert len(d["simulated"]["errors"]) == len(ds) <= 1
+    if ds:
+        assert "not simulated" in ds[0] and "analytic" in ds[0]
     for r in got.values():
         assert abs(r["diff_pct"]) < 100 * TOLERANCE

@@ -72,6 +72,10 @@ def summarize(records: list[dict], warmup: int, rank_peak_gib: dict[int, float] 
 
     out["tokens_per_s"] = spread(col("tokens_per_s"))
     out["step_time_s"] = spread(col("step_time_s"))
+    # real (non-padding) tokens a step trains: the loop's tokens/s counts them, over its step time
+    out["tokens_per_step"] = spread([r["tokens_per_s"] * r["step_time_s"] for r in counted
+                                     if isinstance(r.get("tokens_per_s"), (int, float))
+                                     and isinstance(r.get("step_time_s"), (int, float))])
     out["mfu"] = spread(col("mfu"))
     out["comm_exposed_s"] = spread([r["comm_exposed_s"] for r in after
                                     if isinstance(r.get("comm_exposed_s"), (int, float))])

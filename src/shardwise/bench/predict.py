@@ -21,7 +21,10 @@ def predict(cfg, world_size: int) -> dict:
         # with the planner's tensor peak, not with its total (which adds the CUDA context
         # and allocator allowance)
         out = {"available": True, "fits": bool(sp.fits), "mem_gib": mem, "peak_mem_gib": mem.get("peak_tensors", mem.get("total")),
-               "step_time_s": float(sp.step_time_s), "tokens_per_s": float(sp.tokens_per_s)}
+               "step_time_s": float(sp.step_time_s),
+               # the planner's tokens/s counts sequence slots (padding included); the bench compares throughput
+               # at the measured tokens per step instead (report.real_tokens_per_s)
+               "slot_tokens_per_s": float(sp.tokens_per_s), "tokens_per_s": float(sp.tokens_per_s)}
     except Exception as e:  # a planner bug must not cost the measurements; the report says what happened
         return {"available": False, "note": f"the planner failed: {type(e).__name__}: {str(e)[:200]}"}
     # Optional extras of the current planner (exposed communication, the collectives).

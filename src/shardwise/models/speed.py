@@ -24,7 +24,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h_all = hidden.to(compute_dtype)
         w = weight.to(compute_dtype)
         grad_h = torch.empty_like(hidden)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # a frozen head (LoRA, QLoRA) needs no weight gradient: no fp32 V x h buffer, no g^T h matmuls
+        want_w = ctx.needs_input_grad[1]
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk):
             h = h_all[s:s + chunk]
@@ -41,14 +43,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g.mul_(valid[:, None])
             g = g.to(compute_dtype)
             grad_h[s:s + chunk] = (g @ w).to(hidden.dtype)
-            grad_w += (g.t() @ h).float()
-        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+            if want_w:
+                grad_w += (g.t() @ h).float()
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if want_w else None)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, grad_w * grad_loss, None, None, None
+        return grad_h * grad_loss, None if grad_w is None else grad_w * grad_loss, None, None, None
 
 
 def linear_cross_entropy(hidden, weight, targets, chunk: int = 4096, compute_dtype=None):

@@ -26,9 +26,16 @@ HBM_BYTES_PER_S = 2.0e12  # effective device memory bandwidth for the optimizer 
 #             (fsdp-grad-op: one all-gather fewer)
 #   zero1/2   the gradients into the bucket and the fp32 partition, norm and overflow checks, master -> bf16 copy
 STRATEGY_BYTES_PER_PARAM = {"ddp": 4.0, "fsdp": 16.0, "fsdp-grad-op": 10.0, "zero12": 42.0}
-# ZeRO-3: per-submodule fetch/release hooks cost time that grows faster than the parameters; modelled as seconds per
-# parameter per layer (each submodule's fetch walks work that grows with the trace length).
-ZERO3_S_PER_PARAM_LAYER = 6.2e-12
+# ZeRO-3: DeepSpeed's per-submodule fetch/release hooks (a backend overhead, not the model's FLOPs). Two terms, fitted
+# on four measured rows (docs/planner.md, "Where the constants come from"): seconds per layer^2 (every submodule's
+# fetch walks the traced submodule order, so the number of hooks times the trace length) and seconds per local
+# parameter per layer (what each fetch touches, per parameter it holds).
+ZERO3_S_PER_LAYER2 = 5.5e-4
+ZERO3_S_PER_PARAM_LAYER = 5e-13
+# Memory-bound passes the FLOP count misses, bytes at HBM_BYTES_PER_S (elementwise_time): the loss's passes over the
+# fp32 logits (per token per vocabulary entry), and LoRA's adapters (per token per unit of adapted width, per block)
+LOSS_BYTES_PER_LOGIT = 42.0
+LORA_BYTES_PER_WIDTH = 13.0
 
 
 @dataclass(frozen=True)
@@ -141,10 +148,14 @@ def coll_time(cl: Coll, links: Links) -> float:
 
 
 def flops_per_microbatch(spec: ModelSpec, job: Job) -> tuple[float, float]:
-    """(forward, backward) FLOPs of one micro-batch on one rank; MEASUREMENTS.md convention 6N + 12*L*H*S per token."""
+    """(forward, backward) FLOPs one micro-batch runs on one rank: 6N per token for the weights (MEASUREMENTS.md's
+    convention) and the attention a causal kernel computes: SDPA's flash / memory-efficient kernels skip the masked
+    upper triangle, so QK^T and PV cost 2*L*H*S per token forward, half the 12*L*H*S/3 of the MFU convention
+    (which counts the full S x S square). At 2k tokens that is 5% of a step; at 32k-64k on an 8B shape, a third
+    to a half (the long-sequence rows of docs/planner.md's measured table)."""
     T, S = job.tokens, job.seq_len
     P = spec.total_params
-    attn_f = 4 * spec.num_layers * spec.q_dim * S * T  # 1/3 of 12*L*H*S
+    attn_f = 2 * spec.num_layers * spec.q_dim * S * T  # causal: half of 4*L*H*S*T
     fwd = 2 * P * T + attn_f
     if job.tuner == "full":
         bwd = 4 * P * T + 2 * attn_f
@@ -156,8 +167,27 @@ def flops_per_microbatch(spec: ModelSpec, job: Job) -> tuple[float, float]:
     return fwd, bwd
 
 
+def elementwise_time(spec: ModelSpec, job: Job, comp: Compute) -> float:
+    """Seconds per micro-batch of memory-bound work the FLOP count misses (GPU only; both terms from
+    docs/planner.md, "Where the constants come from"):
+    - the loss over the vocabulary: the fp32 logits are written, reduced (log-sum-exp), exponentiated, masked
+      and cast back, forward and backward, LOSS_BYTES_PER_LOGIT bytes per token per vocabulary entry, with or
+      without the fused head (it makes the same passes, one chunk at a time);
+    - LoRA's adapters: each adapted projection casts its input to the adapter dtype, drops it out, runs two
+      skinny matmuls (rank r) and scales and adds the result, in forward and backward: LORA_BYTES_PER_WIDTH
+      bytes per token per unit of the adapted inputs' and outputs' widths, per block."""
+    if job.accelerator != "cuda":
+        return 0.0
+    t = LOSS_BYTES_PER_LOGIT * job.tokens * spec.vocab_size / comp.device_mem_bw
+    if job.tuner != "full":
+        width = spec.lora_params(1, job.lora_targets) / max(spec.num_layers, 1)  # sum of (in + out) per block
+        t += LORA_BYTES_PER_WIDTH * job.tokens * width * spec.num_layers / comp.device_mem_bw
+    return t
+
+
 def strategy_overhead(spec: ModelSpec, job: Job, o: Opts, shard_n: int, comp: Compute) -> float:
-    """Seconds per optimizer step of the strategy's own work (STRATEGY_BYTES_PER_PARAM, ZERO3_S_PER_PARAM_LAYER).
+    """Seconds per optimizer step of the strategy's own work (STRATEGY_BYTES_PER_PARAM; ZeRO-3: ZERO3_S_PER_LAYER2 and
+    ZERO3_S_PER_PARAM_LAYER).
     Single: 0. On the CPU (no HBM roofline, no measurement) 0."""
     if job.accelerator != "cuda" or o.base == "single":
         return 0.0
@@ -168,7 +198,8 @@ def strategy_overhead(spec: ModelSpec, job: Job, o: Opts, shard_n: int, comp: Co
         key = "fsdp" if reshards(job, o) else "fsdp-grad-op"
         return STRATEGY_BYTES_PER_PARAM[key] * spec.total_params / shard_n / comp.device_mem_bw
     if o.stage == 3:
-        return ZERO3_S_PER_PARAM_LAYER * spec.total_params / shard_n * spec.num_layers
+        L = spec.num_layers
+        return ZERO3_S_PER_LAYER2 * L * L + ZERO3_S_PER_PARAM_LAYER * spec.total_params / shard_n * L
     return STRATEGY_BYTES_PER_PARAM["zero12"] * P_t / shard_n / comp.device_mem_bw
 
 
@@ -208,6 +239,7 @@ def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, co
         other += per_rank_params / (node_rate / job.gpus_per_node)
     else:  # AdamW reads p, g, m, v and writes p, m, v in the state dtype
         other += 7 * job.w * per_rank_params / comp.device_mem_bw
+    other += ga * elementwise_time(spec, job, comp)  # memory-bound passes beside the FLOPs, each micro-batch
     overhead = strategy_overhead(spec, job, o, shard_n, comp)
     other += overhead
     step = compute + exposed + other

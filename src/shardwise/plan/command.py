@@ -142,7 +142,7 @@ def _job_line(plan) -> str:
 
 def render(plan, sim=None) -> str:
     from shardwise.plan import text
-    from shardwise.plan.memory import GiB, Opts, compile_factor, head_activations, layer_activations
+    from shardwise.plan.memory import GiB, Opts, block_activations, head_activations
 
     s, h = plan.spec, plan.setup
     lines = [f"model     {s.name}: {text.count(s.total_params)} params ({s.num_layers} layers, hidden {s.hidden_size}, "
@@ -154,11 +154,11 @@ def render(plan, sim=None) -> str:
     for n in h.notes:
         lines.append(f"          - {n}")
     fo = Opts("fsdp")
-    per = sum(layer_activations(s, plan.job, fo).values()) * compile_factor(plan.job, fo)
+    per = block_activations(s, plan.job, fo)
     ck = plan.job.tokens * s.hidden_size * plan.job.c
     head = head_activations(s, plan.job, fo)
     loss = sum(v for k, v in head.items() if k.startswith(("logits", "loss_")))
-    what = "fused loss head (one 4096-token chunk, no full logits)" if "loss_chunk" in head else "logits + fp32 loss"
+    what = "fused loss head (one 4096-token chunk, no full logits)" if "loss_transient" in head else "logits + fp32 loss"
     lines.append(f"activations per block: {per / 2**20:,.1f} MiB without checkpointing"
                  f"{' (compiled)' if plan.job.compile else ''}, {ck / 2**20:,.1f} MiB with "
                  f"(block input only); {what} at the peak: {loss / GiB:.2f} GiB")

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 from shardwise import hardware, presets
@@ -400,6 +401,21 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
             dataclasses.replace(j, micro_batch=mb, grad_accum=ga))
     if not j.checkpointing:
         add(0, "--gradient-checkpointing", dataclasses.replace(j, checkpointing=True))
+    # cheap levers that keep the strategy and the global batch: each alone above, together here (ranked with the
+    # offload presets: more than one change)
+    levers: list[tuple[str, dict]] = []
+    if j.param_dtype == "fp32" and j.compute == "bf16":
+        add(0, "--param-dtype bf16", dataclasses.replace(j, param_dtype="bf16"))
+        levers.append(("--param-dtype bf16", {"param_dtype": "bf16"}))
+    if not j.checkpointing:
+        levers.append(("--gradient-checkpointing", {"checkpointing": True}))
+    if j.micro_batch > 1:
+        levers.append((f"--micro-batch-size 1 --grad-accum {j.grad_accum * j.micro_batch}",
+                       {"micro_batch": 1, "grad_accum": j.grad_accum * j.micro_batch}))
+    for k in range(2, len(levers) + 1):
+        for combo in itertools.combinations(levers, k):
+            changes = {key: v for _, ch in combo for key, v in ch.items()}
+            add(1, " ".join(t for t, _ in combo), dataclasses.replace(j, **changes))
     for name in preset_names(plan.setup):
         if name != strategy_name and "offload" not in name:
             add(0, f"--strategy {name}", name=name)
@@ -422,7 +438,7 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
         add(3, "--tuner qlora", dataclasses.replace(j, tuner="qlora"))
     ok = [c for c in cands if c[2].fits]
     if not ok:
-        return head + "; no single change found that fits: use a smaller model, more or larger GPUs"
+        return head + "; no change found that fits (alone, or param dtype, checkpointing and micro-batch together): use a smaller model, more or larger GPUs"
     rank = min(c[0] for c in ok)
     _, text, best = max((c for c in ok if c[0] == rank), key=lambda c: c[2].tokens_per_s)
     return (head + f"; does not fit. Cheapest change that fits: {text} "

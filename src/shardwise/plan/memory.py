@@ -83,6 +83,9 @@ class Job:
     # and projections that share an input save it once. On for zero3 itself; plan_accuracy sets it for the cases that
     # ran after a ZeRO-3 case in the same process.
     ds_linear: bool = False
+    # the fused head computed the weight gradient of a frozen head too (LoRA/QLoRA), as the engine did before it
+    # checked needs_input_grad (issue 16): only for comparing with rows measured before then
+    frozen_head_grad: bool = False
 
     @property
     def gpus_per_node(self) -> int:
@@ -220,8 +223,11 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
         d["linear_inputs"] = sum(lin_in.values())
     else:
         width = spec.lora_input_width(job.lora_targets)
-        if job.lora_dropout > 0:  # each adapter keeps its own dropped-out input (c) and mask (1 byte)
-            d["lora_inputs"] = T * width * (c + 1)
+        if job.lora_dropout > 0:  # each adapter keeps its own dropped-out input (c) and mask: peft casts the input
+            # to the adapter dtype (w) first; CUDA's fused dropout saves a 1-byte mask, the CPU path (input * noise)
+            # saves the noise in the input's dtype
+            mask = 1 if job.accelerator == "cuda" else job.w
+            d["lora_inputs"] = T * width * (c + mask)
         else:
             d["lora_inputs"] = sum(lin_in.values())
         d["lora_inputs"] += 7 * T * job.lora_r * c  # lora_A outputs, saved by lora_B
@@ -256,8 +262,9 @@ def fused_head(spec: ModelSpec, job: Job) -> bool:
 
 
 def head_weight_bytes(job: Job, o: Opts) -> int:
-    """dtype of the head weight the loss sees: the stored one under autocast (single/ddp), else the compute dtype."""
-    return job.w if o.base in ("single", "ddp") else job.c
+    """dtype of the head weight the loss sees: the stored one under autocast (single/ddp), else the compute dtype
+    (LoRA/QLoRA: the frozen base, head included, is stored in the compute dtype)."""
+    return job.w if o.base in ("single", "ddp") and job.tuner == "full" else job.c
 
 
 def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
@@ -265,18 +272,21 @@ def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     one chunk's fp32 logits (turned into the softmax gradient in place) + its compute-dtype copy; the gradient of
     the hidden states (T*h in the residual dtype) and an fp32 gradient of the head weight, both held until backward
     (plus a copy in the weight's dtype when that is not fp32); compute-dtype casts of the hidden states and the
-    weight while the head runs. No T*V tensor exists."""
+    weight while the head runs. No T*V tensor exists. A frozen head (LoRA, QLoRA) gets no weight gradient: neither
+    the fp32 V*h buffer nor the per-chunk gradient matmul exists (_LinearCrossEntropy checks needs_input_grad)."""
     T, h, V, c = job.tokens, spec.hidden_size, spec.vocab_size, job.c
     r = residual_bytes(job, o)
     hw = head_weight_bytes(job, o)
     chunk = min(FUSED_LOSS_CHUNK, T)
     # a chunk: fp32 logits -> softmax gradient in place, its compute-dtype copy, the head-gradient matmul result
     # and its fp32 upcast; the compute-dtype casts of the hidden states and the weight
-    forward = chunk * V * (4 + c) + V * h * (c + 4 if c != 4 else 4) + (T * h * c if r != c else 0) \
-        + (V * h * c if hw != c else 0)
-    backward = T * h * r + V * h * hw  # its backward instead: the returned gradients (hidden states, head weight)
+    trains = job.tuner == "full" or job.frozen_head_grad
+    forward = chunk * V * (4 + c) + (V * h * (c + 4 if c != 4 else 4) if trains else 0) \
+        + (T * h * c if r != c else 0) + (V * h * c if hw != c else 0)
+    # its backward instead: the returned gradients (hidden states, head weight)
+    backward = T * h * r + (V * h * hw if trains else 0)
     d = {"loss_grad_hidden": T * h * r,
-         "loss_grad_head": V * h * (4 + (hw if hw != 4 else 0)),
+         "loss_grad_head": V * h * (4 + (hw if hw != 4 else 0)) if trains else 0.0,
          "loss_transient": max(forward, backward)}
     if o.base == "fsdp":  # the root unit (embeddings, norm, head) is gathered while the head runs, both ways
         d["loss_root_gathered"] = c * spec.root_params
@@ -347,9 +357,19 @@ def compile_factor(job: Job, o: Opts) -> float:
     return COMPILE_ACT_FACTOR
 
 
+def block_activations(spec: ModelSpec, job: Job, o: Opts) -> float:
+    """Saved bytes of one decoder block, compiled or not. Compilation shrinks what the frozen or trained block
+    itself saves; the LoRA adapters' saved inputs (peft casts each to the adapter dtype, drops it out and feeds
+    lora_A, which saves it) are kept whole: the two compiled LoRA rows of MEASUREMENTS.md (2026-11-30) measure
+    33.3 / 36.1 GiB, and the factor on everything would predict 26.8 / 30.1 (docs/planner.md)."""
+    d = layer_activations(spec, job, o)
+    adapters = d.pop("lora_inputs", 0.0)
+    return sum(d.values()) * compile_factor(job, o) + adapters
+
+
 def activations(spec: ModelSpec, job: Job, o: Opts) -> tuple[float, float, dict]:
     """(bytes alive at the end of forward, bytes of one block's activations, detail)."""
-    per_layer = sum(layer_activations(spec, job, o).values()) * compile_factor(job, o)
+    per_layer = block_activations(spec, job, o)
     head = head_activations(spec, job, o)
     if job.checkpointing:  # only each block's input is kept; one block is recomputed at a time in backward
         kept = spec.num_layers * job.tokens * spec.hidden_size * residual_bytes(job, o)
@@ -391,8 +411,8 @@ def trainable(spec: ModelSpec, job: Job) -> tuple[float, float, int]:
     base_linear = spec.num_layers * spec.layer_linear_params
     if job.tuner == "qlora":
         frozen = base_linear * QLORA_BYTES_PER_PARAM + (P - base_linear) * c
-    else:
-        frozen = P * w  # the base is loaded in param_dtype and frozen
+    else:  # models/lora.py apply_lora casts the frozen base to the compute dtype (adapters stay in param_dtype)
+        frozen = P * c
     return spec.lora_params(job.lora_r, job.lora_targets), frozen, w
 
 
@@ -407,9 +427,10 @@ def replica_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> No
             st.persist["ddp_buckets"] = tw * P_t  # a flat bucket copy besides the gradients
     if w > c and not uses_ds_linear(job, o):  # autocast keeps a compute-dtype copy of each linear weight
         # (its weight cache holds them to the end of the autocast region, i.e. the end of forward, checkpointing or
-        # not; the fused head runs with autocast off and casts its weight itself: counted in its terms)
+        # not; the fused head runs with autocast off and casts its weight itself: counted in its terms). Under
+        # LoRA the frozen base is already in the compute dtype: only the adapters' weights are cast.
         head = spec.vocab_size * spec.hidden_size if fused_head(spec, job) else 0
-        st.extraA["autocast_weights"] = c * (spec.linear_params - head)
+        st.extraA["autocast_weights"] = c * (spec.linear_params - head if job.tuner == "full" else P_t)
 
 
 def fsdp_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> None:

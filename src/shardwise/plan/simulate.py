@@ -9,11 +9,15 @@ the peak of the second (steady-state) step. The same tracker measures real runs 
 benchmarks/plan_accuracy.py.
 
 What is simulated: ddp and the fsdp presets (fsdp, fsdp-grad-op, hybrid as its shard
-group) with full fine-tuning. DDP itself cannot be built on fake tensors (it checks
+group) with full fine-tuning or LoRA, with or without packing. LoRA is applied by the engine's
+own `models/lora.apply_lora` on the meta device (peft's module moves cannot swap fake
+parameters), then every parameter is made a fake CPU tensor, tied ones once. Packing passes the
+engine's per-document position_ids; transformers builds its block-diagonal mask from them (under
+fake tensors it cannot look at the values, so it always builds it, as it does for real packed data). DDP itself cannot be built on fake tensors (it checks
 parameter shapes across ranks through real storage), so it is simulated as what it keeps:
 the local model with gradients that persist between steps, as DDP's
-gradient_as_bucket_view buckets do. Not simulated: DeepSpeed, CPU offload, LoRA/QLoRA,
-packing (its mask is built from the data), torch.compile (the blocks run eager; the fused loss head is
+gradient_as_bucket_view buckets do. Not simulated: DeepSpeed (`NOT_SIMULATED`), CPU offload, QLoRA (bitsandbytes
+quantises on real CUDA storage), torch.compile (the blocks run eager; the fused loss head is
 installed when the job has it). Kernels are the CPU ones (autocast's CPU op
 lists, the CPU SDPA kernel): a few MiB from what CUDA would allocate; no CUDA context or
 allocator rounding (the analytic allowance covers those).
@@ -36,6 +40,14 @@ from shardwise.plan.memory import GiB, Job, Opts, keeps_gathered
 from shardwise.plan.model_spec import ModelSpec
 
 SIMULATED_BASES = ("ddp", "fsdp", "single")
+# why a family is not simulated (one line each); the analytic path is then the measured one
+NOT_SIMULATED = {
+    "deepspeed": "not simulated: DeepSpeed's engine needs real storage (it flattens parameters into real buffers, "
+                 "partitions with real collectives and pins memory), which fake tensors do not have; its analytic "
+                 "estimate is the one checked against measurements (docs/planner.md, H200 tables)",
+}
+QLORA_NOT_SIMULATED = ("QLoRA is not simulated: bitsandbytes quantises the base on real CUDA storage; its analytic "
+                       "estimate stands")
 
 
 def _storages(t: torch.Tensor) -> list:
@@ -139,17 +151,18 @@ def train_steps(model, optimizer, batches, tracker: LiveBytes, autocast_dtype=No
     for step in range(steps):
         if step == steps - 1:
             tracker.reset_peak()
-        for i, (ids, tg) in enumerate(batches):
+        for i, (ids, tg, *pos) in enumerate(batches):
+            extra = {"position_ids": pos[0]} if pos else {}
             last = i == len(batches) - 1
             if no_sync is not None:
                 no_sync(not last)
             with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 if fused_head is not None:
                     fused_head.loss_targets = tg
-                    loss = model(input_ids=ids).logits  # the summed loss
+                    loss = model(input_ids=ids, **extra).logits  # the summed loss
                     fused_head.loss_targets = None
                 else:  # as train.loop.train_step: the logits are not kept past the loss
-                    loss = _loss_sum(model(input_ids=ids).logits, tg)
+                    loss = _loss_sum(model(input_ids=ids, **extra).logits, tg)
             loss.backward()
             del loss
         optimizer.step()
@@ -173,6 +186,42 @@ def build_model(spec: ModelSpec, dtype: torch.dtype, checkpointing: bool):
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def build_lora_model(spec: ModelSpec, job: Job, param: torch.dtype, compute: torch.dtype):
+    """The model as train.loop.build_model makes it under LoRA (apply_lora, then checkpointing), with fake
+    parameters: built and adapted on the meta device, then each parameter and buffer replaced by an empty tensor of
+    its shape and dtype (call under FakeTensorMode; shared parameters stay shared)."""
+    from types import SimpleNamespace
+
+    from shardwise.models.lora import apply_lora
+
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    cfg = SimpleNamespace(tuner="lora", mixed_precision=names[compute], param_dtype=names[param],
+                          lora=SimpleNamespace(r=job.lora_r, alpha=2.0 * job.lora_r, dropout=job.lora_dropout,
+                                               targets=job.lora_targets))
+    with torch.device("meta"):
+        model = apply_lora(build_model(spec, param, False), cfg)
+    made: dict[int, torch.nn.Parameter] = {}
+    for mod in model.modules():
+        for k, p in list(mod._parameters.items()):
+            if p is not None:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+                mod._parameters[k] = made[id(p)]
+        for k, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[k] = torch.empty(b.shape, dtype=b.dtype)
+    if job.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def packed_positions(micro_batch: int, seq_len: int) -> torch.Tensor:
+    """position_ids of rows that each pack two documents (the engine restarts them per document)."""
+    half = seq_len // 2
+    row = torch.cat([torch.arange(half), torch.arange(seq_len - half)])
+    return row.repeat(micro_batch, 1)
 
 
 def wrap_fsdp(model, mesh, opts: Opts, compute: torch.dtype, param: torch.dtype):
@@ -200,8 +249,8 @@ def simulate(spec: ModelSpec, job: Job, opts: Opts, shard_ranks: int | None = No
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if opts.base not in SIMULATED_BASES or opts.cpu_offload or job.tuner != "full" or job.packing:
-        raise ValueError(f"cannot simulate {opts.base} (offload={opts.cpu_offload}, tuner={job.tuner}, packing={job.packing})")
+    if opts.base not in SIMULATED_BASES or opts.cpu_offload or job.tuner == "qlora":
+        raise ValueError(f"cannot simulate {opts.base} (offload={opts.cpu_offload}, tuner={job.tuner})")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     param = dtypes[job.param_dtype]
     compute = dtypes["bf16" if job.c == 2 and job.compute != "fp16" else ("fp16" if job.c == 2 else "fp32")]
@@ -218,7 +267,10 @@ def simulate(spec: ModelSpec, job: Job, opts: Opts, shard_ranks: int | None = No
             mesh = init_device_mesh("cpu", (world,))  # outside fake mode: the mesh holds real rank ids
         tracker = LiveBytes()
         with FakeTensorMode():
-            model = build_model(spec, param, job.checkpointing)
+            if job.tuner == "lora":
+                model = build_lora_model(spec, job, param, compute)
+            else:
+                model = build_model(spec, param, job.checkpointing)
             fused = None
             if job.fused_loss:
                 from shardwise.models.speed import install_fused_loss
@@ -234,14 +286,17 @@ def simulate(spec: ModelSpec, job: Job, opts: Opts, shard_ranks: int | None = No
                     autocast_dtype = compute
                 if opts.base == "ddp":  # DDP(gradient_as_bucket_view=True): grads live in buckets all the time
                     for p in model.parameters():
-                        p.grad = torch.zeros_like(p)
+                        if p.requires_grad:
+                            p.grad = torch.zeros_like(p)
                     persistent = True
-            decay = [p for p in model.parameters() if p.ndim >= 2]
-            rest = [p for p in model.parameters() if p.ndim < 2]
+            train = [p for p in model.parameters() if p.requires_grad]
+            decay = [p for p in train if p.ndim >= 2]
+            rest = [p for p in train if p.ndim < 2]
             optimizer = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-4,
                                           foreach=True)
             batches = [(torch.randint(0, spec.vocab_size, (job.micro_batch, job.seq_len)),
                         torch.randint(0, spec.vocab_size, (job.micro_batch, job.seq_len)))
+                       + ((packed_positions(job.micro_batch, job.seq_len),) if job.packing else ())
                        for _ in range(min(job.grad_accum, 2))]
             with tracker:
                 tracker.track_module(model, optimizer)
@@ -260,9 +315,12 @@ def simulate_plan(plan) -> dict:
     results, errors = [], []
     names = [s.strategy for s in plan.strategies
              if s.base in SIMULATED_BASES and not s.opts.cpu_offload]
+    skipped = sorted({s.base for s in plan.strategies if s.base in NOT_SIMULATED})
+    errors += [f"{', '.join(s.strategy for s in plan.strategies if s.base == b)}: {NOT_SIMULATED[b]}"
+               for b in skipped]
     job = replace(plan.job, compile=False)  # blocks run eager here: compared with the eager analytic peak
-    if job.tuner != "full" or job.packing:
-        return {"results": [], "errors": ["simulation covers full fine-tuning without packing only"]}
+    if job.tuner == "qlora":
+        return {"results": [], "errors": [QLORA_NOT_SIMULATED]}
     for name in names:
         sp = plan.for_strategy(name)
         from shardwise.plan.memory import shard_ranks
