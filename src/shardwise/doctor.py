@@ -24,6 +24,7 @@ import uuid
 
 from shardwise import hardware
 from shardwise.errors import ShardwiseError
+from shardwise.rundir import atomic_write_json
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 CPU_SIZES = (2**12, 2**16, 2**20, 2**22)
@@ -111,10 +112,7 @@ def run(args) -> int:
 def save(report: dict) -> str:
     path = hardware.doctor_path()
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".doctor-", dir=os.path.dirname(path))
-    with os.fdopen(fd, "w") as fh:
-        json.dump(report, fh, indent=2)
-    os.replace(tmp, path)
+    atomic_write_json(path, report, indent=2)
     return path
 
 
@@ -212,10 +210,7 @@ def worker(out: str, sizes: list[int], iters: int) -> None:
     result["matmul_gflops"] = matmul_rate(dev, dtype, sync)
     dist.barrier()
     if rank == 0:
-        tmp = out + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(result, fh)
-        os.replace(tmp, out)
+        atomic_write_json(out, result, indent=None)
     dist.destroy_process_group()
 
 

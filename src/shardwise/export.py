@@ -78,7 +78,7 @@ def export(checkpoint: str, out: str, merge_lora: bool = False) -> str:
 
 
 def run(args) -> int:
-    from shardwise.launch import quiet_libraries
+    from shardwise.rundir import quiet_libraries
 
     quiet_libraries()
     out = export(args.checkpoint, args.out, args.merge_lora)

@@ -18,11 +18,10 @@ import sys
 import time
 import uuid
 
-from shardwise import presets
+from shardwise import presets, rundir
 from shardwise.config import Config, Resolved, to_yaml
 from shardwise.errors import ShardwiseError
-
-RUN_MARKERS = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints")
+from shardwise.rundir import quiet_libraries
 
 
 @dataclasses.dataclass
@@ -31,28 +30,7 @@ class Prepared:
     output_dir: str
     job_path: str
     world_size: int
-
-
-def quiet_libraries() -> None:
-    """Progress bars and accelerator banners of the libraries we drive are noise here."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    except ImportError:
-        pass
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
+    lock: rundir.RunLock | None = None  # held by node 0's launcher for the run's life
 
 
 def say(msg: str) -> None:
@@ -86,20 +64,63 @@ def resolve_runtime(res: Resolved) -> Config:
     return cfg
 
 
-def check_output_dir(cfg: Config, res: Resolved) -> None:
-    out = cfg.output_dir
+def check_output_dir(cfg: Config, res: Resolved, lock: rundir.RunLock | None = None) -> bool:
+    """Refuse an output directory this run must not write into; True when it holds a marked
+    run that is to be cleared first (--overwrite, or a run that failed before training).
+
+    Only a directory shardwise created and marked is ever cleared, and only of its own
+    entries; a root, the home directory, the current directory and its parents never are.
+    With `lock`, a live run's lock is taken (or the run refused) before anything is judged."""
+    out, where = cfg.output_dir, res.where("output_dir")
     if not os.path.isdir(out):
-        if os.path.exists(out):
-            raise ShardwiseError(f"{res.where('output_dir')}: {out} exists and is not a directory")
-        return
-    holds_run = any(os.path.exists(os.path.join(out, m)) for m in RUN_MARKERS)
-    if holds_run and cfg.resume == "none" and not cfg.overwrite:
-        raise ShardwiseError(f"{res.where('output_dir')}: {out} holds another run; pass --resume auto to continue "
-                             "it, --overwrite to replace it, or choose another --output-dir")
+        if os.path.lexists(out):
+            raise ShardwiseError(f"{where}: {out} exists and is not a directory; choose another --output-dir")
+        return False
+    why = rundir.protected(out)
+    if why in ("a filesystem root", "the home directory"):
+        raise ShardwiseError(f"{where}: {out} is {why}; a run needs a directory of its own: choose another --output-dir")
+    if lock is not None and lock.fd is None and os.path.exists(lock.path):
+        lock.acquire(where)  # a live run there is refused now, naming its PID
+    if cfg.resume != "none":
+        return False
+    ours = rundir.own_entries_present(out)
+    marked = rundir.run_id(out) is not None
+    if not marked:
+        if not ours:
+            return False  # a new or foreign-but-unrelated directory: the run adds its own entries
+        raise ShardwiseError(
+            f"{where}: {out} holds {', '.join(ours)} that shardwise did not mark as its own (no {rundir.MARKER}); "
+            "nothing there is replaced" + (" (--overwrite only replaces a run directory shardwise created)"
+                                           if cfg.overwrite else "") + ": choose another --output-dir")
+    if not rundir.has_trained(out):
+        return why is None  # a run that stopped before its first step does not block a rerun
+    if not cfg.overwrite:
+        raise ShardwiseError(f"{where}: {out} holds another run; pass --resume auto to continue it, --overwrite "
+                             "to replace it, or choose another --output-dir")
+    if why:
+        raise ShardwiseError(f"{where}: {out} is {why}; --overwrite never clears it: choose another --output-dir")
+    return True
 
 
 def prepare(res: Resolved, force: bool = False) -> Prepared:
     """Validate everything, then write the run directory. Returns what to launch."""
+    quiet_libraries()
+    cfg = resolve_runtime(res)
+    if cfg.strategy == "auto":
+        cfg = choose_strategy(cfg, res)
+    node0 = cfg.node_rank == 0
+    lock = rundir.RunLock(cfg.output_dir) if node0 else None
+    try:
+        if node0:
+            check_output_dir(cfg, res, lock)
+        return _prepare(res, cfg, lock, force)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: bool) -> Prepared:
     from safetensors.torch import save_file
 
     from shardwise.data.encode import encode
@@ -107,13 +128,7 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
     from shardwise.models.load import load_tokenizer
     from shardwise.train import checkpoint as ckpt
 
-    quiet_libraries()
-    cfg = resolve_runtime(res)
-    if cfg.strategy == "auto":
-        cfg = choose_strategy(cfg, res)
-    node0 = cfg.node_rank == 0
-    if node0:
-        check_output_dir(cfg, res)
+    node0 = lock is not None
     if cfg.resume not in ("auto", "none"):
         cfg.resume = os.path.abspath(cfg.resume)
         if not os.path.isfile(os.path.join(cfg.resume, ckpt.META)):
@@ -142,16 +157,22 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
 
     # -- nothing has been written until here ---------------------------------------------
     out = cfg.output_dir
-    if node0 and cfg.overwrite and cfg.resume == "none" and os.path.isdir(out):
-        for m in RUN_MARKERS + ("final", "tensorboard", ".prep"):
-            p = os.path.join(out, m)
-            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (os.path.exists(p) and os.remove(p))
-    prep = os.path.join(out, ".prep", f"node{cfg.node_rank}")
+    if node0:
+        os.makedirs(out, exist_ok=True)
+        if lock.fd is None:
+            lock.acquire(res.where("output_dir"))
+        if check_output_dir(cfg, res, lock):  # judged again under the lock: another run may have finished
+            rundir.clear(out)
+        if rundir.run_id(out) is None and not rundir.own_entries_present(out):
+            rundir.mark(out)
+    prep = os.path.join(rundir.prep_dir(out), f"node{cfg.node_rank}")
     os.makedirs(prep, exist_ok=True)
+    if node0:
+        rundir.take_interrupted(out)  # a record left by the run this one resumes is not this run's
     data_file = os.path.join(prep, "data.safetensors")
-    save_file(encoded.to_tensors(), data_file + ".tmp")
-    os.replace(data_file + ".tmp", data_file)
-    _atomic_write(os.path.join(prep, "sources.json"), json.dumps(encoded.sources))
+    with rundir.atomic_path(data_file) as tmp:
+        save_file(encoded.to_tensors(), tmp)
+    rundir.atomic_write(os.path.join(prep, "sources.json"), json.dumps(encoded.sources))
     st = encoded.stats
     src = "the built-in demo set" if stats is None else ", ".join(stats.files[:3]) + (" ..." if len(stats.files) > 3 else "")
     msg = (f"data: {st['records']} records from {src}; {st['sequences']} sequences, {st['tokens']:,} tokens, "
@@ -162,12 +183,12 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
         msg += f"; {stats.skipped} bad records skipped (first: {stats.first_skipped})"
     say(msg)
     if node0:
-        _atomic_write(os.path.join(out, "config.yaml"), to_yaml(cfg, out))
+        rundir.atomic_write(os.path.join(out, "config.yaml"), to_yaml(cfg, out))
     job = {"config": dataclasses.asdict(cfg), "model_dir": model_dir, "data_file": data_file,
            "output_dir": out, "resume": cfg.resume}
     job_path = os.path.join(prep, "job.json")
-    _atomic_write(job_path, json.dumps(job, indent=1))
-    return Prepared(cfg, out, job_path, world)
+    rundir.atomic_write(job_path, json.dumps(job, indent=1))
+    return Prepared(cfg, out, job_path, world, lock)
 
 
 def check_model(cfg: Config, res: Resolved) -> str:
@@ -228,9 +249,7 @@ def launch(p: Prepared) -> dict | None:
         try:
             return run_job(p.job_path)
         except Preempted:
-            interrupted = os.path.join(p.output_dir, ".prep", "interrupted.json")
-            if os.path.isfile(interrupted):
-                os.remove(interrupted)
+            rundir.take_interrupted(p.output_dir)
             raise Interrupted(signal.SIGTERM) from None
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -251,26 +270,30 @@ def launch(p: Prepared) -> dict | None:
         max_restarts=cfg.max_restarts, monitor_interval=0.5, start_method="spawn",
     )
     import logging
+    import tempfile
 
-    from shardwise.train.worker import error_dir
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 
     if not os.environ.get("SHARDWISE_DEBUG"):
         # the agent's own warnings repeat what our one line says; SHARDWISE_DEBUG=1 keeps them
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    shutil.rmtree(error_dir(p.output_dir), ignore_errors=True)
-    interrupted = os.path.join(p.output_dir, ".prep", "interrupted.json")
-    if os.path.isfile(interrupted):  # left by an attempt stopped through the agent (SignalException below)
-        os.remove(interrupted)
+    shutil.rmtree(rundir.error_dir(p.output_dir), ignore_errors=True)
+    # the agent's per-rank error files go to a temporary directory of this run's own, removed
+    # after it (left to itself the agent leaves a $TMPDIR/torchelastic_* behind every run)
+    agent_tmp = tempfile.mkdtemp(prefix="shardwise-agent-")
+    lc.logs_specs = DefaultLogsSpecs(log_dir=agent_tmp)
     try:
         elastic_launch(lc, sys.executable)("-u", "-m", "shardwise.train.worker", p.job_path)
     except ChildFailedError as e:
-        raise ShardwiseError(_worker_error(p.output_dir) or _failure_line(e)) from None
+        raise ShardwiseError(_failure_report(p.output_dir, e, cfg)) from None
     except SignalException as e:
+        rundir.take_interrupted(p.output_dir)
         raise Interrupted(int(e.sigval)) from None
-    if os.path.isfile(interrupted):  # a worker received the signal; the agent did not
+    finally:
+        shutil.rmtree(agent_tmp, ignore_errors=True)
+    if rundir.take_interrupted(p.output_dir) is not None:  # a worker received the signal; the agent did not
         import signal
 
-        os.remove(interrupted)
         raise Interrupted(signal.SIGTERM)
     summary = os.path.join(p.output_dir, "summary.json")
     if cfg.node_rank == 0 and os.path.isfile(summary):
@@ -279,25 +302,53 @@ def launch(p: Prepared) -> dict | None:
     return None
 
 
-def _worker_error(output_dir: str) -> str | None:
-    """The one-line ShardwiseError a worker left (lowest rank first)."""
-    from shardwise.train.worker import error_dir
+def _failure_report(output_dir: str, e, cfg: Config) -> str:
+    """One line for a failed worker group: the rank that failed first and why. A rank that
+    died (a signal, or an exit without a ShardwiseError) is the cause; the errors the other
+    ranks then raise (a collective with a dead peer) are consequences and are only counted."""
+    errors = _worker_errors(output_dir)
+    failures = sorted(e.failures.items(), key=lambda kv: (kv[1].timestamp or 0, kv[0]))
+    dead = [(r, f) for r, f in failures if r not in errors and not _stopped_by_agent(f)]
+    if dead:
+        rank, f = dead[0]
+        line = _failure_line(rank, f)
+        others = sorted(set(errors) | {r for r, _ in failures} - {rank})
+        if others:
+            line += f"; rank(s) {', '.join(map(str, others))} stopped after it"
+        if cfg.max_restarts:
+            line += f" (after {cfg.max_restarts} restart(s), the --max-restarts limit)"
+        return line
+    if errors:
+        return errors[min(errors)]
+    return _failure_line(*failures[0])
 
-    d = error_dir(output_dir)
+
+def _stopped_by_agent(f) -> bool:
+    """A rank the agent terminated (SIGTERM) because another rank failed."""
+    import signal
+
+    return f.exitcode is not None and f.exitcode == -signal.SIGTERM
+
+
+def _worker_errors(output_dir: str) -> dict[int, str]:
+    """{rank: the one-line ShardwiseError it left}."""
+    d = rundir.error_dir(output_dir)
+    out = {}
     if not os.path.isdir(d):
-        return None
-    files = sorted(os.listdir(d), key=lambda f: int("".join(c for c in f if c.isdigit()) or 0))
-    for f in files:
-        with open(os.path.join(d, f)) as fh:
+        return out
+    for name in os.listdir(d):
+        digits = "".join(c for c in name if c.isdigit())
+        with open(os.path.join(d, name)) as fh:
             text = fh.read().strip()
-        if text:
-            return text
-    return None
+        if text and digits:
+            out[int(digits)] = text
+    return out
 
 
-def _failure_line(e) -> str:
+def _failure_line(rank: int, f) -> str:
     """One line for a rank that died without a ShardwiseError."""
-    rank, f = sorted(e.failures.items())[0]
+    import signal
+
     msg = f.message
     if isinstance(msg, str) and msg.startswith("{"):
         try:
@@ -308,7 +359,11 @@ def _failure_line(e) -> str:
         msg = msg.get("message", "")
     detail = str(msg or "").strip().splitlines()[0][:300] if msg else ""
     if f.exitcode is not None and f.exitcode < 0:
-        detail = f"killed by signal {-f.exitcode}"
+        try:
+            name = signal.Signals(-f.exitcode).name
+        except ValueError:
+            name = "?"
+        return f"training failed: rank {rank} was killed by signal {-f.exitcode} ({name}); its output above says more"
     if "OutOfMemoryError" in detail or "out of memory" in detail.lower():
         return (f"out of memory on rank {rank} ({detail}); lower --micro-batch-size or --seq-len, enable "
                 "--gradient-checkpointing, or shard more (--strategy fsdp / zero3); `shardwise plan` estimates it")
@@ -316,15 +371,16 @@ def _failure_line(e) -> str:
             "its output above says more")
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-
-
 def train(res: Resolved, force: bool = False) -> int:
     p = prepare(res, force)
+    try:
+        return _train(p)
+    finally:
+        if p.lock is not None:
+            p.lock.release()
+
+
+def _train(p: Prepared) -> int:
     say(f"run directory: {p.output_dir} ({p.cfg.strategy}, {p.world_size} process(es), "
         f"mixed precision {p.cfg.mixed_precision})")
     try:

@@ -93,7 +93,7 @@ def say(msg: str) -> None:
 def run(args) -> int:
     from shardwise.bench import report
     from shardwise.bench.runner import Outcome, pick_median, run_strategy
-    from shardwise.launch import quiet_libraries
+    from shardwise.rundir import quiet_libraries
 
     spec = spec_from_args(args)
     quiet_libraries()

@@ -3,9 +3,8 @@ from the report dict with matplotlib's Agg backend (no display needed)."""
 
 from __future__ import annotations
 
-import os
-
 from shardwise.bench.measure import measured_stat, model_label
+from shardwise.rundir import atomic_path
 
 
 def write_png(rep: dict, path: str) -> None:
@@ -104,10 +103,9 @@ def write_png(rep: dict, path: str) -> None:
         fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=len(handles),
                    fontsize=10, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.88))
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp)
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def _short_num(v: float) -> str:

@@ -14,6 +14,7 @@ import re
 import time
 
 from shardwise.bench.measure import error_pct, measured_stat, model_label, read_records, summarize
+from shardwise.rundir import atomic_write
 
 SCHEMA = "shardwise-bench/1"
 RESULT_TEXT = {"ok": "ok", "oom": "does not fit", "failed": "failed", "unavailable": "cannot run here",
@@ -471,7 +472,4 @@ def write_all(rep: dict, report_dir: str, stem: str) -> dict:
     return paths
 
 
-def _atomic(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as fh:
-        fh.write(text)
-    os.replace(path + ".tmp", path)
+_atomic = atomic_write

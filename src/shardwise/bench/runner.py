@@ -38,6 +38,7 @@ import yaml
 
 from shardwise import config, presets
 from shardwise.errors import ShardwiseError
+from shardwise.rundir import atomic_write
 
 # Config keys the bench sets itself for every strategy.
 CONTROLLED = ("strategy", "max_steps", "epochs", "log_every", "output_dir", "resume", "overwrite",
@@ -129,10 +130,8 @@ def strategy_config_file(spec: BenchSpec, name: str, output_dir: str) -> str | N
     kept = {k: v for k, v in data.items()
             if k not in CONTROLLED and presets.section_applies(k, base)}
     path = os.path.join(output_dir, "bench-input.yaml")
-    with open(path + ".tmp", "w") as fh:
-        fh.write(f"# {spec.config_path}, as `shardwise bench` runs it for strategy {name}\n")
-        yaml.safe_dump(kept, fh, sort_keys=False)
-    os.replace(path + ".tmp", path)
+    atomic_write(path, f"# {spec.config_path}, as `shardwise bench` runs it for strategy {name}\n"
+                 + yaml.safe_dump(kept, sort_keys=False))
     return path
 
 

@@ -10,15 +10,10 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardwise.errors import ShardwiseError
-
-
-def error_dir(output_dir: str) -> str:
-    return os.path.join(output_dir, ".prep", "errors")
+from shardwise.rundir import atomic_write, error_dir, quiet_libraries
 
 
 def run_job(path: str) -> dict:
-    from shardwise.launch import quiet_libraries
-
     quiet_libraries()
     from shardwise.train.loop import Job, run
 
@@ -41,8 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(argv[0]) as fh:
             out = json.load(fh)["output_dir"]
         os.makedirs(error_dir(out), exist_ok=True)
-        with open(os.path.join(error_dir(out), f"rank{os.environ.get('RANK', '0')}.txt"), "w") as fh:
-            fh.write(str(e))
+        atomic_write(os.path.join(error_dir(out), f"rank{os.environ.get('RANK', '0')}.txt"), str(e))
         return 2
     return 0
 

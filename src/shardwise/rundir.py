@@ -1,0 +1,276 @@
+"""The run directory: what shardwise writes there, how it marks and locks it, and how it
+writes files atomically. A ground-floor module: it imports nothing of shardwise but errors,
+so the launcher, the workers, export, doctor and bench all import it and nothing imports
+back up.
+
+A run directory is shardwise's when it holds the marker file `.shardwise-run` (JSON with a
+run id), written when the run directory is created. Only a marked directory is ever
+cleared by `--overwrite`, and only of the entries in `OWN_ENTRIES`; the user's other files
+stay. While a run lives, its launcher holds an exclusive `flock` on `.shardwise-lock`
+(holding the launcher's PID), so a second run into the same directory is refused; the
+kernel releases the lock when the launcher exits, however it exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import time
+import uuid
+
+from shardwise.errors import ShardwiseError
+
+MARKER = ".shardwise-run"
+LOCK = ".shardwise-lock"
+PREP = ".prep"
+# Everything a run writes at the top of its directory (the lock file is not cleared: it is held).
+OWN_ENTRIES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "final", "tensorboard", PREP, MARKER)
+# Entries whose presence means a run trained there (a run that failed before its first step leaves none).
+TRAINED_ENTRIES = ("metrics.jsonl", "summary.json", "checkpoints", "final")
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+def prep_dir(output_dir: str) -> str:
+    return os.path.join(output_dir, PREP)
+
+
+def error_dir(output_dir: str) -> str:
+    """Where a worker leaves its one-line ShardwiseError for the launcher to print."""
+    return os.path.join(output_dir, PREP, "errors")
+
+
+def interrupted_path(output_dir: str) -> str:
+    return os.path.join(output_dir, PREP, "interrupted.json")
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+
+@contextlib.contextmanager
+def atomic_path(path: str, suffix: str = ""):
+    """Yield a fresh temporary path beside `path` for a writer that takes a path (safetensors,
+    matplotlib); once the block ends the file is flushed to disk and renamed onto `path`. On an
+    error the temporary file is removed and `path` is untouched. `suffix` keeps an extension
+    for writers that choose the format from it."""
+    parent, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(parent, f".{name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp{suffix}")
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(parent)
+
+
+def atomic_write(path: str, data: str | bytes) -> None:
+    """Write `data` to `path` so that a reader sees the old file or the whole new one, never
+    part of it: a fresh temporary file in the same directory, fsync, os.replace."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "xb" if isinstance(data, bytes) else "x", encoding=None if isinstance(data, bytes) else "utf-8") as fh:
+            fh.write(data)
+
+
+def atomic_write_json(path: str, obj, indent: int | None = 1) -> None:
+    atomic_write(path, json.dumps(obj, indent=indent, default=str))
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- the interrupted-run record
+
+
+def record_interrupted(output_dir: str, step: int, checkpoint: str) -> None:
+    """Rank 0 notes that a signal stopped the run after `step` (checkpoint written)."""
+    atomic_write_json(interrupted_path(output_dir), {"step": step, "checkpoint": checkpoint})
+
+
+def take_interrupted(output_dir: str) -> dict | None:
+    """The record of a signal-stopped run, removed as it is read (so it is reported once)."""
+    path = interrupted_path(output_dir)
+    try:
+        with open(path) as fh:
+            text = fh.read()
+        os.remove(path)
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {}
+
+
+# ----------------------------------------------------------------------------- marker
+
+
+def run_id(output_dir: str) -> str | None:
+    """The run id of a directory shardwise created and marked, else None."""
+    try:
+        with open(os.path.join(output_dir, MARKER)) as fh:
+            rid = json.load(fh).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rid if isinstance(rid, str) and rid else None
+
+
+def mark(output_dir: str) -> str:
+    """Mark `output_dir` as a shardwise run directory; returns the new run id."""
+    rid = uuid.uuid4().hex
+    atomic_write_json(os.path.join(output_dir, MARKER),
+                      {"run_id": rid, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "tool": "shardwise"})
+    return rid
+
+
+def own_entries_present(output_dir: str) -> list[str]:
+    return [e for e in OWN_ENTRIES if os.path.lexists(os.path.join(output_dir, e))]
+
+
+def has_trained(output_dir: str) -> bool:
+    """Whether a run trained in `output_dir` (logged a step, saved a checkpoint or a model)."""
+    for e in TRAINED_ENTRIES:
+        p = os.path.join(output_dir, e)
+        if os.path.isdir(p) and os.listdir(p):
+            return True
+        if os.path.isfile(p) and os.path.getsize(p) > 0:
+            return True
+    return False
+
+
+def protected(path: str) -> str | None:
+    """Why `path` must never be cleared (a filesystem root, the home directory, the current
+    directory or one of its parents), else None."""
+    real = os.path.realpath(path)
+    if os.path.dirname(real) == real:
+        return "a filesystem root"
+    if real == os.path.realpath(os.path.expanduser("~")):
+        return "the home directory"
+    cwd = os.path.realpath(os.getcwd())
+    if cwd == real:
+        return "the current directory"
+    if cwd.startswith(real.rstrip(os.sep) + os.sep):
+        return "a parent of the current directory"
+    return None
+
+
+def clear(output_dir: str) -> None:
+    """Remove shardwise's own entries from a marked run directory; nothing else is touched.
+    The caller has checked `run_id` and `protected`; checked again here because deleting is
+    the one thing that cannot be undone."""
+    if run_id(output_dir) is None or protected(output_dir):
+        raise ShardwiseError(f"{output_dir}: refusing to clear a directory that is not a shardwise run directory")
+    for e in OWN_ENTRIES:
+        p = os.path.join(output_dir, e)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        elif os.path.lexists(p):
+            os.remove(p)
+
+
+# ----------------------------------------------------------------------------- lock
+
+
+class RunLock:
+    """An exclusive flock on OUTPUT_DIR/.shardwise-lock, held for the life of the launcher
+    (the file holds its PID). The kernel drops it when the process exits, so a dead owner's
+    lock is never stale."""
+
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, LOCK)
+        self.fd: int | None = None
+
+    def acquire(self, where: str = "output_dir") -> None:
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            raise ShardwiseError(f"{where}: {self.output_dir} is in use by another shardwise run "
+                                 f"(PID {holder(self.output_dir) or 'unknown'}); wait for it to finish or "
+                                 "choose another --output-dir")
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the only descriptor drops the flock
+            self.fd = None
+
+
+def holder(output_dir: str) -> int | None:
+    """The PID written into a run directory's lock file, if any."""
+    try:
+        with open(os.path.join(output_dir, LOCK)) as fh:
+            text = fh.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def locked(output_dir: str) -> bool:
+    """Whether a live process holds the run directory's lock (probed without taking it)."""
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(output_dir, LOCK), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+# ----------------------------------------------------------------------------- process setup
+
+
+def quiet_libraries() -> None:
+    """Progress bars and accelerator banners of the libraries we drive are noise here."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    except ImportError:
+        pass
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
