@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -189,34 +190,79 @@ def flags_from_namespace(ns: argparse.Namespace) -> dict[str, tuple[Any, str]]:
     return out
 
 
+SHOW_CHARS = 200  # longest value an error message prints
+MAX_YAML_VALUES = 10_000  # a config holds a few dozen; more (e.g. through aliases) is refused
+
+
+def show(value: Any) -> str:
+    """repr(value) for an error message, cut to SHOW_CHARS."""
+    text = repr(value)
+    return text if len(text) <= SHOW_CHARS else f"{text[:SHOW_CHARS]}... ({len(text):,} characters)"
+
+
+def _check_yaml_nodes(root: yaml.Node, path: str) -> None:
+    """Refuse merge keys (`<<:`) and documents that expand (through aliases) to more than
+    MAX_YAML_VALUES values, before anything is built from them."""
+    count, stack = 0, [root]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > MAX_YAML_VALUES:
+            raise ShardwiseError(f"{path}: the YAML expands to more than {MAX_YAML_VALUES:,} values (through aliases "
+                                 "or sheer size); a config is a short mapping of keys to values")
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.tag == "tag:yaml.org,2002:merge":
+                    raise ShardwiseError(f"{path}:{k.start_mark.line + 1}: YAML merge keys (<<) are not supported "
+                                         "in a config; write the keys out")
+                stack += (k, v)
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
+
+
 def _yaml_with_lines(path: str) -> dict[str, tuple[Any, str]]:
     """Read a YAML config into {dotted key: (value, 'file:line')}; safe loader only."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        with open(path, "rb") as fh:
+            raw = fh.read()
     except FileNotFoundError:
         raise ShardwiseError(f"{path}: config file not found; give an existing YAML file or omit it to use flags only")
     except OSError as e:
         raise ShardwiseError(f"{path}: cannot read config file ({e.strerror})")
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ShardwiseError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                             "save the config as UTF-8")
+    try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None:
+            _check_yaml_nodes(node, path)
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else path
         raise ShardwiseError(f"{where}: invalid YAML ({getattr(e, 'problem', e)}); fix the syntax")
+    except RecursionError:
+        raise ShardwiseError(f"{path}: the YAML is nested too deeply to read; a config is a mapping of keys to "
+                             "values (one level of sections)")
     if data is None:
         return {}
     if not isinstance(data, dict) or node is None or not isinstance(node, yaml.MappingNode):
         raise ShardwiseError(f"{path}:1: a config file must be a mapping of keys to values")
     out: dict[str, tuple[Any, str]] = {}
     for knode, vnode in node.value:
+        if not isinstance(knode, yaml.ScalarNode) or knode.value not in data:
+            raise ShardwiseError(f"{path}:{knode.start_mark.line + 1}: a config key must be a plain name")
         key = knode.value
         where = f"{path}:{knode.start_mark.line + 1}"
         if key in SECTIONS:
             if isinstance(vnode, yaml.MappingNode):
                 section = data[key] or {}
                 for sk, sv in vnode.value:
+                    if not isinstance(sk, yaml.ScalarNode) or sk.value not in section:
+                        raise ShardwiseError(f"{path}:{sk.start_mark.line + 1}: a config key must be a plain name")
                     out[f"{key}.{sk.value}"] = (section[sk.value], f"{path}:{sk.start_mark.line + 1}")
             elif not (isinstance(vnode, yaml.ScalarNode) and data[key] is None):
                 raise ShardwiseError(f"{where}: key '{key}' must be a mapping of {key} options")
@@ -228,9 +274,9 @@ def _yaml_with_lines(path: str) -> dict[str, tuple[Any, str]]:
 def _coerce(key: str, value: Any, where: str) -> Any:
     fi = FIELDS.get(key)
     if fi is None:
-        close = difflib.get_close_matches(key, list(FIELDS), n=1)
+        close = difflib.get_close_matches(key[:100], list(FIELDS), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else f"; known keys: {', '.join(FIELDS)}"
-        raise ShardwiseError(f"{where}: unknown key '{key}'{hint}")
+        raise ShardwiseError(f"{where}: unknown key {show(key)}{hint}")
     t = fi.type
     try:
         if t is bool:
@@ -248,6 +294,8 @@ def _coerce(key: str, value: Any, where: str) -> Any:
             if isinstance(value, bool):
                 raise ValueError
             v = float(value)
+            if not math.isfinite(v):
+                raise ShardwiseError(f"{where}: '{key}' must be a finite number, got {show(value)}")
         else:
             if value is None:
                 value = ""
@@ -255,9 +303,9 @@ def _coerce(key: str, value: Any, where: str) -> Any:
                 raise ValueError
             v = str(value)
     except (TypeError, ValueError):
-        raise ShardwiseError(f"{where}: '{key}' must be {'a' if t is not int else 'an'} {t.__name__}, got {value!r}")
+        raise ShardwiseError(f"{where}: '{key}' must be {'a' if t is not int else 'an'} {t.__name__}, got {show(value)}")
     if fi.choices is not None and v not in fi.choices:
-        raise ShardwiseError(f"{where}: '{key}' must be one of {', '.join(map(str, fi.choices))}; got {v!r}")
+        raise ShardwiseError(f"{where}: '{key}' must be one of {', '.join(map(str, fi.choices))}; got {show(v)}")
     return v
 
 

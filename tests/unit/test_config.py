@@ -1,4 +1,5 @@
 import argparse
+import re
 
 import pytest
 import yaml
@@ -115,3 +116,43 @@ def test_every_subcommand_help_renders(capsys):
         text = sub.format_help()
         assert "usage:" in text, name
     assert "20-30% more compute" in subs.choices["train"].format_help()
+
+
+# -- issue 14 items 10 and 12: hostile YAML and non-finite numbers are one line each --------
+
+BOMB = "\n".join(["a: &a [" + ",".join(['"lol"'] * 9) + "]"]
+                 + [f"{n}: &{n} [" + ",".join([f"*{p}"] * 9) + "]" for p, n in zip("abcde", "bcdef")]
+                 + ["lr: [" + ",".join(["*f"] * 9) + "]"]) + "\n"
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"lr: 1e-3\nmodel: \"caf\xe9\"\n", r"run\.yaml:2: not UTF-8 text \(byte 0xe9 at offset 20\)"),
+    (b"base: &b\n  lr: 0.1\n<<: *b\n", r"run\.yaml:3: YAML merge keys \(<<\) are not supported"),
+    (b"lr: " + b"[" * 100_000 + b"]" * 100_000 + b"\n", r"run\.yaml: the YAML is nested too deeply to read"),
+    (BOMB.encode(), r"run\.yaml: the YAML expands to more than 10,000 values"),
+    (b"lr: .inf\n", r"run\.yaml:1: 'lr' must be a finite number, got inf"),
+    (b"lora:\n  alpha: .nan\n", r"run\.yaml:2: 'lora.alpha' must be a finite number, got nan"),
+    (b"1: 2\n", r"run\.yaml:1: a config key must be a plain name"),
+])
+def test_hostile_yaml_is_one_short_line(tmp_path, raw, message):
+    p = tmp_path / "run.yaml"
+    p.write_bytes(raw)
+    with pytest.raises(ShardwiseError, match=message) as e:
+        config.load_config(str(p))
+    assert len(str(e.value)) < 400 and "\n" not in str(e.value)
+
+
+def test_an_alias_bomb_under_the_bound_still_prints_a_short_line(tmp_path):
+    """~8,300 values (under the bound) of a wrong type: the message shows 200 characters of them."""
+    text = ("lr: [&a [" + ",".join(['"lol"'] * 9) + "], " + ", ".join(
+        f"&{n} [" + ",".join([f"*{p}"] * 9) + "]" for p, n in zip("abc", "bcd")) + "]\n")
+    with pytest.raises(ShardwiseError, match=r"'lr' must be a float, got \[\['lol'.*\.\.\. \([\d,]+ characters\)$") as e:
+        config.load_config(write(tmp_path, text))
+    assert len(str(e.value)) < 400
+
+
+@pytest.mark.parametrize("flag, value", [("--lr", "inf"), ("--weight-decay", "nan"), ("--max-grad-norm", "+inf"),
+                                         ("--collective-timeout", "1e400")])
+def test_non_finite_float_flags_are_refused(flag, value):
+    with pytest.raises(ShardwiseError, match=rf"flag {flag}: '\w+' must be a finite number, got '{re.escape(value)}'"):
+        config.load_config(None, flags(flag, value))
