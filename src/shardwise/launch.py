@@ -262,26 +262,27 @@ def launch(p: Prepared) -> dict | None:
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
     multi = cfg.nnodes > 1
+    import logging
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+
+    # the agent's per-rank error files go to a temporary directory of this run's own, removed
+    # after it (left to itself the agent leaves a $TMPDIR/torchelastic_* behind every run)
+    agent_tmp = tempfile.mkdtemp(prefix="shardwise-agent-")
     lc = LaunchConfig(
         min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
         run_id=f"shardwise-{cfg.rdzv_endpoint}" if multi else f"shardwise-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=cfg.rdzv_endpoint if cfg.rdzv_endpoint else "localhost:0",
         rdzv_configs={"is_host": cfg.node_rank == 0, "join_timeout": 300} if multi else {},
         max_restarts=cfg.max_restarts, monitor_interval=0.5, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=agent_tmp),
     )
-    import logging
-    import tempfile
-
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 
     if not os.environ.get("SHARDWISE_DEBUG"):
         # the agent's own warnings repeat what our one line says; SHARDWISE_DEBUG=1 keeps them
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     shutil.rmtree(rundir.error_dir(p.output_dir), ignore_errors=True)
-    # the agent's per-rank error files go to a temporary directory of this run's own, removed
-    # after it (left to itself the agent leaves a $TMPDIR/torchelastic_* behind every run)
-    agent_tmp = tempfile.mkdtemp(prefix="shardwise-agent-")
-    lc.logs_specs = DefaultLogsSpecs(log_dir=agent_tmp)
     try:
         elastic_launch(lc, sys.executable)("-u", "-m", "shardwise.train.worker", p.job_path)
     except ChildFailedError as e:

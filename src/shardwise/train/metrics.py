@@ -32,6 +32,28 @@ def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: float) -
     return 6 * n_params + 12 * n_layers * hidden * seq_len
 
 
+def keep_steps_up_to(path: str, step: int) -> None:
+    """Drop the records of steps after `step` (a resume from an older checkpoint runs them
+    again), so metrics.jsonl holds each step once. Rewritten atomically."""
+    from shardwise.rundir import atomic_write
+
+    try:
+        with open(path) as fh:
+            lines = fh.readlines()
+    except FileNotFoundError:
+        return
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) > step:
+                continue
+        except (ValueError, AttributeError):
+            continue  # a line torn by a kill mid-write
+        kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        atomic_write(path, "".join(kept))
+
+
 class Reporter:
     def __init__(self, output_dir: str, is_main: bool, total_steps: int, start_step: int, append: bool):
         self.is_main, self.total = is_main, total_steps
@@ -40,7 +62,10 @@ class Reporter:
         self.fh = None
         if not is_main:
             return
-        self.fh = open(os.path.join(output_dir, "metrics.jsonl"), "a" if append else "w")
+        path = os.path.join(output_dir, "metrics.jsonl")
+        if append:
+            keep_steps_up_to(path, start_step)
+        self.fh = open(path, "a" if append else "w")
         try:
             from torch.utils.tensorboard import SummaryWriter
 
