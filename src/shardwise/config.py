@@ -113,7 +113,7 @@ class Config:
     save_every_minutes: float = _f(0.0, "Also save a checkpoint when this many minutes have passed since the last one; 0 disables.")
     keep_checkpoints: int = _f(2, "Keep the newest K checkpoints.")
     resume: str = _f("none", "Resume from 'auto' (newest complete checkpoint in output_dir), 'none', or a checkpoint path.")
-    overwrite: bool = _f(False, "Allow writing into an output_dir that holds another run (its contents are replaced).")
+    overwrite: bool = _f(False, "Replace a run that shardwise created in output_dir: only its own entries (config.yaml, metrics, checkpoints, final/, ...) are removed; a directory shardwise did not mark, the current directory and its parents are never cleared (docs/run-directory.md).")
     save_final: bool = _f(True, "Save the final model as a Hugging Face directory under output_dir/final.")
     merge_lora: bool = _f(False, "With tuner lora: also write the adapter merged into the base as a full Hugging Face model in output_dir/final/merged (final/ itself is the PEFT adapter directory).")
     # sections
