@@ -192,12 +192,13 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
 
 
 def check_model(cfg: Config, res: Resolved) -> str:
-    """The model directory, checked: usable, weights complete, seq_len within its positions.
+    """The model directory, checked: usable, weights complete and shaped as config.json says,
+    seq_len within its positions.
     Also used by `shardwise ui` before it starts a run."""
-    from shardwise.models.load import check_weights, max_positions, resolve_model_dir
+    from shardwise.models.load import check_shapes, check_weights, max_positions, resolve_model_dir
 
     model_dir = resolve_model_dir(cfg.model, cfg.seed)
-    check_weights(model_dir)
+    check_shapes(model_dir, check_weights(model_dir), cfg.trust_remote_code)
     limit = max_positions(model_dir)
     if limit and cfg.seq_len > limit:
         raise ShardwiseError(f"{res.where('seq_len')}: seq_len {cfg.seq_len} is larger than the model supports "

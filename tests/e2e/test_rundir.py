@@ -125,7 +125,7 @@ def test_root_home_and_the_current_directorys_parents_are_never_cleared(tmp_path
 
 def test_a_failure_before_training_does_not_block_a_rerun_and_overwrite_clears_only_own_entries(
         tmp_path, chat_data, refuse):
-    """14.12: a model error found only when the worker loads the weights leaves no run that
+    """14.12: a model error found only when the worker builds the model leaves no run that
     blocks a plain rerun; 14.2: clearing a marked run (that rerun, then --overwrite) removes
     shardwise's own entries and nothing else."""
     from shardwise import config, launch
@@ -134,7 +134,7 @@ def test_a_failure_before_training_does_not_block_a_rerun_and_overwrite_clears_o
     bad = tmp_path / "bad-model"
     shutil.copytree(tiny_dir(0), bad)
     cfg = json.loads((bad / "config.json").read_text())
-    cfg["intermediate_size"] *= 2  # the weights no longer match: found when the worker loads them
+    cfg["hidden_act"] = "no_such_act"  # found only when the worker builds the model
     (bad / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "out"
     args = (*COMMON, *ONE, "--max-steps", "2", "--output-dir", str(out), "--data", chat_data)

@@ -83,3 +83,22 @@ def test_truncated_or_garbled_safetensors_are_refused_before_launch(tmp_path, ti
     (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
     with pytest.raises(ShardwiseError, match="model.safetensors is missing or corrupt"):
         check_weights(str(bad))
+
+
+def test_weights_that_do_not_match_config_json_are_refused_before_launch(tmp_path, tiny_dir):
+    """Issue 14.12: the shapes in the safetensors headers against the model config.json
+    describes (built on the meta device), before any worker starts."""
+    import json
+    import shutil
+
+    from shardwise.models.load import check_shapes, check_weights
+
+    check_shapes(tiny_dir, check_weights(tiny_dir))  # a matching pair passes
+    bad = tmp_path / "m"
+    shutil.copytree(tiny_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["intermediate_size"] *= 2
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ShardwiseError, match=r"weight model\.layers\.\d+\.mlp\.\w+_proj\.weight has shape \[\d+, \d+\] "
+                                             r"but config\.json describes \[\d+, \d+\]; the weights and config\.json"):
+        check_shapes(str(bad), check_weights(str(bad)))

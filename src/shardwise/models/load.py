@@ -29,9 +29,10 @@ def resolve_model_dir(model: str, seed: int) -> str:
     return path
 
 
-def check_weights(model_dir: str) -> None:
+def check_weights(model_dir: str) -> dict[str, list[int]]:
     """Every safetensors file is complete: its header parses and the file is as long as
-    the header says. Catches truncated downloads and copies before any worker starts."""
+    the header says. Catches truncated downloads and copies before any worker starts.
+    Returns {tensor name: shape} from the headers."""
     import json
     import struct
 
@@ -44,6 +45,7 @@ def check_weights(model_dir: str) -> None:
             raise ShardwiseError(f"--model {model_dir}: model.safetensors.index.json is unreadable ({e})")
     else:
         files = ["model.safetensors"]
+    shapes = {}
     for f in files:
         path = os.path.join(model_dir, f)
         try:
@@ -59,6 +61,32 @@ def check_weights(model_dir: str) -> None:
         if size < 8 + n + end:
             raise ShardwiseError(f"--model {model_dir}: {f} is truncated ({size} of {8 + n + end} bytes); "
                                  "re-copy the weights")
+        shapes.update({k: v.get("shape") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)})
+    return shapes
+
+
+def check_shapes(model_dir: str, shapes: dict, trust_remote_code: bool = False) -> None:
+    """The weights' shapes (from the safetensors headers) are those config.json describes:
+    the model is built on the meta device (no memory, no weights read) and every tensor both
+    name is compared, so a mismatch is one line before launch, not an error in each worker."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+        if getattr(config, "auto_map", None) and not trust_remote_code:
+            return  # custom code: the worker's load refuses it with its own message
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:
+        return  # the worker's load_model reports what is wrong with the directory
+    expected = {k: list(v.shape) for k, v in model.state_dict().items()}
+    base = getattr(model, "base_model_prefix", "")
+    for name, shape in shapes.items():
+        want = expected.get(name, expected.get(f"{base}.{name}") if base else None)
+        if want is not None and shape is not None and list(shape) != want:
+            raise ShardwiseError(f"--model {model_dir}: weight {name} has shape {list(shape)} but config.json "
+                                 f"describes {want}; the weights and config.json are from different models")
 
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
