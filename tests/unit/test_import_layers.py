@@ -39,14 +39,8 @@ NO_TORCH_DISTRIBUTED = ("shardwise", "shardwise.errors", "shardwise.presets", "s
                         "shardwise.hardware", "shardwise.plan", "shardwise.plan.*")
 
 # Known exceptions, each named with why it is allowed and when it goes.
-KNOWN_CIRCLES = {
-    # removed when the run-directory module lands (issue 13 item 4: launch.py <-> train/worker.py)
-    frozenset({"shardwise.launch", "shardwise.train.worker"}),
-}
-KNOWN_UPWARD = {
-    # removed when the run-directory module lands (the worker reads the launcher's job file through launch.py)
-    ("shardwise.train.worker", "shardwise.launch"),
-}
+KNOWN_CIRCLES: set[frozenset] = set()
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 def modules() -> dict[str, Path]:
