@@ -76,6 +76,8 @@ def check_shapes(model_dir: str, shapes: dict, trust_remote_code: bool = False) 
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
         if getattr(config, "auto_map", None) and not trust_remote_code:
             return  # custom code: the worker's load refuses it with its own message
+        if getattr(config, "quantization_config", None):
+            return  # pre-quantized weights are stored packed, in shapes of their own
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except Exception:
