@@ -168,7 +168,7 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     prep = os.path.join(rundir.prep_dir(out), f"node{cfg.node_rank}")
     os.makedirs(prep, exist_ok=True)
     if node0:
-        rundir.take_interrupted(out)  # a record left by the run this one resumes is not this run's
+        rundir.clear_interrupted(out)  # a record left by the run this one resumes is not this run's
     data_file = os.path.join(prep, "data.safetensors")
     with rundir.atomic_path(data_file) as tmp:
         save_file(encoded.to_tensors(), tmp)
@@ -250,7 +250,6 @@ def launch(p: Prepared) -> dict | None:
         try:
             return run_job(p.job_path)
         except Preempted:
-            rundir.take_interrupted(p.output_dir)
             raise Interrupted(signal.SIGTERM) from None
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -289,11 +288,10 @@ def launch(p: Prepared) -> dict | None:
     except ChildFailedError as e:
         raise ShardwiseError(_failure_report(p.output_dir, e, cfg)) from None
     except SignalException as e:
-        rundir.take_interrupted(p.output_dir)
         raise Interrupted(int(e.sigval)) from None
     finally:
         shutil.rmtree(agent_tmp, ignore_errors=True)
-    if rundir.take_interrupted(p.output_dir) is not None:  # a worker received the signal; the agent did not
+    if rundir.read_interrupted(p.output_dir) is not None:  # a worker received the signal; the agent did not
         import signal
 
         raise Interrupted(signal.SIGTERM)

@@ -107,19 +107,25 @@ def record_interrupted(output_dir: str, step: int, checkpoint: str) -> None:
     atomic_write_json(interrupted_path(output_dir), {"step": step, "checkpoint": checkpoint})
 
 
-def take_interrupted(output_dir: str) -> dict | None:
-    """The record of a signal-stopped run, removed as it is read (so it is reported once)."""
-    path = interrupted_path(output_dir)
+def read_interrupted(output_dir: str) -> dict | None:
+    """The record of a signal-stopped run ({} if unreadable), None if there is none. It stays
+    after the run (`shardwise ui` shows such a run as interrupted) until the next run into
+    the directory starts: see clear_interrupted."""
     try:
-        with open(path) as fh:
+        with open(interrupted_path(output_dir)) as fh:
             text = fh.read()
-        os.remove(path)
     except FileNotFoundError:
         return None
     try:
         return json.loads(text)
     except ValueError:
         return {}
+
+
+def clear_interrupted(output_dir: str) -> None:
+    """A new run (a resume included) starts: the previous run's record is not this one's."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(interrupted_path(output_dir))
 
 
 # ----------------------------------------------------------------------------- marker

@@ -223,9 +223,11 @@ def test_resume_after_sigterm_to_the_launcher_exits_0_and_leaves_no_agent_temp_d
             p.kill()
     assert p.returncode == 128 + signal.SIGTERM, err
     assert "resume with: shardwise train" in err
+    assert rundir.read_interrupted(str(out))  # kept for `shardwise ui` until the next run starts
     step = len(read_metrics(str(out)))
     assert 1 <= step < 100
     done = run_cli(*args, "--resume", "auto", env=env)
     assert done.returncode == 0 and "interrupted" not in done.stderr
+    assert rundir.read_interrupted(str(out)) is None
     assert [r["step"] for r in read_metrics(str(out))] == list(range(1, 101))
     assert not [n for n in os.listdir(tmp) if n.startswith(("torchelastic_", "shardwise-agent-"))], os.listdir(tmp)
