@@ -26,6 +26,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.hardware import peak_flops
 from shardwise.models.load import load_model, load_tokenizer
 from shardwise.models.speed import install_fused_loss
+from shardwise.rundir import atomic_write_json, record_interrupted
 from shardwise.strategies.base import DTYPES
 from shardwise.train import checkpoint as ckpt
 from shardwise.train import dist as sdist
@@ -259,7 +260,7 @@ class Trainer:
                     path = self.save()
                     self.rep.say(f"shardwise: stopped by a signal after step {step}; checkpoint written to {path}")
                     if env.is_main:
-                        _write_json(os.path.join(out, ".prep", "interrupted.json"), {"step": step, "checkpoint": path})
+                        record_interrupted(out, step, path)
                     raise Preempted(path)
                 if save_due:
                     self.phase = f"step {step}: checkpoint save"
@@ -271,9 +272,11 @@ class Trainer:
                 self.save()
         except (RuntimeError, dist.DistBackendError) as e:
             if is_collective_timeout(e):
+                timed_out = any(k in str(e).lower() for k in ("timed out", "timeout", "watchdog"))
                 raise ShardwiseError(
-                    f"rank {env.rank}: a collective did not complete within --collective-timeout "
-                    f"{cfg.collective_timeout:g}s during {self.phase}: another rank is hung or dead "
+                    f"rank {env.rank}: a collective " + (f"did not complete within --collective-timeout "
+                    f"{cfg.collective_timeout:g}s" if timed_out else "lost its peer") + f" during {self.phase}: "
+                    "another rank is hung or dead "
                     f"({str(e).strip().splitlines()[0][:160]})") from e
             raise
         finally:
@@ -412,8 +415,4 @@ def save_final(cfg, env, strategy, model, tokenizer, out) -> str:
     return final
 
 
-def _write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
-    os.replace(tmp, path)
+_write_json = atomic_write_json
