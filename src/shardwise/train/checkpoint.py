@@ -423,6 +423,6 @@ def check_resume(path: str, cfg, model_dir: str) -> list[str]:
                              "or start a new run in another --output-dir")
     changed = [f"{k} {old[k]} -> {getattr(cfg, k)}" for k in RESHAPE_FIELDS if k in old and old[k] != getattr(cfg, k)]
     if changed:
-        return [f"resuming {path} with a changed run shape ({', '.join(changed)}); the data order and the "
-                "loss trajectory differ from an uninterrupted run"]
+        return [(f"resuming {path} with a changed run shape ({', '.join(changed)}); the data order and the "
+                 "loss trajectory differ from an uninterrupted run")]
     return []
