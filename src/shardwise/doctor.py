@@ -161,11 +161,10 @@ def worker(out: str, sizes: list[int], iters: int) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     from datetime import timedelta
 
-    from shardwise.train.dist import tcp_store
+    from shardwise.train.dist import worker_store
 
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=rank == 0, world_size=n,
-                      timeout=timedelta(seconds=300))  # listens on MASTER_ADDR only
+    store = worker_store(rank, n, timedelta(seconds=300))  # listens on MASTER_ADDR only
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=n)
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda") if cuda else torch.device("cpu")

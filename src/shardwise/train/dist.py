@@ -29,8 +29,7 @@ def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
         timeout = timedelta(seconds=timeout_s)
         if "MASTER_ADDR" in os.environ:
             kw = {"device_id": device} if cuda else {}
-            store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=rank == 0,
-                              world_size=world, timeout=timeout, other_hosts=world > local_world)
+            store = worker_store(rank, world, timeout, other_hosts=world > local_world)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -59,6 +58,17 @@ def tcp_store(host: str, port: int, is_master: bool, timeout: timedelta, other_h
         sock.close()
         raise
     sock.detach()  # the store owns the descriptor now
+    return store
+
+
+def worker_store(rank: int, world: int, timeout: timedelta, other_hosts: bool = False) -> dist.Store:
+    """The store at MASTER_ADDR:MASTER_PORT that torchrun's agent prepared: rank 0 serves it
+    (listening on MASTER_ADDR only), unless the agent shares its own rendezvous store."""
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=rank == 0 and not agent_serves,
+                      world_size=world, timeout=timeout, other_hosts=other_hosts)
+    if agent_serves:  # one key space per attempt, as torch's env:// rendezvous does
+        return dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     return store
 
 
