@@ -76,8 +76,9 @@ def tamper_metadata(ck, payload: bytes) -> None:
     """Replace .metadata and, as an attacker could, keep meta.json's record consistent."""
     (ck / ".metadata").write_bytes(payload)
     meta = json.loads((ck / "meta.json").read_text())
-    meta["files"][".metadata"] = len(payload)
-    meta["metadata_sha256"] = hashlib.sha256(payload).hexdigest()
+    if "files" in meta:
+        meta["files"][".metadata"] = len(payload)
+        meta["metadata_sha256"] = hashlib.sha256(payload).hexdigest()
     (ck / "meta.json").write_text(json.dumps(meta))
 
 
