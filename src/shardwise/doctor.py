@@ -125,9 +125,10 @@ def measure(nproc: int, sizes, iters: int) -> dict:
 
     if not os.environ.get("SHARDWISE_DEBUG"):
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    from shardwise.launch import loopback_only
+
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"doctor-{uuid.uuid4().hex[:8]}",
-                      rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-                      start_method="spawn")
+                      max_restarts=0, monitor_interval=0.1, start_method="spawn", **loopback_only())
     env_threads = os.environ.get("OMP_NUM_THREADS")
     if env_threads is None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
@@ -156,7 +157,13 @@ def worker(out: str, sizes: list[int], iters: int) -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    from datetime import timedelta
+
+    from shardwise.train.dist import worker_store
+
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = worker_store(rank, n, timedelta(seconds=300))  # listens on MASTER_ADDR only
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=n)
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda") if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 
 from shardwise.errors import ShardwiseError
 
@@ -28,20 +29,26 @@ def resolve_checkpoint(path: str) -> str:
     newest = ckpt.latest(path) if os.path.isdir(path) else None
     if newest:
         return newest
+    if os.path.isdir(path) and ckpt.complete_checkpoints(path):
+        bad, why = ckpt.skipped_newer(path)[0]
+        raise ShardwiseError(f"{path}: no complete checkpoint (the newest, {bad}, is incomplete or corrupt: {why})")
     raise ShardwiseError(f"{path}: not a shardwise checkpoint (no meta.json) nor a run directory holding one")
 
 
 def export(checkpoint: str, out: str, merge_lora: bool = False) -> str:
+    if not out.strip():
+        raise ShardwiseError("--out: empty; give the directory to write, e.g. --out exported/")
+    out = os.path.abspath(out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):  # before the heavy imports
         raise ShardwiseError(f"--out {out}: exists and is not empty; choose a new directory")
     path = resolve_checkpoint(checkpoint)
 
     import torch
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from shardwise.config import from_dict
     from shardwise.train import checkpoint as ckpt
+    ckpt.verify(path)  # before anything of it is read: complete, and nothing in it can run code
     meta = ckpt.read_meta(path)
     cfg = from_dict(meta["config"])
     hf_dir = os.path.join(path, "hf")
@@ -54,26 +61,28 @@ def export(checkpoint: str, out: str, merge_lora: bool = False) -> str:
 
         model = apply_lora(model, cfg)
     state = {"model": model.state_dict()}
-    try:
-        dcp.load(state, checkpoint_id=path, no_dist=True)
-    except Exception as e:  # noqa: BLE001
-        raise ShardwiseError(f"{path}: cannot read the model from this checkpoint ({str(e).splitlines()[0][:200]})")
+    ckpt.load(path, state, no_dist=True)
     model.load_state_dict(state["model"])
     tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    tmp = out.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    if cfg.tuner != "full" and merge_lora:
-        model = model.merge_and_unload()
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    with open(os.path.join(tmp, "shardwise_export.json"), "w") as fh:
-        json.dump({"checkpoint": os.path.abspath(path), "step": meta["step"], "strategy": meta.get("strategy"),
-                   "world_size": meta.get("world_size"), "merged_lora": bool(merge_lora and cfg.tuner != "full")},
-                  fh, indent=1)
-    ckpt.apply_umask(tmp)
-    if os.path.isdir(out):
-        os.rmdir(out)
-    os.rename(tmp, out)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)  # ours alone
+    try:
+        if cfg.tuner != "full" and merge_lora:
+            model = model.merge_and_unload()
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        with open(os.path.join(tmp, "shardwise_export.json"), "w") as fh:
+            json.dump({"checkpoint": os.path.abspath(path), "step": meta["step"], "strategy": meta.get("strategy"),
+                       "world_size": meta.get("world_size"), "merged_lora": bool(merge_lora and cfg.tuner != "full")},
+                      fh, indent=1)
+        ckpt.apply_umask(tmp)
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty (checked above); fails rather than delete anything that appeared since
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 

@@ -129,11 +129,21 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     from shardwise.train import checkpoint as ckpt
 
     node0 = lock is not None
+    resume_from = None
     if cfg.resume not in ("auto", "none"):
         cfg.resume = os.path.abspath(cfg.resume)
         if not os.path.isfile(os.path.join(cfg.resume, ckpt.META)):
             raise ShardwiseError(f"{res.where('resume')}: {cfg.resume} is not a complete shardwise checkpoint "
                                  "(no meta.json); give a checkpoints/step_N directory or use --resume auto")
+        resume_from = cfg.resume
+    elif cfg.resume == "auto":
+        resume_from = ckpt.latest(cfg.output_dir)  # the workers choose the same one
+        skipped = ckpt.skipped_newer(cfg.output_dir)
+        if skipped:
+            say("--resume auto: skipped " + "; ".join(f"{p} ({why})" for p, why in skipped)
+                + f"; resuming from {resume_from or 'the start (no complete checkpoint left)'}")
+    if resume_from:
+        ckpt.verify(resume_from)  # complete, and nothing in it can run code when loaded
     world = cfg.nproc_per_node * cfg.nnodes
     if presets.base_strategy(cfg.strategy) == "single" and world > 1:
         raise ShardwiseError(f"{res.where('strategy')}: strategy 'single' runs one process, not {world}; "
@@ -143,6 +153,7 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     strategies.get(cfg.strategy)  # unknown / not installed -> one clear line now, not in N workers
 
     model_dir = check_model(cfg, res)
+    resume_notes = ckpt.check_resume(resume_from, cfg, model_dir) if resume_from else []
     check_fit(cfg, res, world, force)
     tokenizer = load_tokenizer(model_dir, cfg.trust_remote_code)
     if cfg.data == "demo":
@@ -182,8 +193,18 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     if stats and stats.skipped:
         msg += f"; {stats.skipped} bad records skipped (first: {stats.first_skipped})"
     say(msg)
+    for note in resume_notes:
+        say(note)
     if node0:
-        rundir.atomic_write(os.path.join(out, "config.yaml"), to_yaml(cfg, out))
+        if resume_from and os.path.isfile(os.path.join(out, "config.yaml")):
+            # the run's config.yaml stays as it was written; each resume is recorded beside it
+            record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "checkpoint": resume_from,
+                      "step": ckpt.read_meta(resume_from).get("step"), "notes": resume_notes,
+                      "config": dataclasses.asdict(cfg)}
+            with open(os.path.join(out, "resumes.jsonl"), "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        else:
+            rundir.atomic_write(os.path.join(out, "config.yaml"), to_yaml(cfg, out))
     job = {"config": dataclasses.asdict(cfg), "model_dir": model_dir, "data_file": data_file,
            "output_dir": out, "resume": cfg.resume}
     job_path = os.path.join(prep, "job.json")
@@ -267,16 +288,21 @@ def launch(p: Prepared) -> dict | None:
 
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 
+    os.environ["SHARDWISE_LAUNCHER_PID"] = str(os.getpid())  # workers die with this process
+    if multi:
+        register_rendezvous()
+        where = dict(rdzv_backend=RDZV_BACKEND, rdzv_endpoint=cfg.rdzv_endpoint,
+                     rdzv_configs={"is_host": cfg.node_rank == 0, "join_timeout": 300})
+    else:
+        where = loopback_only(int(cfg.rdzv_endpoint.rpartition(":")[2] or 0))
     # the agent's per-rank error files go to a temporary directory of this run's own, removed
     # after it (left to itself the agent leaves a $TMPDIR/torchelastic_* behind every run)
     agent_tmp = tempfile.mkdtemp(prefix="shardwise-agent-")
     lc = LaunchConfig(
         min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
         run_id=f"shardwise-{cfg.rdzv_endpoint}" if multi else f"shardwise-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=cfg.rdzv_endpoint if cfg.rdzv_endpoint else "localhost:0",
-        rdzv_configs={"is_host": cfg.node_rank == 0, "join_timeout": 300} if multi else {},
         max_restarts=cfg.max_restarts, monitor_interval=0.5, start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=agent_tmp),
+        logs_specs=DefaultLogsSpecs(log_dir=agent_tmp), **where,
     )
 
     if not os.environ.get("SHARDWISE_DEBUG"):
@@ -321,6 +347,48 @@ def _failure_report(output_dir: str, e, cfg: Config) -> str:
     if errors:
         return errors[min(errors)]
     return _failure_line(*failures[0])
+
+
+RDZV_BACKEND = "shardwise-c10d"
+
+
+def register_rendezvous() -> None:
+    """torchrun's c10d rendezvous, with its store listening on the rendezvous endpoint's
+    address only (torch's own binds every interface): 127.0.0.1 on one node, the given
+    --rdzv-endpoint host on several (a network the user must trust, as with torchrun)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+
+    if RDZV_BACKEND not in getattr(registry, "_registry", {}):
+        registry.register(RDZV_BACKEND, _rendezvous_handler)
+
+
+def loopback_only(port: int = 0) -> dict:
+    """LaunchConfig arguments (and the environment) for a one-machine group that listens
+    on 127.0.0.1 only: the rendezvous store, the workers' store (MASTER_ADDR) and gloo's or
+    NCCL's own sockets."""
+    register_rendezvous()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    return dict(rdzv_backend=RDZV_BACKEND, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"is_host": True},
+                local_addr="127.0.0.1")
+
+
+def _rendezvous_handler(params):
+    from datetime import timedelta
+
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    from shardwise.train.dist import tcp_store
+
+    class Backend(C10dRendezvousBackend):
+        name = RDZV_BACKEND
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    store = tcp_store(host, port, is_master=bool(params.get_as_bool("is_host", True)), multi_tenant=True,
+                      timeout=timedelta(seconds=params.get_as_int("read_timeout", 60)))
+    return create_handler(store, Backend(store, params.run_id), params)
 
 
 def _stopped_by_agent(f) -> bool:

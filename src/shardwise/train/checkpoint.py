@@ -3,30 +3,47 @@
 Layout: OUTPUT_DIR/checkpoints/step_00000100/ holding DCP shards (each rank writes its
 own; nothing is gathered on rank 0), meta.json (step, data position, world size, strategy)
 and rng/rank{R}.pt. A checkpoint is written to step_N.tmp and renamed only after every
-rank has finished, so a crash mid-save leaves the previous checkpoint intact; leftover
-.tmp directories are ignored and removed by the next save. Because DCP stores tensors by
-parameter name and reshards on load, a checkpoint saved on N ranks loads on M ranks, and
-one saved under ddp loads under fsdp and back.
+rank has finished, so a crash mid-save leaves the previous checkpoint intact; a leftover
+step_N.tmp is removed by the next save only if it holds the marker this module writes into
+every temporary directory it creates (nothing else is ever deleted). Because DCP stores
+tensors by parameter name and reshards on load, a checkpoint saved on N ranks loads on M
+ranks, and one saved under ddp loads under fsdp and back.
+
+Loading never runs code from a checkpoint: DCP unpickles `.metadata` and the non-tensor
+items of the shards; here `.metadata` goes through an unpickler that admits only DCP's own
+metadata classes and plain values, and non-tensor items through `torch.load(weights_only=True)`.
+meta.json records every file's size and the sha256 of `.metadata`, so a truncated or
+missing file is found before anything is loaded (shards are not hashed: that would read
+every byte of a large checkpoint).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
+import io
 import json
 import os
+import pickle
 import re
 import shutil
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from shardwise.errors import ShardwiseError
 from shardwise.train import dist as sdist
 from shardwise.train.faults import Faults
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
+TMP_RE = re.compile(r"^step_\d{8}\.tmp$")
 META = "meta.json"
+DCP_METADATA = ".metadata"
+PARTIAL_MARKER = ".shardwise-partial"  # in a temporary checkpoint directory this module created
 
 
 def ckpt_root(output_dir: str) -> str:
@@ -42,8 +59,22 @@ def complete_checkpoints(output_dir: str) -> list[str]:
 
 
 def latest(output_dir: str) -> str | None:
-    ckpts = complete_checkpoints(output_dir)
-    return ckpts[-1] if ckpts else None
+    """The newest checkpoint that passes the cheap completeness check (`problem`)."""
+    for path in reversed(complete_checkpoints(output_dir)):
+        if problem(path) is None:
+            return path
+    return None
+
+
+def skipped_newer(output_dir: str) -> list[tuple[str, str]]:
+    """(path, what is wrong) of every checkpoint newer than `latest` (incomplete or corrupt)."""
+    out = []
+    for path in reversed(complete_checkpoints(output_dir)):
+        why = problem(path)
+        if why is None:
+            break
+        out.append((path, why))
+    return out
 
 
 def read_meta(path: str) -> dict:
@@ -65,6 +96,11 @@ def save(output_dir: str, step: int, state: dict, meta: dict, rank: int, keep: i
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         remove_partial(output_dir)
+        if os.path.lexists(tmp):
+            raise ShardwiseError(f"{tmp} exists and was not made by shardwise (no {PARTIAL_MARKER}); "
+                                 "move it away, then resume with --resume auto")
+        os.mkdir(tmp)
+        open(os.path.join(tmp, PARTIAL_MARKER), "w").close()
     sdist.barrier()
     try:
         dcp.save(state, checkpoint_id=tmp)
@@ -75,7 +111,7 @@ def save(output_dir: str, step: int, state: dict, meta: dict, rank: int, keep: i
         Faults(rank).during_save(step)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's exception is a BaseException
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_own_tmp(tmp)
         full = _is_disk_full(e) or _free_bytes(root) < 64 * 2**20
         prev = latest(output_dir) or "none"
         raise ShardwiseError(
@@ -85,12 +121,19 @@ def save(output_dir: str, step: int, state: dict, meta: dict, rank: int, keep: i
         ) from e
     sdist.barrier()
     if rank == 0:
+        os.remove(os.path.join(tmp, PARTIAL_MARKER))
+        meta = {**meta, **file_record(tmp)}
+        if model_dir:
+            meta["model_arch"] = model_arch(model_dir)
         with open(os.path.join(tmp, META), "w") as fh:
             json.dump(meta, fh, indent=1)
             fh.flush()
             os.fsync(fh.fileno())
         apply_umask(tmp)
-        if os.path.exists(final):
+        if os.path.exists(final):  # an older run of this directory saved this step (resumed from before it)
+            if not os.path.isfile(os.path.join(final, META)):
+                raise ShardwiseError(f"{final} exists and is not a shardwise checkpoint; move it away, then resume "
+                                     "with --resume auto")
             shutil.rmtree(final)
         os.rename(tmp, final)
         for old in complete_checkpoints(output_dir)[:-keep]:
@@ -100,12 +143,176 @@ def save(output_dir: str, step: int, state: dict, meta: dict, rank: int, keep: i
 
 
 def remove_partial(output_dir: str) -> None:
-    """Delete the debris of interrupted saves (step_N.tmp); complete ones are untouched."""
+    """Delete the debris of interrupted saves: step_N.tmp directories holding our marker.
+    Complete checkpoints and anything without the marker are untouched."""
     root = ckpt_root(output_dir)
     if os.path.isdir(root):
         for d in os.listdir(root):
-            if d.endswith(".tmp"):
-                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+            if TMP_RE.match(d):
+                _remove_own_tmp(os.path.join(root, d))
+
+
+def _remove_own_tmp(path: str) -> None:
+    if not os.path.islink(path) and os.path.isfile(os.path.join(path, PARTIAL_MARKER)):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# -- what a checkpoint records about itself, and its verification ---------------------------
+
+ARCH_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "vocab_size", "intermediate_size")
+
+
+def model_arch(model_dir: str) -> dict:
+    """The architecture-defining fields of a Hugging Face config.json (absent ones are None)."""
+    with open(os.path.join(model_dir, "config.json")) as fh:
+        c = json.load(fh)
+    arch = {k: c.get(k) for k in ARCH_FIELDS}
+    if arch["num_key_value_heads"] is None:
+        arch["num_key_value_heads"] = arch["num_attention_heads"]
+    return arch
+
+
+def file_record(path: str) -> dict:
+    """Sizes of every file of a checkpoint directory and the sha256 of DCP's .metadata."""
+    sizes = {}
+    for base, _dirs, files in os.walk(path):
+        for f in files:
+            full = os.path.join(base, f)
+            sizes[os.path.relpath(full, path)] = os.path.getsize(full)
+    return {"files": sizes, "metadata_sha256": _sha256(os.path.join(path, DCP_METADATA))}
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def problem(path: str) -> str | None:
+    """What makes this checkpoint unusable (missing/truncated files, a changed .metadata),
+    or None. Cheap: sizes, and one hash of the small .metadata file."""
+    try:
+        with open(os.path.join(path, META)) as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError) as e:
+        return f"{META} unreadable ({_first_line(e)})"
+    if not isinstance(meta, dict):
+        return f"{META} is not a JSON object"
+    md = os.path.join(path, DCP_METADATA)
+    if not os.path.isfile(md):
+        return f"{DCP_METADATA} is missing"
+    for rel, size in (meta.get("files") or {}).items():
+        f = os.path.join(path, rel)
+        if not os.path.isfile(f):
+            return f"{rel} is missing"
+        if os.path.getsize(f) != size:
+            return f"{rel} has {os.path.getsize(f)} bytes, {size} were written"
+    if meta.get("metadata_sha256") and _sha256(md) != meta["metadata_sha256"]:
+        return f"{DCP_METADATA} differs from the one written (sha256)"
+    return None
+
+
+class CorruptCheckpoint(ShardwiseError):
+    pass
+
+
+def verify(path: str) -> dcp_metadata.Metadata:
+    """Refuse a checkpoint that is incomplete, corrupt or asks to run code; returns DCP's
+    metadata, read without running anything. Every byte range it names must exist."""
+    why = problem(path)
+    if why is not None:
+        raise CorruptCheckpoint(f"checkpoint {path} is incomplete or corrupt: {why}; use an older checkpoint "
+                                "(--resume auto picks the newest complete one)")
+    md = read_dcp_metadata(path)
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        f = os.path.join(path, str(rel))
+        if not isinstance(rel, str) or os.path.dirname(rel) or not os.path.isfile(f):
+            raise CorruptCheckpoint(f"checkpoint {path} is incomplete or corrupt: shard {rel} named by "
+                                    f"{DCP_METADATA} is missing")
+        if info.offset + info.length > os.path.getsize(f):
+            raise CorruptCheckpoint(f"checkpoint {path} is incomplete or corrupt: shard {rel} is truncated "
+                                    f"({os.path.getsize(f)} bytes, needs {info.offset + info.length})")
+    return md
+
+
+_METADATA_CLASSES = frozenset(n for n, v in vars(dcp_metadata).items()
+                              if isinstance(v, type) and v.__module__ == dcp_metadata.__name__)
+_SAFE_GLOBALS = frozenset({
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+    *(("builtins", n) for n in ("set", "frozenset", "tuple", "list", "dict", "int", "float", "complex", "bool", "str",
+                                "bytes", "bytearray", "slice")),
+})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses, torch dtypes/Size/layouts and plain values only."""
+
+    def __init__(self, data: bytes, where: str):
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        ok = ((module == dcp_metadata.__name__ and name in _METADATA_CLASSES) or (module, name) in _SAFE_GLOBALS
+              or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not ok:
+            raise ShardwiseError(f"checkpoint {self.where}: refused to load: its {DCP_METADATA} asks for "
+                                 f"'{module}.{name}', which a checkpoint never needs (a tampered or foreign file; "
+                                 "loading it could run code); nothing was loaded")
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("persistent ids are not allowed")
+
+
+def read_dcp_metadata(path: str, filename: str = DCP_METADATA) -> dcp_metadata.Metadata:
+    try:
+        with open(os.path.join(path, filename), "rb") as fh:
+            data = fh.read()
+    except OSError as e:
+        raise CorruptCheckpoint(f"checkpoint {path}: cannot read {filename} ({e.strerror})")
+    try:
+        md = _MetadataUnpickler(data, path).load()
+    except ShardwiseError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged pickle raises almost anything
+        raise CorruptCheckpoint(f"checkpoint {path} is incomplete or corrupt: {filename} unreadable "
+                                f"({_first_line(e)})")
+    if not isinstance(md, dcp_metadata.Metadata):
+        raise CorruptCheckpoint(f"checkpoint {path} is incomplete or corrupt: {filename} holds no DCP metadata")
+    return md
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with .metadata read by the restricted unpickler."""
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        rank = kwargs.get("rank")
+        md = read_dcp_metadata(str(self.path), DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}")
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = dcp_metadata.StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, with non-tensor items (optimizer hyper-parameters, ...) checked by
+    torch's weights_only unpickler before DCP reads them."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise ShardwiseError(f"refused to load item {read_item.dest_index.fqn} of the checkpoint: "
+                                 f"{_first_line(e)}; nothing from it was used")
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -124,6 +331,7 @@ def apply_umask(path: str) -> None:
     """Some writers create files 0600; give everything the user's umask like any other file."""
     mask = os.umask(0)
     os.umask(mask)
+    os.chmod(path, 0o777 & ~mask)
     for base, dirs, files in os.walk(path):
         for f in files:
             os.chmod(os.path.join(base, f), 0o666 & ~mask)
@@ -155,9 +363,20 @@ def _first_line(e: BaseException) -> str:
     return (text[0] if text else type(e).__name__)[:200]
 
 
-def load(path: str, state: dict) -> None:
-    """Fill `state` (from strategy.state_dict) in place from a checkpoint, resharding."""
-    dcp.load(state, checkpoint_id=path)
+def load(path: str, state: dict, no_dist: bool = False) -> None:
+    """Fill `state` (from strategy.state_dict) in place from a checkpoint, resharding;
+    verified first, and read without running anything it holds."""
+    verify(path)
+    try:
+        dcp.load(state, checkpoint_id=path, storage_reader=SafeReader(path), planner=SafeLoadPlanner(),
+                 no_dist=no_dist)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's exception is a BaseException
+        inner = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+        ours = [x for x in (e, *inner) if isinstance(x, ShardwiseError)]
+        if ours:
+            raise ShardwiseError(str(ours[0])) from None
+        raise ShardwiseError(f"checkpoint {path}: cannot load it ({_first_line(inner[0] if inner else e)}); it "
+                             "may not match this model or tuner") from None
 
 
 def rng_state() -> dict:
@@ -176,3 +395,34 @@ def restore_rng(path: str, rank: int) -> bool:
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state(st["cuda"])
     return True
+
+
+RESHAPE_FIELDS = ("seq_len", "micro_batch_size", "grad_accum")
+
+
+def check_resume(path: str, cfg, model_dir: str) -> list[str]:
+    """Refuse resuming `path` into a different model or adapter (naming the differing
+    fields); return one note per allowed change of the run's shape."""
+    meta = read_meta(path)
+    saved = meta.get("model_arch")
+    if saved is None and os.path.isfile(os.path.join(path, "hf", "config.json")):
+        saved = model_arch(os.path.join(path, "hf"))  # written before model_arch was recorded
+    diff = []
+    if saved is not None:
+        now = model_arch(model_dir)
+        diff = [f"{k} {saved.get(k)} -> {now.get(k)}" for k in ARCH_FIELDS if saved.get(k) != now.get(k)]
+    old = meta.get("config") or {}
+    old_lora = old.get("lora") or {}
+    for key, before, after in (("tuner", old.get("tuner"), cfg.tuner), ("lora.r", old_lora.get("r"), cfg.lora.r),
+                               ("lora.targets", old_lora.get("targets"), cfg.lora.targets)):
+        if before is not None and before != after and (key == "tuner" or cfg.tuner != "full"):
+            diff.append(f"{key} {before} -> {after}")
+    if diff:
+        raise ShardwiseError(f"--resume {path}: the checkpoint was trained with a different model: {', '.join(diff)}; "
+                             f"resume with the model and tuner it was saved with (--model {old.get('model', '?')}), "
+                             "or start a new run in another --output-dir")
+    changed = [f"{k} {old[k]} -> {getattr(cfg, k)}" for k in RESHAPE_FIELDS if k in old and old[k] != getattr(cfg, k)]
+    if changed:
+        return [(f"resuming {path} with a changed run shape ({', '.join(changed)}); the data order and the "
+                 "loss trajectory differ from an uninterrupted run")]
+    return []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -28,10 +29,47 @@ def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
         timeout = timedelta(seconds=timeout_s)
         if "MASTER_ADDR" in os.environ:
             kw = {"device_id": device} if cuda else {}
-            dist.init_process_group(backend, timeout=timeout, **kw)
+            store = worker_store(rank, world, timeout, other_hosts=world > local_world)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistEnv(rank, world, local_rank, local_world, device, backend)
+
+
+def tcp_store(host: str, port: int, is_master: bool, timeout: timedelta, other_hosts: bool = False,
+              **kw) -> dist.TCPStore:
+    """A TCPStore whose server listens on `host`'s address only. torch's binds every
+    interface; here the listening socket is made and bound first, then handed over. With
+    `other_hosts` (ranks on other machines) a host name that resolves to a loopback address
+    here (a common /etc/hosts entry) cannot serve them: then every interface, as torch does."""
+    if not is_master:
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout, **kw)
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    if other_hosts and addr[0].startswith(("127.", "::1")):
+        family, addr = socket.AF_INET, ("0.0.0.0", port)
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(host, port, is_master=True, timeout=timeout, master_listen_fd=sock.fileno(), **kw)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    return store
+
+
+def worker_store(rank: int, world: int, timeout: timedelta, other_hosts: bool = False) -> dist.Store:
+    """The store at MASTER_ADDR:MASTER_PORT that torchrun's agent prepared: rank 0 serves it
+    (listening on MASTER_ADDR only), unless the agent shares its own rendezvous store."""
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=rank == 0 and not agent_serves,
+                      world_size=world, timeout=timeout, other_hosts=other_hosts)
+    if agent_serves:  # one key space per attempt, as torch's env:// rendezvous does
+        return dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return store
 
 
 def barrier() -> None:

@@ -3,8 +3,10 @@ elastic agent), or `run_job(path)` in-process for a single process."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -22,9 +24,25 @@ def run_job(path: str) -> dict:
     return run(job)
 
 
+def die_with_launcher() -> None:
+    """SIGKILL this worker when its parent (the launcher, which runs torchrun's elastic
+    agent in-process) dies, even by kill -9: workers start in sessions of their own, so
+    nothing else would stop them. What they leave is the last complete checkpoint."""
+    launcher = int(os.environ.get("SHARDWISE_LAUNCHER_PID", "0"))
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != launcher:  # the launcher died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    die_with_launcher()
     from shardwise.train.loop import Preempted
 
     try:
