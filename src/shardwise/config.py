@@ -71,11 +71,16 @@ class Config:
     trust_remote_code: bool = _f(False, "Allow custom modelling code from the model directory (off: never run code from a model dir).")
     tuner: str = _f("full", "What to train: all weights, LoRA adapters, or LoRA on a 4-bit base (QLoRA, CUDA only).", ("full", "lora", "qlora"))
     # data
-    data: str = _f("demo", "A JSONL file (or a directory of them), or 'demo' for the built-in synthetic instruction set.")
-    data_format: str = _f("auto", "Record format; 'auto' detects it per file from the first record.", ("auto", "messages", "alpaca", "text"))
+    data: str = _f("demo", "What to train on: a data file (JSONL, JSON array, CSV/TSV, Parquet, Arrow), a directory of them, a saved `datasets` directory, or 'demo' (the built-in synthetic instruction set); several mixed as PATH:WEIGHT,... (a decimal weight) or PATH:COUNT (a number of examples), in YAML also a list. See docs/data.md.")
+    data_format: str = _f("auto", "Record format; 'auto' detects it per file from the first record.", ("auto", "messages", "sharegpt", "alpaca", "text"))
     seq_len: int = _f(1024, "Maximum tokens per sequence; longer examples are truncated (counted and reported).")
     packing: bool = _f(False, "Pack several examples into one sequence; attention never crosses example boundaries.")
     skip_bad_records: bool = _f(False, "Skip malformed records (and report how many) instead of stopping at the first.")
+    columns: str = _f("", "Rename data columns before the format is detected: COLUMN=NAME,... with NAME one of messages, conversations, instruction, input, output, system, history, text (in YAML also a mapping).")
+    chat_template: str = _f("", "Chat template for chat data, replacing the tokenizer's own: a shipped NAME (chatml, gemma, llama3, mistral, qwen) or a Jinja FILE; empty keeps the tokenizer's.")
+    system: str = _f("", "Default system prompt, added to conversations that have none.")
+    train_on_prompt: bool = _f(False, "Put loss on every token of a conversation (system and user turns too), not only on the assistant turns.")
+    last_turn_only: bool = _f(False, "Put loss on the last assistant turn of each conversation only; earlier turns are context.")
     # strategy and launch
     strategy: str = _f("ddp", "Strategy or preset: " + ", ".join(presets.known_names()) + ".")
     nproc_per_node: int = _f(0, "Processes per node; 0 means one per GPU, or 2 on a CPU-only machine.")
@@ -271,12 +276,59 @@ def _yaml_with_lines(path: str) -> dict[str, tuple[Any, str]]:
     return out
 
 
+def _data_list(value: Any, where: str) -> str:
+    """A YAML list of data sources -> the flag form 'a.jsonl:0.7,b.parquet:300'."""
+    if not isinstance(value, list):
+        raise ShardwiseError(f"{where}: 'data' must be a path, PATH:WEIGHT,... or a list of sources")
+    items = []
+    for i, v in enumerate(value, 1):
+        if isinstance(v, dict):
+            extra = set(v) - {"path", "weight", "count"}
+            if not isinstance(v.get("path"), str) or extra or ("weight" in v and "count" in v):
+                raise ShardwiseError(f"{where}: data source {i} must be {{path: P}} with one of weight: W or "
+                                     f"count: N, got {show(v)}")
+            item = v["path"]
+            try:
+                if "weight" in v:
+                    w = float(v["weight"])
+                    text = repr(w) if "e" not in repr(w) else f"{w:.15f}".rstrip("0")
+                    item += ":" + text
+                elif "count" in v:
+                    if isinstance(v["count"], bool) or int(v["count"]) != v["count"]:
+                        raise ValueError
+                    item += f":{int(v['count'])}"
+            except (TypeError, ValueError):
+                raise ShardwiseError(f"{where}: data source {i}: weight must be a number and count an integer, "
+                                     f"got {show(v)}") from None
+        elif isinstance(v, str):
+            item = v
+        else:
+            raise ShardwiseError(f"{where}: data source {i} must be a path or {{path, weight|count}}, got {show(v)}")
+        if "," in item:
+            raise ShardwiseError(f"{where}: data source {i} ({item!r}) has a ',' in its path; rename it")
+        items.append(item)
+    return ",".join(items)
+
+
+def _columns_map(value: Any, where: str) -> str:
+    """A YAML mapping {column: name} -> the flag form 'column=name,...'."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ShardwiseError(f"{where}: 'columns' must map column names to names (e.g. prompt: instruction)")
+    return ",".join(f"{k}={v}" for k, v in value.items())
+
+
+# string keys whose YAML value may also be a list or a mapping, and how it becomes the string
+STRUCTURED = {"data": _data_list, "columns": _columns_map}
+
+
 def _coerce(key: str, value: Any, where: str) -> Any:
     fi = FIELDS.get(key)
     if fi is None:
         close = difflib.get_close_matches(key[:100], list(FIELDS), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else f"; known keys: {', '.join(FIELDS)}"
         raise ShardwiseError(f"{where}: unknown key {show(key)}{hint}")
+    if key in STRUCTURED and isinstance(value, (list, dict)):
+        value = STRUCTURED[key](value, where)
     t = fi.type
     try:
         if t is bool:
@@ -429,6 +481,14 @@ def validate(res: Resolved) -> None:
                                      and int(c.fsdp.wrap[5:]) > 0),
          "fsdp.wrap", f"fsdp.wrap must be 'block' or 'size:N' with N > 0, got '{c.fsdp.wrap}'")
     need(c.fsdp.shard_group_size >= 0, "fsdp.shard_group_size", "fsdp.shard_group_size must be >= 0")
+    from shardwise.data.formats import parse_columns
+    from shardwise.data.sources import parse_data_spec
+
+    parse_data_spec(c.data, w("data"))
+    parse_columns(c.columns, w("columns"))
+    need(not (c.train_on_prompt and c.last_turn_only), "last_turn_only",
+         "train_on_prompt (loss on every turn) and last_turn_only (loss on the last assistant turn) contradict "
+         "each other; set one of them")
 
     base = presets.base_strategy(c.strategy) if c.strategy in presets.PRESETS else c.strategy
     # Options that belong to another strategy, set explicitly, are a mistake worth a line.

@@ -123,8 +123,9 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
 def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: bool) -> Prepared:
     from safetensors.torch import save_file
 
-    from shardwise.data.encode import encode
-    from shardwise.data.formats import demo_dataset, read_records
+    from shardwise.data.encode import ChatOptions, encode
+    from shardwise.data.sources import load_records
+    from shardwise.data.templates import use_chat_template
     from shardwise.models.load import load_tokenizer
     from shardwise.train import checkpoint as ckpt
 
@@ -156,11 +157,9 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     resume_notes = ckpt.check_resume(resume_from, cfg, model_dir) if resume_from else []
     check_fit(cfg, res, world, force)
     tokenizer = load_tokenizer(model_dir, cfg.trust_remote_code)
-    if cfg.data == "demo":
-        records, stats = demo_dataset(), None
-    else:
-        records, stats = read_records(cfg.data, cfg.data_format, cfg.skip_bad_records)
-    encoded = encode(records, tokenizer, cfg.seq_len, cfg.packing)
+    use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
+    records, stats = load_records(cfg.data, cfg.data_format, cfg.skip_bad_records, cfg.columns, cfg.seed, res.where("data"))
+    encoded = encode(records, tokenizer, cfg.seq_len, cfg.packing, ChatOptions.from_config(cfg))
     global_batch = cfg.micro_batch_size * cfg.grad_accum * world
     if len(encoded) < global_batch:
         raise ShardwiseError(f"the dataset has {len(encoded)} sequences, fewer than one global batch of "
@@ -192,6 +191,7 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
         msg += f"; {st['dropped_no_loss_tokens']} dropped (no loss token left after truncation)"
     if stats and stats.skipped:
         msg += f"; {stats.skipped} bad records skipped (first: {stats.first_skipped})"
+    msg += f"; {stats.mix}" if stats and stats.mix else ""
     say(msg)
     for note in resume_notes:
         say(note)

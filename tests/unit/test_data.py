@@ -69,7 +69,7 @@ def test_empty_after_filtering_is_an_error(tmp_path):
 def test_missing_path_and_empty_dir(tmp_path):
     with pytest.raises(ShardwiseError, match="no such file or directory"):
         read_records(str(tmp_path / "nope.jsonl"))
-    with pytest.raises(ShardwiseError, match="no .jsonl files"):
+    with pytest.raises(ShardwiseError, match="no data files in this directory"):
         read_records(str(tmp_path))
 
 

@@ -1,11 +1,17 @@
 """Records -> token ids and next-token targets (labels already shifted, -100 = no loss).
 
-Chat records are rendered with the tokenizer's chat template; only the assistant turns
-(content and the template's end-of-turn marker) carry loss. The assistant spans are found
-by rendering growing prefixes of the conversation, so any template that renders a prefix
-of a conversation as a prefix of the whole works, with no special template markers.
-Targets are shifted here, so packing can concatenate examples without a label leaking
-across an example boundary.
+Chat records are rendered with the tokenizer's chat template (or the one --chat-template
+names); by default the assistant turns (content and the template's end-of-turn marker)
+carry loss, with --last-turn-only only the last assistant turn, with --train-on-prompt
+every token of the conversation. The turn spans are found by rendering growing prefixes of
+the conversation, so any template that renders a prefix of a conversation as a prefix of
+the whole works, with no special template markers. Targets are shifted here, so packing
+can concatenate examples without a label leaking across an example boundary.
+
+Memory per record is bounded before tokenizing: a record's text beyond
+(seq_len + 1) * CHARS_PER_TOKEN_BOUND characters is cut (and the record counted as
+truncated), since it could not fit in seq_len tokens anyway: no tokenizer we know averages
+more than about 10 characters per token over a span, and 32 leaves room to spare.
 """
 
 from __future__ import annotations
@@ -18,6 +24,20 @@ from shardwise.data.formats import Record
 from shardwise.errors import ShardwiseError
 
 IGNORE = -100
+CHARS_PER_TOKEN_BOUND = 32
+
+
+@dataclass
+class ChatOptions:
+    """How chat records become examples (config keys system, train_on_prompt, last_turn_only)."""
+
+    system: str = ""  # default system prompt for conversations without one
+    train_on_prompt: bool = False  # loss on every token, the user and system turns too
+    last_turn_only: bool = False  # loss on the last assistant turn only
+
+    @classmethod
+    def from_config(cls, cfg) -> "ChatOptions":
+        return cls(cfg.system, cfg.train_on_prompt, cfg.last_turn_only)
 
 
 @dataclass
@@ -46,37 +66,83 @@ class Encoded:
         return cls(split(t["input_ids"]), split(t["targets"]), split(t["position_ids"]), [""] * len(lens))
 
 
-def assistant_spans(tokenizer, messages: list[dict], source: str) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans that carry loss."""
-    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
-    full = render(messages, False)
+def _render(tokenizer, msgs: list[dict], gen: bool, source: str) -> str:
+    try:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    except Exception as e:  # jinja raises TemplateError / TypeError / ...; templates raise their own
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ShardwiseError(f"{source}: the chat template cannot render this conversation ({detail}); fix the "
+                             "record or choose another template with --chat-template") from None
+
+
+def assistant_spans(tokenizer, messages: list[dict], source: str,
+                    turns: list[int] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans that carry loss: those of the
+    assistant turns `turns` (default: every assistant turn)."""
+    full = _render(tokenizer, messages, False, source)
+    if turns is None:
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        start = len(render(messages[:i], True)) if i else 0
-        end_text = render(messages[: i + 1], False)
+    for i in turns:
+        start = len(_render(tokenizer, messages[:i], True, source)) if i else 0
+        end_text = _render(tokenizer, messages[: i + 1], False, source)
         if not full.startswith(end_text) or start > len(end_text):
             raise ShardwiseError(f"{source}: the chat template does not render a conversation prefix as a prefix "
-                                 "of the whole, so assistant turns cannot be located; use text-format data")
+                                 "of the whole, so assistant turns cannot be located; use text-format data or "
+                                 "another --chat-template")
         spans.append((start, len(end_text)))
     return full, spans
 
 
-def encode_record(tokenizer, rec: Record) -> tuple[list[int], list[int]]:
-    """(input_ids, loss mask per token) for one record, untruncated."""
+def bound_chat(messages: list[dict], opts: ChatOptions, budget: int | None) -> tuple[list[dict], list[int], bool]:
+    """(messages, the assistant turns that carry loss, whether text was cut): the default
+    system prompt added, then the contents cut to `budget` characters in order."""
+    msgs = list(messages)
+    if opts.system and msgs[0]["role"] != "system":
+        msgs.insert(0, {"role": "system", "content": opts.system})
+    turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    if opts.last_turn_only:
+        turns = turns[-1:]
+    cut = False
+    if budget is not None and sum(len(m["content"]) for m in msgs) > budget:
+        kept, used = [], 0
+        for m in msgs:
+            if used >= budget:
+                break
+            c = m["content"][: budget - used]
+            kept.append({"role": m["role"], "content": c})
+            used += len(c)
+        msgs, cut = kept, True
+        turns = [i for i in turns if i < len(msgs)]
+    return msgs, turns, cut
+
+
+def encode_record(tokenizer, rec: Record, opts: ChatOptions | None = None,
+                  budget: int | None = None) -> tuple[list[int], list[int], bool]:
+    """(input_ids, loss mask per token, whether the text was cut to `budget` characters)
+    for one record, not yet truncated to seq_len."""
+    opts = opts or ChatOptions()
     if rec.kind == "text":
-        ids = tokenizer(rec.payload, add_special_tokens=True)["input_ids"]
-        if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        text, cut = rec.payload, False
+        if budget is not None and len(text) > budget:
+            text, cut = text[:budget], True
+        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        if not cut and tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
             ids = ids + [tokenizer.eos_token_id]
-        return ids, [1] * len(ids)
-    text, spans = assistant_spans(tokenizer, rec.payload, rec.source)
+        return ids, [1] * len(ids), cut
+    msgs, turns, cut = bound_chat(rec.payload, opts, budget)
+    if opts.train_on_prompt:
+        text, spans = _render(tokenizer, msgs, False, rec.source), None
+    else:
+        text, spans = assistant_spans(tokenizer, msgs, rec.source, turns)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    if spans is None:
+        return ids, [1] * len(ids), cut
     mask = []
     for s, e in offsets:
         mask.append(int(any(a <= s < b for a, b in spans) and e > s))
-    return ids, mask
+    return ids, mask, cut
 
 
 def shift(ids: list[int], mask: list[int]) -> list[int]:
@@ -84,16 +150,22 @@ def shift(ids: list[int], mask: list[int]) -> list[int]:
     return [ids[i + 1] if mask[i + 1] else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
 
 
-def encode(records: list[Record], tokenizer, seq_len: int, packing: bool) -> Encoded:
+def encode(records: list[Record], tokenizer, seq_len: int, packing: bool,
+           options: ChatOptions | None = None) -> Encoded:
     if any(r.kind == "chat" for r in records) and not getattr(tokenizer, "chat_template", None):
-        raise ShardwiseError("the tokenizer has no chat template but the data is chat (messages/alpaca); "
-                             "use a model whose tokenizer has one, or text-format data")
+        raise ShardwiseError("the tokenizer has no chat template but the data is chat (messages/sharegpt/alpaca); "
+                             "pass --chat-template NAME (chatml, llama3, qwen, mistral, gemma) or a Jinja FILE, "
+                             "or use text-format data")
+    if options and options.train_on_prompt and options.last_turn_only:
+        raise ShardwiseError("--train-on-prompt (loss on every turn) and --last-turn-only (loss on the last "
+                             "assistant turn) contradict each other; pass one of them")
+    budget = (seq_len + 1) * CHARS_PER_TOKEN_BOUND
     rows_in, rows_tg, sources = [], [], []
     truncated = dropped = 0
     for rec in records:
-        ids, mask = encode_record(tokenizer, rec)
+        ids, mask, cut = encode_record(tokenizer, rec, options, budget)
         # +1 so the last kept input still has its next token as a target
-        if len(ids) > seq_len + 1:
+        if cut or len(ids) > seq_len + 1:
             truncated += 1
             ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
         tg = shift(ids, mask)[:seq_len]

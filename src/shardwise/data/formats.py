@@ -1,30 +1,38 @@
-"""JSONL records in three formats, detected per file, validated with file:line errors.
+"""Record formats: detect, validate and normalise one record (a dict) with a 'where' for errors.
 
 - messages: {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
-- alpaca:   {"instruction": str, "input": str (optional), "output": str}
+- sharegpt: {"conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...], "system": str?}
+            (roles human/user, gpt/assistant/chatgpt/model/bard/bing, system; `role`/`content`
+            keys are accepted too)
+- alpaca:   {"instruction": str, "input": str?, "output": str, "system": str?,
+             "history": [[instruction, output], ...]?}  (history = earlier turns, in order)
 - text:     {"text": str}
-Every record becomes {"messages": [...]} (alpaca is turned into a user/assistant pair) or
-{"text": ...}, with its source "file:line".
+Every record becomes a chat Record (a list of {role, content}) or a text Record, with its
+source ("file:line" or "file:row N"). Column mapping (`--columns prompt=instruction,...`)
+renames a record's keys before detection, so other names reach these four formats.
+Reading files is sources.py's job; this module never opens one.
 """
 
 from __future__ import annotations
 
-import glob
-import json
-import os
 from dataclasses import dataclass, field
 
 from shardwise.errors import ShardwiseError
 
 ROLES = ("system", "user", "assistant")
-FORMATS = ("messages", "alpaca", "text")
+FORMATS = ("messages", "sharegpt", "alpaca", "text")
+# the names --columns may map a column to
+TARGET_COLUMNS = ("messages", "conversations", "instruction", "input", "output", "system", "history", "text")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "model": "assistant", "bard": "assistant", "bing": "assistant",
+                  "system": "system"}
 
 
 @dataclass
 class Record:
     kind: str  # "chat" or "text"
     payload: list | str  # messages or text
-    source: str  # "file:line"
+    source: str  # "file:line" / "file:row N"
 
 
 @dataclass
@@ -33,120 +41,139 @@ class ReadStats:
     records: int = 0
     skipped: int = 0
     first_skipped: str = ""
+    mix: str = ""  # how several sources were mixed, for the launch line ("" for one source)
 
 
 class BadRecord(Exception):
-    pass
+    """One record is malformed: skippable with --skip-bad-records."""
 
 
 def detect_format(obj: dict) -> str | None:
-    if "messages" in obj:
+    if "messages" in obj and obj["messages"] is not None:
         return "messages"
-    if "instruction" in obj and "output" in obj:
+    if "conversations" in obj and obj["conversations"] is not None:
+        return "sharegpt"
+    if obj.get("instruction") is not None and "output" in obj:
         return "alpaca"
-    if "text" in obj:
+    if "text" in obj and obj["text"] is not None:
         return "text"
     return None
 
 
-def _parse(obj, fmt: str) -> tuple[str, list | str]:
+def parse_columns(spec: str, where: str = "--columns") -> dict[str, str]:
+    """'prompt=instruction,answer=output' -> {"prompt": "instruction", "answer": "output"}."""
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in (spec or "").split(","))):
+        src, eq, dst = item.partition("=")
+        src, dst = src.strip(), dst.strip()
+        if not eq or not src or not dst:
+            raise ShardwiseError(f"{where}: '{item}' is not COLUMN=NAME; e.g. --columns prompt=instruction,answer=output")
+        if dst not in TARGET_COLUMNS:
+            raise ShardwiseError(f"{where}: '{item}' maps to unknown name '{dst}'; map columns to one of "
+                                 f"{', '.join(TARGET_COLUMNS)}")
+        out[src] = dst
+    return out
+
+
+def rename(obj, columns: dict[str, str]):
+    if not columns or not isinstance(obj, dict):
+        return obj
+    out = {k: v for k, v in obj.items() if k not in columns}
+    out.update({dst: obj[src] for src, dst in columns.items() if src in obj})
+    return out
+
+
+def undetectable(where: str, obj) -> ShardwiseError:
+    keys = ", ".join(map(str, list(obj)[:8])) if isinstance(obj, dict) else f"a JSON {type(obj).__name__}"
+    return ShardwiseError(f"{where}: cannot detect the data format (found {keys}): expected 'messages', "
+                          "'conversations' (ShareGPT), 'instruction' + 'output' (alpaca) or 'text'; rename "
+                          "columns with --columns COLUMN=NAME (e.g. prompt=instruction,answer=output) "
+                          "or set --data-format")
+
+
+def _str(obj: dict, key: str, required: bool) -> str | None:
+    v = obj.get(key)
+    if v is None:
+        if required:
+            raise BadRecord(f"missing field '{key}' (a string)")
+        return None
+    if not isinstance(v, str):
+        raise BadRecord(f"field '{key}' must be a string")
+    return v
+
+
+def _turns(items, key: str, role_key: tuple[str, str], content_key: tuple[str, str], roles: dict) -> list[dict]:
+    if not isinstance(items, list):
+        raise BadRecord(f"missing field '{key}' (a list of turns)")
+    if not items:
+        raise BadRecord(f"empty conversation ('{key}' is [])")
+    out = []
+    for i, m in enumerate(items, 1):
+        if not isinstance(m, dict):
+            raise BadRecord(f"message {i} is not an object")
+        rk = role_key[0] if m.get(role_key[0]) is not None else role_key[1]
+        ck = content_key[0] if m.get(content_key[0]) is not None else content_key[1]
+        role = m.get(rk)
+        if role not in roles:
+            raise BadRecord(f"message {i} has unknown role {role!r} (allowed: {', '.join(roles)})")
+        if not isinstance(m.get(ck), str):
+            raise BadRecord(f"message {i} has no '{ck}' string")
+        out.append({"role": roles[role], "content": m[ck]})
+    return out
+
+
+def _need_answer(msgs: list[dict]) -> list[dict]:
+    if not any(m["role"] == "assistant" and m["content"] for m in msgs):
+        raise BadRecord("conversation has no non-empty assistant message, so nothing to learn")
+    return msgs
+
+
+def parse(obj, fmt: str) -> tuple[str, list | str]:
+    """(kind, payload) of one record in format `fmt`; raises BadRecord."""
     if not isinstance(obj, dict):
         raise BadRecord(f"a record must be a JSON object, got {type(obj).__name__}")
     if fmt == "messages":
         msgs = obj.get("messages")
         if not isinstance(msgs, list):
             raise BadRecord("missing field 'messages' (a list of {role, content})")
-        if not msgs:
-            raise BadRecord("empty conversation ('messages' is [])")
-        out = []
-        for i, m in enumerate(msgs, 1):
-            if not isinstance(m, dict):
-                raise BadRecord(f"message {i} is not an object")
-            role = m.get("role")
-            if role not in ROLES:
-                raise BadRecord(f"message {i} has unknown role {role!r} (allowed: {', '.join(ROLES)})")
-            if not isinstance(m.get("content"), str):
-                raise BadRecord(f"message {i} has no 'content' string")
-            out.append({"role": role, "content": m["content"]})
-        if not any(m["role"] == "assistant" and m["content"] for m in out):
-            raise BadRecord("conversation has no non-empty assistant message, so nothing to learn")
-        return "chat", out
+        return "chat", _need_answer(_turns(msgs, "messages", ("role", "role"), ("content", "content"),
+                                           {r: r for r in ROLES}))
+    if fmt == "sharegpt":
+        msgs = _turns(obj.get("conversations"), "conversations", ("from", "role"), ("value", "content"),
+                      SHAREGPT_ROLES)
+        system = _str(obj, "system", False)
+        if system and msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": system})
+        return "chat", _need_answer(msgs)
     if fmt == "alpaca":
-        for key in ("instruction", "output"):
-            if not isinstance(obj.get(key), str):
-                raise BadRecord(f"missing field '{key}' (a string)")
-        if "input" in obj and not isinstance(obj["input"], str):
-            raise BadRecord("field 'input' must be a string")
-        if not obj["output"]:
+        instruction, output = _str(obj, "instruction", True), _str(obj, "output", True)
+        inp, system = _str(obj, "input", False), _str(obj, "system", False)
+        if not output:
             raise BadRecord("field 'output' is empty, so nothing to learn")
-        prompt = obj["instruction"] + (("\n\n" + obj["input"]) if obj.get("input") else "")
-        return "chat", [{"role": "user", "content": prompt}, {"role": "assistant", "content": obj["output"]}]
-    text = obj.get("text")
-    if not isinstance(text, str):
-        raise BadRecord("missing field 'text' (a string)")
+        msgs = [{"role": "system", "content": system}] if system else []
+        history = obj.get("history")
+        if history is not None:
+            if not isinstance(history, list) or not all(
+                    isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in history):
+                raise BadRecord("field 'history' must be a list of [instruction, output] string pairs")
+            for q, a in history:
+                msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        prompt = instruction + (("\n\n" + inp) if inp else "")
+        return "chat", msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+    text = _str(obj, "text", True)
     if not text.strip():
         raise BadRecord("field 'text' is empty")
     return "text", text
-
-
-def data_files(path: str) -> list[str]:
-    if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, "**", "*.jsonl"), recursive=True))
-        if not files:
-            raise ShardwiseError(f"--data {path}: no .jsonl files in this directory")
-        return files
-    if not os.path.isfile(path):
-        raise ShardwiseError(f"--data {path}: no such file or directory; give a JSONL file, a directory of them, or 'demo'")
-    return [path]
-
-
-def read_records(path: str, fmt: str = "auto", skip_bad: bool = False) -> tuple[list[Record], ReadStats]:
-    """All records of a JSONL file or directory; the first bad one stops, unless skip_bad."""
-    stats = ReadStats()
-    out: list[Record] = []
-    for fname in data_files(path):
-        stats.files.append(fname)
-        file_fmt = None if fmt == "auto" else fmt
-        try:
-            fh = open(fname, encoding="utf-8")
-        except OSError as e:
-            raise ShardwiseError(f"{fname}: cannot read ({e.strerror})")
-        with fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                where = f"{fname}:{lineno}"
-                try:
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise BadRecord(f"invalid JSON ({e.msg} at column {e.colno})")
-                    except UnicodeDecodeError:
-                        raise BadRecord("not valid UTF-8")
-                    if file_fmt is None:
-                        if not isinstance(obj, dict) or detect_format(obj) is None:
-                            raise ShardwiseError(
-                                f"{where}: cannot detect the data format: expected a 'messages' list, "
-                                "'instruction' + 'output', or 'text'; or set --data-format")
-                        file_fmt = detect_format(obj)
-                    kind, payload = _parse(obj, file_fmt)
-                except BadRecord as e:
-                    if not skip_bad:
-                        raise ShardwiseError(f"{where}: {e} (format {file_fmt or 'unknown'}); fix the record or pass --skip-bad-records")
-                    stats.skipped += 1
-                    stats.first_skipped = stats.first_skipped or f"{where}: {e}"
-                    continue
-                except UnicodeDecodeError:
-                    raise ShardwiseError(f"{where}: not valid UTF-8")
-                out.append(Record(kind, payload, where))
-                stats.records += 1
-    if not out:
-        extra = f" ({stats.skipped} bad records skipped)" if stats.skipped else ""
-        raise ShardwiseError(f"--data {path}: no usable records{extra}; check the file and --data-format")
-    return out, stats
 
 
 def demo_dataset() -> list[Record]:
     from shardwise.data.demo import demo_records
 
     return [Record("chat", r["messages"], f"demo:{i + 1}") for i, r in enumerate(demo_records())]
+
+
+def read_records(path: str, fmt: str = "auto", skip_bad: bool = False, columns: dict | None = None):
+    """All records of one data path (a file, a directory, a saved dataset); see sources.py."""
+    from shardwise.data.sources import read_path
+
+    return read_path(path, fmt, skip_bad, columns or {})

@@ -22,6 +22,7 @@ from shardwise import strategies
 from shardwise.config import Config, from_dict
 from shardwise.data.batches import DataPosition, StepBatch, StepSampler
 from shardwise.data.encode import IGNORE, Encoded
+from shardwise.data.templates import use_chat_template
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import peak_flops
 from shardwise.models.load import load_model, load_tokenizer
@@ -106,6 +107,7 @@ class Trainer:
         self.faults = Faults(env.rank)
 
         self.tokenizer = load_tokenizer(job.model_dir, cfg.trust_remote_code)
+        use_chat_template(self.tokenizer, cfg.chat_template)  # final/ carries the template the run trained with
         model = build_model(cfg, job.model_dir)
         self.hf_config = model.config
         head = model.get_output_embeddings()
