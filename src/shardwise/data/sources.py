@@ -156,8 +156,8 @@ def _jsonl_rows(path: str) -> Iterator[tuple[str, object]]:
         for lineno, raw in _lines(fh, MAX_RECORD_BYTES):
             where = f"{path}:{lineno}"
             if raw is None:
-                yield where, BadRecord(f"record longer than {MAX_RECORD_BYTES >> 20} MiB, not read "
-                                       "(no training example is this long)")
+                size = f"{MAX_RECORD_BYTES >> 20} MiB" if MAX_RECORD_BYTES >= 1 << 20 else f"{MAX_RECORD_BYTES} bytes"
+                yield where, BadRecord(f"record longer than {size}, not read (no training example is this long)")
                 first = False
                 continue
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
@@ -229,11 +229,12 @@ def _hf_dataset(path: str, kind: str, cache: str):
         raise
     except Exception as e:  # pyarrow, pandas and datasets raise many types here
         cause = _root_cause(e)
-        if isinstance(cause, UnicodeDecodeError):
-            raise ShardwiseError(f"{path}: not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset "
-                                 f"{cause.start}); convert the file to UTF-8") from None
-        name = {"saved": "saved dataset", "json-array": "JSON array", "csv": "CSV", "parquet": "Parquet"}.get(kind, "Arrow")
         detail = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else type(cause).__name__
+        if isinstance(cause, UnicodeDecodeError):
+            detail = f"byte 0x{cause.object[cause.start]:02x} at offset {cause.start}"
+        if isinstance(cause, UnicodeDecodeError) or "utf8" in detail.lower().replace("-", ""):
+            raise ShardwiseError(f"{path}: not valid UTF-8 ({detail}); convert the file to UTF-8") from None
+        name = {"saved": "saved dataset", "json-array": "JSON array", "csv": "CSV", "parquet": "Parquet"}.get(kind, "Arrow")
         raise ShardwiseError(f"{path}: cannot read this {name} file ({type(cause).__name__}: {detail}); "
                              "check that it is complete and in that format") from None
 
