@@ -168,8 +168,7 @@ def _jsonl_rows(path: str) -> Iterator[tuple[str, object]]:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 first = False
-                yield where, BadRecord(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                                       "convert the file to UTF-8")
+                yield where, BadRecord(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
                 continue
             try:
                 obj = json.loads(text)
@@ -270,8 +269,8 @@ def _records(rows, file_fmt: str | None, skip_bad: bool, columns: dict, stats: R
             kind, payload = parse(obj, file_fmt)
         except BadRecord as e:
             if not skip_bad:
-                raise ShardwiseError(f"{where}: {e} (format {file_fmt or 'unknown'}); fix the record or pass "
-                                     "--skip-bad-records")
+                fmt_note = f" (format {file_fmt})" if file_fmt else ""
+                raise ShardwiseError(f"{where}: {e}{fmt_note}; fix the record or pass --skip-bad-records")
             stats.skipped += 1
             stats.first_skipped = stats.first_skipped or f"{where}: {e}"
             continue
