@@ -125,8 +125,8 @@ def test_datasets_cache_does_not_leak(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("content, name, message", [
-    ("instruction,output\nhi,there\n", "data.jsonl", r"data\.jsonl: this is a CSV file \(first line "
-                                                     r"'instruction,output'\), not JSON Lines; name it \.csv"),
+    ("instruction,output\nhi,there\n", "data.jsonl", (r"data\.jsonl: this is a CSV file \(first line "
+                                                      r"'instruction,output'\), not JSON Lines; name it \.csv")),
     ('[{"text": "a"},\n{"text": "b"}]\n', "data.jsonl", r"data\.jsonl: this is a JSON array.*name it \.json"),
 ])
 def test_wrong_kind_of_file_says_what_it_is_even_when_skipping(tmp_path, content, name, message):

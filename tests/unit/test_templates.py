@@ -30,16 +30,16 @@ def test_shipped_templates_are_listed():
 
 
 @pytest.mark.parametrize("name, rendered, loss", [
-    ("chatml", "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nreverse: a b<|im_end|>\n"
-               "<|im_start|>assistant\nb a<|im_end|>\n", "b a<|im_end|>\n"),
-    ("qwen", "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nreverse: a b<|im_end|>\n"
-             "<|im_start|>assistant\nb a<|im_end|>\n", "b a<|im_end|>\n"),
-    ("llama3", "<|bos|><|start_header_id|>system<|end_header_id|>\n\nbe brief<|eot_id|><|start_header_id|>user"
-               "<|end_header_id|>\n\nreverse: a b<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nb a<|eot_id|>",
-     "b a<|eot_id|>"),
+    ("chatml", ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nreverse: a b<|im_end|>\n"
+                "<|im_start|>assistant\nb a<|im_end|>\n"), "b a<|im_end|>\n"),
+    ("qwen", ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nreverse: a b<|im_end|>\n"
+              "<|im_start|>assistant\nb a<|im_end|>\n"), "b a<|im_end|>\n"),
+    ("llama3", ("<|bos|><|start_header_id|>system<|end_header_id|>\n\nbe brief<|eot_id|><|start_header_id|>user"
+                "<|end_header_id|>\n\nreverse: a b<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nb a"
+                "<|eot_id|>"), "b a<|eot_id|>"),
     ("mistral", "<|bos|>[INST] be brief\n\nreverse: a b [/INST]b a<|eos|>", "b a<|eos|>"),
-    ("gemma", "<|bos|><start_of_turn>user\nbe brief\n\nreverse: a b<end_of_turn>\n<start_of_turn>model\nb a"
-              "<end_of_turn>\n", "b a<end_of_turn>\n"),
+    ("gemma", ("<|bos|><start_of_turn>user\nbe brief\n\nreverse: a b<end_of_turn>\n<start_of_turn>model\nb a"
+               "<end_of_turn>\n"), "b a<end_of_turn>\n"),
 ])
 def test_each_template_renders_and_masks(tok, name, rendered, loss):
     use_chat_template(tok, name)

@@ -28,8 +28,17 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shardwise.data.formats import (BadRecord, ReadStats, Record, demo_dataset, detect_format, parse,
-                                    parse_columns, rename, undetectable)
+from shardwise.data.formats import (
+    BadRecord,
+    ReadStats,
+    Record,
+    demo_dataset,
+    detect_format,
+    parse,
+    parse_columns,
+    rename,
+    undetectable,
+)
 from shardwise.errors import ShardwiseError
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".arrow")
@@ -139,6 +148,9 @@ def _not_jsonl(path: str, line: bytes) -> str | None:
         return "a Parquet file; name it .parquet"
     if s.startswith(b"["):
         return "a JSON array, not JSON Lines (one object per line); name it .json"
+    if s.strip() == b"{":
+        return ("one JSON object spread over several lines, not records; give a JSON array of records (.json) "
+                "or JSON Lines (one record per line)")
     if not s.startswith(b"{") and (b"," in s or b"\t" in s):
         header = s.decode("utf-8", "replace").strip()[:60]
         return f"a CSV file (first line '{header}'), not JSON Lines; name it .csv (or .tsv)"
