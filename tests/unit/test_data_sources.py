@@ -73,8 +73,10 @@ def test_csv_and_tsv_with_column_mapping(tmp_path):
         read_records(str(csv))
 
 
-def test_json_array_file(tmp_path):
-    path = tmp_path / "arr.json"
+@pytest.mark.parametrize("name", ["arr.json", "arr.jsonl"])
+def test_json_array_file(tmp_path, name):
+    """A JSON array is recognised by its content, whatever the file is called."""
+    path = tmp_path / name
     path.write_text(json.dumps(ALPACA, indent=2))
     recs, _ = read_records(str(path))
     assert len(recs) == 2 and recs[1].payload[0] == {"role": "system", "content": "be kind"}
@@ -127,7 +129,8 @@ def test_datasets_cache_does_not_leak(tmp_path, monkeypatch):
 @pytest.mark.parametrize("content, name, message", [
     ("instruction,output\nhi,there\n", "data.jsonl", (r"data\.jsonl: this is a CSV file \(first line "
                                                       r"'instruction,output'\), not JSON Lines; name it \.csv")),
-    ('[{"text": "a"},\n{"text": "b"}]\n', "data.jsonl", r"data\.jsonl: this is a JSON array.*name it \.json"),
+    ('{\n  "data": [{"text": "a"}]\n}\n', "data.json", r"data\.json: this is one JSON object spread over several "
+                                                    r"lines, not records; give a JSON array of records"),
 ])
 def test_wrong_kind_of_file_says_what_it_is_even_when_skipping(tmp_path, content, name, message):
     path = tmp_path / name

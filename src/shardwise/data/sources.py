@@ -113,7 +113,7 @@ def file_kind(path: str) -> str:
         return "arrow-stream"
     first = head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
     ext = os.path.splitext(path)[1].lower()
-    if first == b"[" and ext != ".jsonl":
+    if first == b"[":
         return "json-array"
     if ext in (".csv", ".tsv"):
         return "csv"
@@ -144,10 +144,6 @@ def _lines(fh, limit: int) -> Iterator[tuple[int, bytes | None]]:
 def _not_jsonl(path: str, line: bytes) -> str | None:
     """What a file whose first line is not JSON looks like, if it is clearly something else."""
     s = line.lstrip(b"\xef\xbb\xbf \t")
-    if s.startswith(b"PAR1"):
-        return "a Parquet file; name it .parquet"
-    if s.startswith(b"["):
-        return "a JSON array, not JSON Lines (one object per line); name it .json"
     if s.strip() == b"{":
         return ("one JSON object spread over several lines, not records; give a JSON array of records (.json) "
                 "or JSON Lines (one record per line)")
