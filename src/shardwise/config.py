@@ -481,11 +481,6 @@ def validate(res: Resolved) -> None:
                                      and int(c.fsdp.wrap[5:]) > 0),
          "fsdp.wrap", f"fsdp.wrap must be 'block' or 'size:N' with N > 0, got '{c.fsdp.wrap}'")
     need(c.fsdp.shard_group_size >= 0, "fsdp.shard_group_size", "fsdp.shard_group_size must be >= 0")
-    from shardwise.data.formats import parse_columns
-    from shardwise.data.sources import parse_data_spec
-
-    parse_data_spec(c.data, w("data"))
-    parse_columns(c.columns, w("columns"))
     need(not (c.train_on_prompt and c.last_turn_only), "last_turn_only",
          "train_on_prompt (loss on every turn) and last_turn_only (loss on the last assistant turn) contradict "
          "each other; set one of them")

@@ -158,7 +158,7 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     check_fit(cfg, res, world, force)
     tokenizer = load_tokenizer(model_dir, cfg.trust_remote_code)
     use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
-    records, stats = load_records(cfg.data, cfg.data_format, cfg.skip_bad_records, cfg.columns, cfg.seed, res.where("data"))
+    records, stats = load_records(cfg, res.where)
     encoded = encode(records, tokenizer, cfg.seq_len, cfg.packing, ChatOptions.from_config(cfg))
     global_batch = cfg.micro_batch_size * cfg.grad_accum * world
     if len(encoded) < global_batch:

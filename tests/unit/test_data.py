@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from shardwise.data.formats import read_records
+from shardwise.data.sources import read_records
 from shardwise.errors import ShardwiseError
 from tests.helpers import write_jsonl
 

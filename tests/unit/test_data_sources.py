@@ -5,10 +5,10 @@ import os
 
 import pytest
 
+from shardwise.config import Config
 from shardwise.data.batches import DataPosition, StepSampler
 from shardwise.data.encode import encode
-from shardwise.data.formats import read_records
-from shardwise.data.sources import load_records, parse_data_spec
+from shardwise.data.sources import load_records, parse_data_spec, read_records
 from shardwise.errors import ShardwiseError
 from tests.helpers import write_jsonl
 
@@ -212,12 +212,12 @@ def _two_files(tmp_path):
 
 def test_mix_weights_and_counts(tmp_path):
     a, b = _two_files(tmp_path)
-    recs, stats = load_records(f"{a}:0.5,{b}:0.5", seed=1)
+    recs, stats = load_records(Config(data=f"{a}:0.5,{b}:0.5", seed=1))
     kinds = [r.payload[0] for r in recs]
     assert kinds.count("a") == 20 and kinds.count("b") == 20  # 40 rows shared half and half
     assert len({r.payload for r in recs if r.payload[0] == "b"}) == 10  # b repeated whole twice
     assert "(repeated)" in stats.mix
-    recs, _ = load_records(f"{a}:7,{b}", seed=1)
+    recs, _ = load_records(Config(data=f"{a}:7,{b}", seed=1))
     assert sum(r.payload[0] == "a" for r in recs) == 7 and sum(r.payload[0] == "b" for r in recs) == 10
 
 
@@ -226,9 +226,9 @@ def test_mix_is_deterministic_for_a_seed_and_resumes_at_the_same_rows(tmp_path, 
 
     a, b = _two_files(tmp_path)
     spec = f"{a}:0.8,{b}:0.2"
-    first, _ = load_records(spec, seed=5)
-    again, _ = load_records(spec, seed=5)
-    other, _ = load_records(spec, seed=6)
+    first, _ = load_records(Config(data=spec, seed=5))
+    again, _ = load_records(Config(data=spec, seed=5))
+    other, _ = load_records(Config(data=spec, seed=6))
     assert [r.source for r in first] == [r.source for r in again]
     assert [r.source for r in first] != [r.source for r in other]
     tok = load_tokenizer(tiny_dir)
@@ -260,6 +260,7 @@ def test_yaml_list_and_columns_map(tmp_path):
     cfg.write_text("data:\n  - {path: x.jsonl, weight: 1, count: 2}\n")
     with pytest.raises(ShardwiseError, match=r"run\.yaml:1: data source 1 must be"):
         load_config(str(cfg))
-    cfg.write_text("columns: {prompt: question}\n")
-    with pytest.raises(ShardwiseError, match=r"run\.yaml:1: 'prompt=question' maps to unknown name 'question'"):
-        load_config(str(cfg))
+    cfg.write_text(f"data: {a}\ncolumns: {{prompt: question}}\n")
+    res = load_config(str(cfg))
+    with pytest.raises(ShardwiseError, match=r"run\.yaml:2: 'prompt=question' maps to unknown name 'question'"):
+        load_records(res.cfg, res.where)

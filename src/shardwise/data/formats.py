@@ -10,7 +10,7 @@
 Every record becomes a chat Record (a list of {role, content}) or a text Record, with its
 source ("file:line" or "file:row N"). Column mapping (`--columns prompt=instruction,...`)
 renames a record's keys before detection, so other names reach these four formats.
-Reading files is sources.py's job; this module never opens one.
+Reading files is sources.py's job (read_records, load_records); this module never opens one.
 """
 
 from __future__ import annotations
@@ -170,10 +170,3 @@ def demo_dataset() -> list[Record]:
     from shardwise.data.demo import demo_records
 
     return [Record("chat", r["messages"], f"demo:{i + 1}") for i, r in enumerate(demo_records())]
-
-
-def read_records(path: str, fmt: str = "auto", skip_bad: bool = False, columns: dict | None = None):
-    """All records of one data path (a file, a directory, a saved dataset); see sources.py."""
-    from shardwise.data.sources import read_path
-
-    return read_path(path, fmt, skip_bad, columns or {})

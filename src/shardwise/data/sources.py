@@ -246,7 +246,7 @@ def _hf_dataset(path: str, kind: str, cache: str):
                              "check that it is complete and in that format") from None
 
 
-def read_path(path: str, fmt: str = "auto", skip_bad: bool = False, columns: dict | None = None,
+def read_records(path: str, fmt: str = "auto", skip_bad: bool = False, columns: dict | None = None,
               stats: ReadStats | None = None) -> tuple[list[Record], ReadStats]:
     """All records of one --data path; the first bad one stops, unless skip_bad."""
     stats = stats or ReadStats()
@@ -345,11 +345,11 @@ def mix(groups: list[tuple[Source, list[Record]]], seed: int) -> tuple[list[Reco
     return out, "mix: " + ", ".join(parts) + " examples"
 
 
-def load_records(data: str, fmt: str = "auto", skip_bad: bool = False, columns: str = "", seed: int = 0,
-                 where: str = "--data") -> tuple[list[Record], ReadStats | None]:
-    """Every record a --data value names ('demo', a path, or several with weights/counts)."""
-    sources = parse_data_spec(data, where)
-    cols = parse_columns(columns)
+def load_records(cfg, where=lambda key: f"--{key.replace('_', '-')}") -> tuple[list[Record], ReadStats | None]:
+    """Every record cfg.data names ('demo', a path, or several with weights/counts); `where(key)`
+    says where a config key was set, for the error lines."""
+    sources = parse_data_spec(cfg.data, where("data"))
+    cols = parse_columns(cfg.columns, where("columns"))
     if len(sources) == 1 and sources[0].path == "demo" and sources[0].weight is None and sources[0].count is None:
         return demo_dataset(), None
     stats, groups = ReadStats(), []
@@ -357,9 +357,9 @@ def load_records(data: str, fmt: str = "auto", skip_bad: bool = False, columns: 
         if src.path == "demo":
             groups.append((src, demo_dataset()))
         else:
-            recs, _ = read_path(src.path, fmt, skip_bad, cols, stats)
+            recs, _ = read_records(src.path, cfg.data_format, cfg.skip_bad_records, cols, stats)
             groups.append((src, recs))
     if len(groups) == 1 and sources[0].weight is None and sources[0].count is None:
         return groups[0][1], stats
-    records, stats.mix = mix(groups, seed)
+    records, stats.mix = mix(groups, cfg.seed)
     return records, stats
