@@ -305,7 +305,7 @@ def _data_list(value: Any, where: str) -> str:
         else:
             raise ShardwiseError(f"{where}: data source {i} must be a path or {{path, weight|count}}, got {show(v)}")
         if "," in item:
-            raise ShardwiseError(f"{where}: data source {i} ({item!r}) has a ',' in its path; rename it")
+            raise ShardwiseError(f"{where}: data source {i} ({show(item)}) has a ',' in its path; rename it")
         items.append(item)
     return ",".join(items)
 
