@@ -400,18 +400,23 @@ def save_final(cfg, env, strategy, model, tokenizer, out) -> str:
     full = strategy.full_model_state_dict(model)
     final = os.path.join(out, "final")
     if env.is_main:
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        hf = strategy.unwrap(model)
-        if cfg.tuner != "full":  # a PEFT adapter directory (+ final/merged with merge_lora)
-            from shardwise.models.lora import save_final as save_adapter
+        import tempfile
 
-            save_adapter(hf, full, tokenizer, tmp, cfg)
-        else:
-            hf.save_pretrained(tmp, state_dict=full)
-        tokenizer.save_pretrained(tmp)
-        ckpt.apply_umask(tmp)
-        shutil.rmtree(final, ignore_errors=True)
+        tmp = tempfile.mkdtemp(prefix=".final-", dir=out)  # a fresh name: never a directory we did not make
+        try:
+            hf = strategy.unwrap(model)
+            if cfg.tuner != "full":  # a PEFT adapter directory (+ final/merged with merge_lora)
+                from shardwise.models.lora import save_final as save_adapter
+
+                save_adapter(hf, full, tokenizer, tmp, cfg)
+            else:
+                hf.save_pretrained(tmp, state_dict=full)
+            tokenizer.save_pretrained(tmp)
+            ckpt.apply_umask(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(final, ignore_errors=True)  # the run directory's own final/ (the run dir is marked and locked)
         os.rename(tmp, final)
     sdist.barrier()
     return final
