@@ -3,8 +3,11 @@ through the rendezvous store."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import signal
+import sys
 import time
 
 import torch.distributed as dist
@@ -21,14 +24,22 @@ class Control:
 
     MARGIN = 2
 
-    def __init__(self, env, save_every_minutes: float):
+    def __init__(self, env, save_every_minutes: float, store=None):
         self.signal: int | None = None
         self.rank = env.rank
         self.interval = save_every_minutes * 60
         self.last_save = time.monotonic()
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.keys = (f"shardwise/control/{attempt}/stop_at", f"shardwise/control/{attempt}/save_at")
-        self.store = dist.distributed_c10d._get_default_store() if env.world_size > 1 else None
+        if store is None and env.world_size > 1:
+            store = dist.distributed_c10d._get_default_store()
+        self.store = store
+        # With SHARDWISE_CONTROL_SECRET set (the same on every node), a request is signed and
+        # one without a valid signature is ignored: on a network that is not fully trusted,
+        # whoever reaches the store cannot stop the run or force saves through these keys.
+        secret = os.environ.get("SHARDWISE_CONTROL_SECRET", "")
+        self.secret = secret.encode() if secret else None
+        self.warned = False
         self.local = {k: 0 for k in self.keys}
         if self.store is not None and self.rank == 0:
             for k in self.keys:
@@ -41,16 +52,41 @@ class Control:
     def _on_signal(self, signum, frame) -> None:
         self.signal = signum
 
+    def _sign(self, key: str, step: int) -> str:
+        if self.secret is None:
+            return str(step)
+        mac = hmac.new(self.secret, f"{key}={step}".encode(), hashlib.sha256).hexdigest()
+        return f"{step}:{mac}"
+
+    def _verify(self, key: str, value: bytes) -> int:
+        """The step a stored request names; 0 (no request) for a missing, malformed or,
+        with a secret, unsigned or wrongly signed value."""
+        text = value.decode("ascii", "replace")
+        step_text, _, mac = text.partition(":")
+        try:
+            step = int(step_text)
+        except ValueError:
+            step = -1
+        if step == 0:
+            return 0
+        if step < 0 or (self.secret is not None and not hmac.compare_digest(self._sign(key, step), text)):
+            if not self.warned:
+                print(f"shardwise: ignored a control request without a valid signature ({key})",
+                      file=sys.stderr, flush=True)
+                self.warned = True
+            return 0
+        return step
+
     def _propose(self, key: str, step: int) -> None:
         if self.store is None:
             self.local[key] = step
         elif key == self.keys[0]:
-            self.store.compare_set(key, "0", str(step))  # the first request wins
+            self.store.compare_set(key, "0", self._sign(key, step))  # the first request wins
         else:
-            self.store.set(key, str(step))  # only rank 0 proposes saves
+            self.store.set(key, self._sign(key, step))  # only rank 0 proposes saves
 
     def _read(self, key: str) -> int:
-        return int(self.store.get(key)) if self.store is not None else self.local[key]
+        return self._verify(key, self.store.get(key)) if self.store is not None else self.local[key]
 
     def poll(self, step: int) -> tuple[bool, bool]:
         """After `step` finished: (stop, save) as every rank decides it at this step."""
