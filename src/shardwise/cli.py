@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_config_docs)
 
     for name in ("shardwise.plan.command", "shardwise.doctor", "shardwise.bench.command", "shardwise.export",
-                 "shardwise.ui.command"):
+                 "shardwise.ui.command", "shardwise.chat"):
         try:
             mod = __import__(name, fromlist=["add_parser"])
         except ImportError:
