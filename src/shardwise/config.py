@@ -119,8 +119,9 @@ class Config:
     keep_checkpoints: int = _f(2, "Keep the newest K checkpoints.")
     resume: str = _f("none", "Resume from 'auto' (newest complete checkpoint in output_dir), 'none', or a checkpoint path.")
     overwrite: bool = _f(False, "Replace a run that shardwise created in output_dir: only its own entries (config.yaml, metrics, checkpoints, final/, ...) are removed; a directory shardwise did not mark, the current directory and its parents are never cleared (docs/run-directory.md).")
-    save_final: bool = _f(True, "Save the final model as a Hugging Face directory under output_dir/final.")
+    save_final: bool = _f(True, "Save the final model under output_dir/final: a Hugging Face directory, or with tuner lora/qlora the PEFT adapter directory.")
     merge_lora: bool = _f(False, "With tuner lora: also write the adapter merged into the base as a full Hugging Face model in output_dir/final/merged (final/ itself is the PEFT adapter directory).")
+    report_to: str = _f("tensorboard", "Where logged metrics also go, comma-separated: tensorboard, wandb (offline unless WANDB_MODE=online), mlflow (output_dir/mlruns unless MLFLOW_TRACKING_URI), or none. metrics.jsonl is always written.")
     # sections
     fsdp: FSDPConfig = field(default_factory=FSDPConfig, metadata={"help": "FSDP2 options."})
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig, metadata={"help": "DeepSpeed options."})
@@ -378,6 +379,21 @@ class Resolved:
         return key in self.origins and not self.origins[key].startswith(("preset ", "demo recipe"))
 
 
+REPORT_TO = ("tensorboard", "wandb", "mlflow")
+
+
+def parse_report_to(value: str) -> list[str]:
+    """'tensorboard,wandb' -> ['tensorboard', 'wandb']; 'none' or '' -> []. ValueError names an unknown one."""
+    names = [n.strip().lower() for n in value.split(",") if n.strip()]
+    if names == ["none"]:
+        return []
+    bad = [n for n in names if n not in REPORT_TO]
+    if bad:
+        raise ValueError(f"unknown tracker {', '.join(bad)}; choose from {', '.join(REPORT_TO)} (comma-separated) "
+                         "or none")
+    return list(dict.fromkeys(names))
+
+
 def demo_recipe_path() -> str:
     return str(resources.files("shardwise").joinpath("demo.yaml"))
 
@@ -475,6 +491,10 @@ def validate(res: Resolved) -> None:
     need(c.mixed_precision != "fp16" or c.param_dtype != "bf16", "mixed_precision",
          "mixed_precision fp16 with param_dtype bf16 mixes two half types; use --mixed-precision bf16")
     need(c.resume in ("auto", "none") or bool(c.resume), "resume", "resume must be auto, none or a checkpoint path")
+    try:
+        parse_report_to(c.report_to)
+    except ValueError as e:
+        need(False, "report_to", f"report_to: {e}")
     need(c.lora.r >= 1, "lora.r", f"lora.r must be >= 1, got {c.lora.r}")
     need(0 <= c.lora.dropout < 1, "lora.dropout", f"lora.dropout must be in [0, 1), got {c.lora.dropout}")
     need(c.fsdp.wrap == "block" or (c.fsdp.wrap.startswith("size:") and c.fsdp.wrap[5:].isdigit()

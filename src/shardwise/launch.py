@@ -152,6 +152,9 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     from shardwise import strategies
 
     strategies.get(cfg.strategy)  # unknown / not installed -> one clear line now, not in N workers
+    from shardwise.train.metrics import check_trackers
+
+    check_trackers(cfg.report_to, res.where("report_to"))  # a missing tracker package: one line now
 
     model_dir = check_model(cfg, res)
     resume_notes = ckpt.check_resume(resume_from, cfg, model_dir) if resume_from else []
@@ -462,7 +465,8 @@ def _train(p: Prepared) -> int:
               file=sys.stderr, flush=True)
         return 128 + e.signum
     if summary:
-        final = ", final/ (Hugging Face directory)" if summary.get("final_model") else ""
+        kind = "PEFT adapter directory" if p.cfg.tuner != "full" else "Hugging Face directory"
+        final = f", final/ ({kind})" if summary.get("final_model") else ""
         say(f"outputs: {p.output_dir}/metrics.jsonl, summary.json{final}; "
             f"repeat with: shardwise train {p.output_dir}/config.yaml")
     return 0

@@ -27,7 +27,8 @@ MARKER = ".shardwise-run"
 LOCK = ".shardwise-lock"
 PREP = ".prep"
 # Everything a run writes at the top of its directory (the lock file is not cleared: it is held).
-OWN_ENTRIES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "final", "tensorboard", PREP, MARKER)
+OWN_ENTRIES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "final", "tensorboard", "mlruns", "wandb", PREP,
+               MARKER)
 # Entries whose presence means a run trained there (a run that failed before its first step leaves none).
 TRAINED_ENTRIES = ("metrics.jsonl", "summary.json", "checkpoints", "final")
 

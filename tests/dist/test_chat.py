@@ -67,3 +67,8 @@ def test_chat_finds_the_base_of_a_lora_final_dir_and_applies_the_adapter(chats, 
     capsys.readouterr()
     assert main(["chat", base, "--adapter", final, "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
     assert capsys.readouterr().out == want + "\n"
+
+
+def test_end_message_names_the_kind_of_final_directory(ddp_ref, lora_single_ref):
+    assert "final/ (PEFT adapter directory)" in lora_single_ref.stdout
+    assert "final/ (Hugging Face directory)" in ddp_ref.stdout

@@ -138,7 +138,7 @@ class Trainer:
         self.control = Control(env, cfg.save_every_minutes)
         self.profiler = StepProfiler.from_config(cfg, env.device, self.total)
         self.new_window()
-        self.skipped, self.tokens_run, self.first_loss, self.last_rec = 0, 0, None, {}
+        self.skipped, self.tokens_run, self.first_loss, self.last_rec = 0, 0, self.earlier["first_loss"], {}
         # Steps whose non-finite flag has not been read: the loop reads it one step late, once the next step's
         # forward/backward is queued (so the GPU never idles waiting for the host), or at a log step, a checkpoint or
         # the end, whichever is first. A skipped update was never applied, so --on-nan stop still stops before any
@@ -149,6 +149,7 @@ class Trainer:
         """The step, data position and state to start from: a checkpoint's, or the beginning."""
         cfg, env, out = self.cfg, self.env, self.out
         self.step, self.pos, self.tokens_seen, self.resume_from = 0, DataPosition(), 0, None
+        self.earlier = {"first_loss": None, "wall_time_s": 0.0}  # the run before a resume, from the checkpoint
         resume = "auto" if self.restarted and self.job.resume == "none" else self.job.resume
         if resume == "auto":
             self.resume_from = ckpt.latest(out)
@@ -164,6 +165,7 @@ class Trainer:
         ckpt.load(resume_from, state)
         self.strategy.load_state_dict(self.model, self.optimizer, state)
         self.step, self.tokens_seen = meta["step"], meta.get("tokens_seen", 0)
+        self.earlier = {k: meta.get(k, v) for k, v in self.earlier.items()}
         pos = self.pos = DataPosition(**meta["data_position"])
         same_world = meta.get("world_size") == env.world_size
         if same_world:
@@ -175,7 +177,8 @@ class Trainer:
 
     def announce(self, notes: list[str]) -> None:
         env = self.env
-        self.rep = Reporter(self.out, env.is_main, self.total, self.step, append=self.resume_from is not None)
+        self.rep = Reporter(self.out, env.is_main, self.total, self.step, append=self.resume_from is not None,
+                            report_to=self.cfg.report_to, config=dataclasses.asdict(self.cfg))
         self.rep.say(f"shardwise: {self.strategy.describe()} on {env.world_size} rank(s) ({env.backend}, "
                      f"{env.device.type}), {self.n_params / 1e6:.2f}M params ({self.n_trainable / 1e6:.2f}M "
                      f"trainable), {len(self.data)} sequences, global batch {self.sampler.global_batch}, "
@@ -239,7 +242,9 @@ class Trainer:
 
     def save(self) -> str:
         return save_checkpoint(self.cfg, self.env, self.strategy, self.model, self.optimizer, self.out, self.step,
-                               self.pos, self.tokens_seen, self.job.model_dir, self.tokenizer)
+                               self.pos, self.tokens_seen, self.job.model_dir, self.tokenizer,
+                               first_loss=self.first_loss,
+                               wall_time_s=self.earlier["wall_time_s"] + time.time() - self.t_start)
 
     # -- the loop -----------------------------------------------------------------------------
     def train(self) -> dict:
@@ -291,10 +296,13 @@ class Trainer:
         final_dir = save_final(cfg, env, self.strategy, self.model, self.tokenizer, out) if cfg.save_final else None
         wall = time.time() - self.t_start
         first_loss, step = self.first_loss, self.step
+        # first_loss and wall_time_s cover the whole run, resumes included; final_loss (kept for older readers)
+        # is the same value as final_loss_window_mean: the mean over the last logged window, not the last step's
         summary = {"strategy": cfg.strategy, "world_size": env.world_size, "steps": step, "first_loss": first_loss,
-                   "final_loss": self.last_rec.get("loss"),
+                   "final_loss": self.last_rec.get("loss"), "final_loss_window_mean": self.last_rec.get("loss"),
                    "mean_tokens_per_s": self.tokens_run / wall if wall > 0 else None,
-                   "peak_mem_gib": self.last_rec.get("peak_mem_gib"), "wall_time_s": wall, "params": self.n_params,
+                   "peak_mem_gib": self.last_rec.get("peak_mem_gib"), "wall_time_s": self.earlier["wall_time_s"] + wall,
+                   "wall_time_this_launch_s": wall, "params": self.n_params,
                    "trainable_params": self.n_trainable, "skipped_nonfinite_steps": self.skipped,
                    "final_model": final_dir}
         if env.is_main:
@@ -388,9 +396,11 @@ def ckpt_sources(data_file: str, rows: list[int]) -> list[str]:
         return [f"row {r}" for r in rows]
 
 
-def save_checkpoint(cfg, env, strategy, model, optimizer, out, step, pos, tokens_seen, model_dir, tokenizer) -> str:
+def save_checkpoint(cfg, env, strategy, model, optimizer, out, step, pos, tokens_seen, model_dir, tokenizer,
+                    first_loss=None, wall_time_s=0.0) -> str:
     meta = {"step": step, "data_position": pos.to_dict(), "tokens_seen": tokens_seen,
-            "world_size": env.world_size, "strategy": cfg.strategy, "config": dataclasses.asdict(cfg)}
+            "world_size": env.world_size, "strategy": cfg.strategy, "config": dataclasses.asdict(cfg),
+            "first_loss": first_loss, "wall_time_s": wall_time_s}
     return ckpt.save(out, step, strategy.state_dict(model, optimizer), meta, env.rank, cfg.keep_checkpoints,
                      model_dir=model_dir)
 
