@@ -14,6 +14,10 @@ def _train(args) -> int:
     from shardwise import config, launch
 
     res = config.load_config(args.config, config.flags_from_namespace(args))
+    config.check_train_data(res)
+    note = config.demo_note(res)
+    if note:
+        print(f"shardwise: {note}", flush=True)
     return launch.train(res, force=args.force)
 
 
@@ -33,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     t = sub.add_parser("train", help="Fine-tune a model (no arguments: the built-in demo).",
-                       description="Fine-tune a causal LM. Every config key is a flag; flags override the YAML file.")
+                       description="Fine-tune a causal LM. Every config key is a flag (its underscore spelling too: --max_steps; and the common Hugging Face names such as --learning_rate); flags override the YAML file.")
     t.add_argument("config", nargs="?", help="YAML config file (optional).")
     t.add_argument("--force", action="store_true", help="Launch even if the planner says it will not fit.")
     t.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)

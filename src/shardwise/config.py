@@ -1,7 +1,8 @@
 """Typed configuration: dataclasses, YAML + flag overrides, one validation pass.
 
 Layering, lowest first: dataclass defaults < strategy preset options < the demo recipe
-(only when no CONFIG file is given and the model is `tiny`) < the YAML file < flags.
+(only for the demo itself: no CONFIG file, the model `tiny` and the data `demo`; printed
+when applied) < the YAML file < flags.
 
 YAML keys and flags spell the same thing the same way: a top-level key `micro_batch_size`
 is the flag `--micro-batch-size`; a key in a section (`fsdp: {cpu_offload: true}`) is the
@@ -170,29 +171,87 @@ FIELDS = {fi.key: fi for fi in fields_info()}
 # ----------------------------------------------------------------------------- parsing
 
 
+# Spellings users bring from Hugging Face Trainer, ms-swift, LLaMA-Factory and TRL: extra flags
+# for a key (every flag's underscore spelling, `--max_steps`, is accepted as well).
+FLAG_ALIASES = {
+    "model": ("--model_name_or_path",),
+    "data": ("--dataset",),
+    "tuner": ("--train_type",),
+    "seq_len": ("--max_length", "--max_seq_length", "--cutoff_len"),
+    "epochs": ("--num_train_epochs",),
+    "micro_batch_size": ("--per_device_train_batch_size",),
+    "grad_accum": ("--gradient_accumulation_steps",),
+    "lr": ("--learning_rate", "--learning-rate"),
+    "log_every": ("--logging_steps",),
+    "save_every": ("--save_steps",),
+    "keep_checkpoints": ("--save_total_limit",),
+    "resume": ("--resume_from_checkpoint",),
+    "lora.r": ("--lora_rank",),
+    "lora.targets": ("--target_modules",),
+}
+
+
+def _default_text(fi: FieldInfo) -> str:
+    if fi.type is bool:
+        return "true" if fi.default else "false"
+    return "''" if fi.default == "" else str(fi.default)
+
+
+class _Given(argparse.Action):
+    """Stores the value and remembers which spelling the user typed (for error messages)."""
+
+    def __init__(self, option_strings, dest, const=None, **kw):
+        self.const_value = const
+        super().__init__(option_strings, dest, nargs=0 if const is not None else None, **kw)
+
+    def __call__(self, parser, ns, values, option_string=None):
+        setattr(ns, self.dest, self.const_value if self.const_value is not None else values)
+        setattr(ns, "flag:" + self.dest[4:], option_string)
+
+
 def add_flags(parser: argparse.ArgumentParser, only: list[str] | None = None) -> None:
-    """Add one flag per config key; unset flags are absent from the namespace (SUPPRESS)."""
+    """Add one flag per config key (help ends with its default), plus its hidden underscore
+    spelling and FLAG_ALIASES; unset flags are absent from the namespace (SUPPRESS)."""
+    taken = set(parser._option_string_actions)
     for fi in FIELDS.values():
         if only is not None and fi.key not in only:
             continue
         dest = "cfg:" + fi.key
+        named = [a for a in FLAG_ALIASES.get(fi.key, ()) if a not in taken]
         text = fi.help + (f" Choices: {', '.join(map(str, fi.choices))}." if fi.choices and fi.type is not bool else "")
+        text += f" (default: {_default_text(fi)}" + (f"; also {', '.join(named)}" if named else "") + ")"
         text = text.replace("%", "%%")  # argparse %-formats help strings
+        hidden = [fi.flag.replace("-", "_").replace("__", "--", 1)] + [a for a in named if "_" not in a]
+        hidden_named = [a for a in named if "_" in a]
         if fi.type is bool:
             parser.add_argument(fi.flag, dest=dest, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=text)
+            for flag in hidden + hidden_named:
+                if flag in taken or flag == fi.flag:
+                    continue
+                parser.add_argument(flag, dest=dest, action=_Given, const=True, default=argparse.SUPPRESS,
+                                    help=argparse.SUPPRESS)
+                parser.add_argument("--no_" + flag[2:], dest=dest, action=_Given, const=False,
+                                    default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         else:
-            parser.add_argument(fi.flag, dest=dest, default=argparse.SUPPRESS, metavar=fi.type.__name__.upper(),
-                                help=text)
+            parser.add_argument(fi.flag, dest=dest, action=_Given, default=argparse.SUPPRESS,
+                                metavar=fi.type.__name__.upper(), help=text)
+            for flag in dict.fromkeys(hidden + hidden_named):
+                if flag in taken or flag == fi.flag:
+                    continue
+                parser.add_argument(flag, dest=dest, action=_Given, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def flags_from_namespace(ns: argparse.Namespace) -> dict[str, tuple[Any, str]]:
-    """{dotted key: (raw value, where)} for the flags the user gave."""
+    """{dotted key: (raw value, where)} for the flags the user gave ('where' names the spelling typed)."""
     out = {}
-    for k, v in vars(ns).items():
+    given = vars(ns)
+    for k, v in given.items():
         if k.startswith("cfg:"):
             key = k[4:]
-            out[key] = (v, f"flag {FIELDS[key].flag}")
+            typed = given.get("flag:" + key) or FIELDS[key].flag
+            where = f"flag {FIELDS[key].flag}" if typed == FIELDS[key].flag else f"flag {typed} (= {FIELDS[key].flag})"
+            out[key] = (v, where)
     return out
 
 
@@ -405,7 +464,8 @@ def load_config(path: str | None = None, flags: dict[str, tuple[Any, str]] | Non
     file_layer = _yaml_with_lines(path) if path else {}
     user = {**file_layer, **flags}
     model_name = user["model"][0] if "model" in user else FIELDS["model"].default
-    if path is None and model_name == "tiny":
+    data_name = user["data"][0] if "data" in user else FIELDS["data"].default
+    if path is None and model_name == "tiny" and data_name == "demo":
         demo = _yaml_with_lines(demo_recipe_path())
         layers.append({k: (v, "demo recipe " + w) for k, (v, w) in demo.items()})
     layers += [file_layer, flags]
@@ -426,6 +486,25 @@ def load_config(path: str | None = None, flags: dict[str, tuple[Any, str]] | Non
     res = Resolved(cfg, origins)
     validate(res)
     return res
+
+
+def demo_note(res: Resolved) -> str | None:
+    """The line that says which of the demo recipe's settings this run took (None: not the demo)."""
+    took = [k for k, w in res.origins.items() if w.startswith("demo recipe") and k not in ("model", "data")]
+    if not took:
+        return None
+    vals = ", ".join(f"{k} {get(res.cfg, k)}" for k in took)
+    return (f"the built-in demo (tiny model, synthetic data) with its settings from demo.yaml: {vals}; "
+            "flags override them, a CONFIG file or another --model/--data does not use them")
+
+
+def check_train_data(res: Resolved) -> None:
+    """A model directory trains on the user's data: without --data it is an error, not a quiet run
+    on the synthetic demo set (meant for the tiny model; `--data demo` asks for it explicitly)."""
+    if res.cfg.model != "tiny" and res.cfg.data == "demo" and "data" not in res.origins:
+        raise ShardwiseError(f"{res.where('model')}: a model directory needs --data (a JSONL file or a directory "
+                             "of them); the built-in synthetic set is for the tiny demo model (pass --data demo to "
+                             "train on it anyway)")
 
 
 def _set(cfg: Config, key: str, value: Any) -> None:

@@ -23,6 +23,8 @@ def test_demo_command_trains_and_the_loss_falls(tmp_path):
     assert (out / "final" / "model.safetensors").is_file() and (out / "config.yaml").is_file()
     assert os.listdir(out / "tensorboard")
     assert "loss" in p.stdout and str(out) in p.stdout
+    assert "the built-in demo (tiny model, synthetic data) with its settings from demo.yaml: " in p.stdout
+    assert "lr 0.003" in p.stdout and "seq_len 128" in p.stdout
     # the written config repeats the run; a profiled step is logged on its own whatever log_every (10 here)
     again = run_cli("train", str(out / "config.yaml"), "--max-steps", "3", "--output-dir", str(tmp_path / "again"),
                     "--profile-steps", "1", "--profile-start", "2")
@@ -62,7 +64,8 @@ def refused(tmp_path_factory):
     (d / "empty").mkdir()
     runs.add("strategy", "train", "--strategy", "fsdp9", check=False)
     runs.add("config", "train", str(d / "none.yaml"), check=False)
-    runs.add("model", "train", "--model", str(d / "empty"), check=False)
+    runs.add("model", "train", "--model", str(d / "empty"), "--data", "demo", check=False)
+    runs.add("model_no_data", "train", "--model", str(d / "empty"), "--output-dir", str(d / "o"), check=False)
     runs.add("seq_len", "train", "--seq-len", "100000", "--output-dir", str(d / "o"), check=False)
     return runs, d
 
@@ -80,6 +83,7 @@ def test_bad_flags_and_files(refused):
     one_line_error(runs.get("strategy"), r"unknown strategy 'fsdp9'; known: single")
     one_line_error(runs.get("config"), r"none\.yaml: config file not found")
     one_line_error(runs.get("model"), r"no config.json in it")
+    one_line_error(runs.get("model_no_data"), r"flag --model: a model directory needs --data .*pass --data demo")
     one_line_error(runs.get("seq_len"),
                    r"seq_len 100000 is larger than the model supports \(max_position_embeddings 2048\)")
     assert not (d / "o").exists()

@@ -44,6 +44,43 @@ def test_demo_recipe_applies_only_without_a_config_file(tmp_path):
     assert config.load_config(write(tmp_path, "model: tiny\n"), {}).cfg.seq_len == config.Config().seq_len
 
 
+def test_demo_recipe_is_only_for_the_demo_data_and_says_what_it_set(tmp_path):
+    demo = config.load_config(None, flags("--seq-len", "64"))
+    note = config.demo_note(demo)
+    assert "lr 0.003" in note and "micro_batch_size 8" in note and "warmup_steps 20" in note
+    assert "seq_len" not in note  # the flag won
+    data = write(tmp_path, "{}")
+    own = config.load_config(None, flags("--data", data))  # the tiny model on the user's data
+    assert own.cfg.lr == config.Config().lr and own.cfg.seq_len == config.Config().seq_len
+    assert config.demo_note(own) is None
+
+
+def test_a_model_directory_without_data_is_refused(tmp_path):
+    res = config.load_config(None, flags("--model", str(tmp_path)))
+    with pytest.raises(ShardwiseError, match="flag --model: a model directory needs --data"):
+        config.check_train_data(res)
+    config.check_train_data(config.load_config(None, flags("--model", str(tmp_path), "--data", "demo")))
+    config.check_train_data(config.load_config(None, {}))  # the demo
+
+
+def test_help_shows_defaults_and_hf_spellings_are_aliases():
+    p = argparse.ArgumentParser()
+    config.add_flags(p)
+    text = " ".join(p.format_help().split())
+    assert "(default: 2e-05; also --learning_rate" in text and "(default: true)" in text
+    assert "--max_steps" not in text  # underscore spellings work but do not double the help
+    got = flags("--learning_rate", "0.5", "--max_steps", "7", "--per_device_train_batch_size", "3",
+                "--num_train_epochs", "2", "--gradient_accumulation_steps", "4", "--output_dir", "o",
+                "--no_save_final", "--gradient_checkpointing", "--lora_rank", "8", "--fsdp_cpu_offload", "--strategy", "fsdp")
+    res = config.load_config(None, got)
+    c = res.cfg
+    assert (c.lr, c.max_steps, c.micro_batch_size, c.epochs, c.grad_accum, c.output_dir) == (0.5, 7, 3, 2, 4, "o")
+    assert c.save_final is False and c.gradient_checkpointing is True and c.lora.r == 8
+    with pytest.raises(ShardwiseError, match=r"flag --learning_rate \(= --lr\): lr must be > 0"):
+        config.load_config(None, flags("--learning_rate", "-1"))
+    assert flags("--lr", "1")["lr"][1] == "flag --lr"
+
+
 def test_unknown_key_names_file_line_and_suggests(tmp_path):
     path = write(tmp_path, "model: tiny\n\nmicro_batch: 4\n")
     with pytest.raises(ShardwiseError, match=r"run\.yaml:3: unknown key 'micro_batch' \(did you mean 'micro_batch_size'\?\)"):

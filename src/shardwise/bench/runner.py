@@ -110,7 +110,22 @@ def strategy_flags(spec: BenchSpec, name: str, output_dir: str) -> dict[str, tup
                # the last profile_steps steps are profiled (train/profile.py): `profiled: true` in their records
                "profile_steps": spec.profile_steps, "profile_start": 0}
     flags.update({k: (v, "set by shardwise bench") for k, v in control.items()})
+    if "data" not in flags and not _yaml_sets(spec.config_path, "data"):
+        # a bench of a model directory measures on the synthetic set unless told otherwise (train refuses
+        # a model directory without --data)
+        flags["data"] = ("demo", "set by shardwise bench (no --data given)")
     return flags
+
+
+def _yaml_sets(path: str | None, key: str) -> bool:
+    if not path:
+        return False
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and key in data
 
 
 def strategy_config_file(spec: BenchSpec, name: str, output_dir: str) -> str | None:
