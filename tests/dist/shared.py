@@ -33,6 +33,7 @@ def train_args(out, data, *extra) -> tuple:
 class Run:
     out: object  # pathlib.Path of the run directory
     stdout: str = ""
+    stderr: str = ""
 
     @property
     def metrics(self) -> list[dict]:

@@ -70,7 +70,8 @@ def runs(tmp_path_factory, chat_data):
                   after=saved_by)
 
     def get(name) -> Run:
-        return Run(outs[name], batch.get(name).stdout)
+        p = batch.get(name)
+        return Run(outs[name], p.stdout, p.stderr)
 
     return get
 
@@ -108,6 +109,18 @@ def test_zero3_final_model_is_the_trained_full_model(runs, tiny_dir):
     for k, v in state["model"].items():
         torch.testing.assert_close(final[k], v, rtol=0, atol=0)
     assert any(not torch.equal(final[k], initial[k]) for k in initial)
+
+
+def test_zero3_log_stays_one_line_per_step_with_each_library_warning_once(runs):
+    """DeepSpeed's ZeRO-3 collectives raise the same deprecation warnings in every step on
+    every rank; the worker prints each distinct one once, from rank 0."""
+    run = runs("zero3")
+    lines = [ln for ln in (run.stdout + run.stderr).splitlines() if ln.strip()]
+    steps = [ln for ln in lines if ln.startswith("step ")]
+    assert len(steps) == STEPS
+    warned = [ln for ln in lines if "Warning:" in ln]
+    assert len(warned) == len(set(warned)), "a library warning was printed more than once"
+    assert len(lines) - len(steps) <= 20, "\n".join(lines)  # start-up, checkpoints and the end message
 
 
 # -- LoRA ---------------------------------------------------------------------------------

@@ -15,8 +15,33 @@ from shardwise.errors import ShardwiseError
 from shardwise.rundir import atomic_write, error_dir, quiet_libraries
 
 
+def warnings_once_on_rank0() -> None:
+    """Library warnings (deprecations from inside ZeRO-3's collectives come every step) are
+    printed once per distinct message, by rank 0 only: a long run's log stays one line per
+    logged step. Filters alone do not hold: libraries reset them (catch_warnings), which
+    re-arms 'default'; the display hook below dedupes whatever gets through."""
+    import logging
+    import warnings
+
+    rank0 = os.environ.get("RANK", "0") == "0"
+    seen: set[tuple] = set()
+    show = warnings.showwarning
+
+    def once(message, category, filename, lineno, file=None, line=None):
+        key = (category, str(message))
+        if rank0 and key not in seen:
+            seen.add(key)
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = once
+    if not rank0:
+        warnings.simplefilter("ignore")
+        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
 def run_job(path: str) -> dict:
     quiet_libraries()
+    warnings_once_on_rank0()
     from shardwise.train.loop import Job, run
 
     with open(path) as fh:
