@@ -123,6 +123,10 @@ class Config:
     save_final: bool = _f(True, "Save the final model under output_dir/final: a Hugging Face directory, or with tuner lora/qlora the PEFT adapter directory.")
     merge_lora: bool = _f(False, "With tuner lora: also write the adapter merged into the base as a full Hugging Face model in output_dir/final/merged (final/ itself is the PEFT adapter directory).")
     report_to: str = _f("tensorboard", "Where logged metrics also go, comma-separated: tensorboard, wandb (offline unless WANDB_MODE=online), mlflow (output_dir/mlruns unless MLFLOW_TRACKING_URI), or none. metrics.jsonl is always written.")
+    val_data: str = _f("", "A validation set (same formats as data) whose loss is measured during training; empty: none, or see val_split.")
+    val_split: float = _f(0.0, "Hold out this fraction of the training records (a seeded random choice) as the validation set; 0 disables.")
+    eval_every: int = _f(0, "Measure the validation loss every N steps and at the end (logged as val_loss); 0 means at the end only.")
+    keep_best: bool = _f(False, "Keep the checkpoint with the lowest validation loss (named in checkpoints/best.json) whatever keep_checkpoints says; needs save_every a multiple of eval_every.")
     # sections
     fsdp: FSDPConfig = field(default_factory=FSDPConfig, metadata={"help": "FSDP2 options."})
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig, metadata={"help": "DeepSpeed options."})
@@ -574,6 +578,16 @@ def validate(res: Resolved) -> None:
         parse_report_to(c.report_to)
     except ValueError as e:
         need(False, "report_to", f"report_to: {e}")
+    need(not (c.val_data and c.val_split), "val_split", "give either val_data or val_split, not both")
+    need(0 <= c.val_split < 1, "val_split", f"val_split must be in [0, 1), got {c.val_split}")
+    need(c.eval_every >= 0, "eval_every", f"eval_every must be >= 0 (0 = at the end only), got {c.eval_every}")
+    has_val = bool(c.val_data) or c.val_split > 0
+    need(has_val or not res.explicit("eval_every"), "eval_every",
+         "eval_every needs a validation set: --val-data PATH or --val-split 0.05")
+    need(has_val or not c.keep_best, "keep_best", "keep_best needs a validation set: --val-data PATH or --val-split 0.05")
+    need(not c.keep_best or (c.save_every > 0 and c.eval_every > 0 and c.save_every % c.eval_every == 0), "keep_best",
+         f"keep_best compares checkpoints by their validation loss: set --save-every to a multiple of --eval-every "
+         f"(now save_every {c.save_every}, eval_every {c.eval_every})")
     need(c.lora.r >= 1, "lora.r", f"lora.r must be >= 1, got {c.lora.r}")
     need(0 <= c.lora.dropout < 1, "lora.dropout", f"lora.dropout must be in [0, 1), got {c.lora.dropout}")
     need(c.fsdp.wrap == "block" or (c.fsdp.wrap.startswith("size:") and c.fsdp.wrap[5:].isdigit()

@@ -162,7 +162,12 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     tokenizer = load_tokenizer(model_dir, cfg.trust_remote_code)
     use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
     records, stats = load_records(cfg, res.where)
+    records, val = validation_records(cfg, res, records)
     encoded = encode(records, tokenizer, cfg.seq_len, cfg.packing, ChatOptions.from_config(cfg))
+    val = encode(val, tokenizer, cfg.seq_len, False, ChatOptions.from_config(cfg)) if val else None
+    if val is not None and not val.stats["loss_tokens"]:
+        raise ShardwiseError(f"{res.where('val_data' if cfg.val_data else 'val_split')}: the validation set has no "
+                             "loss token (every example empty or truncated away); give more or longer examples")
     global_batch = cfg.micro_batch_size * cfg.grad_accum * world
     if len(encoded) < global_batch:
         raise ShardwiseError(f"the dataset has {len(encoded)} sequences, fewer than one global batch of "
@@ -186,6 +191,12 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     with rundir.atomic_path(data_file) as tmp:
         save_file(encoded.to_tensors(), tmp)
     rundir.atomic_write(os.path.join(prep, "sources.json"), json.dumps(encoded.sources))
+    val_file = ""
+    if val is not None:
+        val_file = os.path.join(prep, "val.safetensors")
+        with rundir.atomic_path(val_file) as tmp:
+            save_file(val.to_tensors(), tmp)
+        rundir.atomic_write(os.path.join(prep, "val_sources.json"), json.dumps(val.sources))
     st = encoded.stats
     src = "the built-in demo set" if stats is None else ", ".join(stats.files[:3]) + (" ..." if len(stats.files) > 3 else "")
     msg = (f"data: {st['records']} records from {src}; {st['sequences']} sequences, {st['tokens']:,} tokens, "
@@ -198,6 +209,9 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     say(msg)
     for note in resume_notes:
         say(note)
+    if val is not None:
+        say(f"validation: {val.stats['sequences']} sequences, {val.stats['loss_tokens']:,} loss tokens "
+            f"({'from ' + cfg.val_data if cfg.val_data else f'{cfg.val_split:g} of the records, held out'})")
     if node0:
         if resume_from and os.path.isfile(os.path.join(out, "config.yaml")):
             # the run's config.yaml stays as it was written; each resume is recorded beside it
@@ -209,7 +223,7 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
         else:
             rundir.atomic_write(os.path.join(out, "config.yaml"), to_yaml(cfg, out))
     job = {"config": dataclasses.asdict(cfg), "model_dir": model_dir, "data_file": data_file,
-           "output_dir": out, "resume": cfg.resume}
+           "output_dir": out, "resume": cfg.resume, "val_file": val_file}
     job_path = os.path.join(prep, "job.json")
     rundir.atomic_write(job_path, json.dumps(job, indent=1))
     return Prepared(cfg, out, job_path, world, lock)
@@ -228,6 +242,26 @@ def check_model(cfg: Config, res: Resolved) -> str:
         raise ShardwiseError(f"{res.where('seq_len')}: seq_len {cfg.seq_len} is larger than the model supports "
                              f"(max_position_embeddings {limit}); lower --seq-len")
     return model_dir
+
+
+def validation_records(cfg: Config, res: Resolved, records: list) -> tuple[list, list]:
+    """(training records, validation records): --val-data read like --data, or --val-split
+    holding out a seeded random choice of the records (at least one)."""
+    if cfg.val_data:
+        from shardwise.data.sources import parse_columns, read_records
+
+        cols = parse_columns(cfg.columns, res.where("columns"))
+        return records, read_records(cfg.val_data, cfg.data_format, cfg.skip_bad_records, cols)[0]
+    if cfg.val_split <= 0:
+        return records, []
+    import random
+
+    n = max(1, round(len(records) * cfg.val_split))
+    if n >= len(records):
+        raise ShardwiseError(f"{res.where('val_split')}: val_split {cfg.val_split} leaves no training record "
+                             f"of {len(records)}; lower it")
+    held = set(random.Random(cfg.seed).sample(range(len(records)), n))
+    return ([r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held])
 
 
 def check_fit(cfg: Config, res: Resolved, world: int, force: bool) -> None:

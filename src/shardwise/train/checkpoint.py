@@ -44,6 +44,7 @@ TMP_RE = re.compile(r"^step_\d{8}\.tmp$")
 META = "meta.json"
 DCP_METADATA = ".metadata"
 PARTIAL_MARKER = ".shardwise-partial"  # in a temporary checkpoint directory this module created
+BEST = "best.json"  # {"step", "val_loss", "checkpoint"}: kept by --keep-best (train/evaluate.py)
 
 
 def ckpt_root(output_dir: str) -> str:
@@ -136,10 +137,23 @@ def save(output_dir: str, step: int, state: dict, meta: dict, rank: int, keep: i
                                      "with --resume auto")
             shutil.rmtree(final)
         os.rename(tmp, final)
+        best = read_best(output_dir)
         for old in complete_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if not (best and os.path.samefile(old, best["checkpoint"])):  # --keep-best's is never rotated out
+                shutil.rmtree(old, ignore_errors=True)
     sdist.barrier()
     return final
+
+
+def read_best(output_dir: str) -> dict | None:
+    """checkpoints/best.json when it names a complete checkpoint."""
+    try:
+        with open(os.path.join(ckpt_root(output_dir), BEST)) as fh:
+            best = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(best, dict) and os.path.isfile(os.path.join(str(best.get("checkpoint", "")), META))
+    return best if ok else None
 
 
 def remove_partial(output_dir: str) -> None:

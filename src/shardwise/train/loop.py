@@ -32,6 +32,7 @@ from shardwise.strategies.base import DTYPES
 from shardwise.train import checkpoint as ckpt
 from shardwise.train import dist as sdist
 from shardwise.train.control import Control
+from shardwise.train.evaluate import Evaluator
 from shardwise.train.faults import Faults
 from shardwise.train.metrics import Reporter, Window, flops_per_token, peak_memory_gib
 from shardwise.train.profile import StepProfiler
@@ -46,6 +47,7 @@ class Job:
     data_file: str
     output_dir: str
     resume: str  # "none", "auto" or a checkpoint path
+    val_file: str = ""  # the tokenized validation set, if any
 
 
 class Preempted(Exception):
@@ -137,6 +139,7 @@ class Trainer:
                                    cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32")
         self.control = Control(env, cfg.save_every_minutes)
         self.profiler = StepProfiler.from_config(cfg, env.device, self.total)
+        self.evaluator = Evaluator(cfg, env, job.val_file, self.tokenizer.pad_token_id, self.total, self.out)
         self.new_window()
         self.skipped, self.tokens_run, self.first_loss, self.last_rec = 0, 0, self.earlier["first_loss"], {}
         # Steps whose non-finite flag has not been read: the loop reads it one step late, once the next step's
@@ -232,6 +235,8 @@ class Trainer:
         rec = log_record(self.env, self.cfg, self.window, self.loss_acc, self.loss_n, self.seq_acc, step, self.total,
                          grad_norm, self.pos, self.tokens_seen, self.skipped, self.peak, self.n_params, self.hf_config,
                          self.profiler.take())
+        self.phase = f"step {step}: validation"
+        rec.update(self.evaluator.run(self.model, self.strategy, step, self.fused_head))
         self.rep.log(rec)
         if rec.get("profiled"):
             self.rep.say(f"shardwise: step {step} profiled: communication {rec['comm_total_s'] * 1e3:.1f} ms, "
@@ -241,6 +246,9 @@ class Trainer:
         self.new_window()
 
     def save(self) -> str:
+        return self.evaluator.keeping_best(self._save)()
+
+    def _save(self) -> str:
         return save_checkpoint(self.cfg, self.env, self.strategy, self.model, self.optimizer, self.out, self.step,
                                self.pos, self.tokens_seen, self.job.model_dir, self.tokenizer,
                                first_loss=self.first_loss,
@@ -256,7 +264,8 @@ class Trainer:
                 grad_norm = self.train_step()
                 step, profiler = self.step, self.profiler
                 # a profiled step is logged on its own: the step before it closes the window
-                if step % cfg.log_every == 0 or step == total or profiler.wants(step) or profiler.wants(step + 1):
+                if (step % cfg.log_every == 0 or step == total or profiler.wants(step) or profiler.wants(step + 1)
+                        or self.evaluator.due(step)):
                     self.log(grad_norm)
                 stop, due = self.control.poll(step)
                 save_due = step < total and ((cfg.save_every and step % cfg.save_every == 0) or due)
@@ -304,7 +313,7 @@ class Trainer:
                    "peak_mem_gib": self.last_rec.get("peak_mem_gib"), "wall_time_s": self.earlier["wall_time_s"] + wall,
                    "wall_time_this_launch_s": wall, "params": self.n_params,
                    "trainable_params": self.n_trainable, "skipped_nonfinite_steps": self.skipped,
-                   "final_model": final_dir}
+                   "final_model": final_dir, **self.evaluator.summary()}
         if env.is_main:
             _write_json(os.path.join(out, "summary.json"), summary)
         self.rep.say(f"shardwise: done: {step} steps, loss {first_loss:.4f} (first logged) -> "
