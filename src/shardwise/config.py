@@ -582,7 +582,7 @@ def validate(res: Resolved) -> None:
     need(0 <= c.val_split < 1, "val_split", f"val_split must be in [0, 1), got {c.val_split}")
     need(c.eval_every >= 0, "eval_every", f"eval_every must be >= 0 (0 = at the end only), got {c.eval_every}")
     has_val = bool(c.val_data) or c.val_split > 0
-    need(has_val or not res.explicit("eval_every"), "eval_every",
+    need(has_val or c.eval_every == 0, "eval_every",
          "eval_every needs a validation set: --val-data PATH or --val-split 0.05")
     need(has_val or not c.keep_best, "keep_best", "keep_best needs a validation set: --val-data PATH or --val-split 0.05")
     need(not c.keep_best or (c.save_every > 0 and c.eval_every > 0 and c.save_every % c.eval_every == 0), "keep_best",

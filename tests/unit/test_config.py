@@ -120,6 +120,13 @@ def test_preset_options_yield_to_explicit_options():
     (("--mixed-precision", "fp16", "--param-dtype", "bf16"), r"mixes two half types"),
     (("--fsdp-wrap", "size:x", "--strategy", "fsdp"), r"fsdp.wrap must be 'block' or 'size:N'"),
     (("--rdzv-endpoint", "nohostport"), r"rdzv_endpoint must be HOST:PORT"),
+    (("--report-to", "tensorboard,comet"), r"flag --report-to: report_to: unknown tracker comet"),
+    (("--val-data", "v.jsonl", "--val-split", "0.1"), r"flag --val-split: give either val_data or val_split"),
+    (("--val-split", "1"), r"val_split must be in \[0, 1\)"),
+    (("--eval-every", "5"), r"flag --eval-every: eval_every needs a validation set: --val-data PATH or --val-split"),
+    (("--keep-best",), r"keep_best needs a validation set"),
+    (("--val-split", "0.1", "--keep-best", "--eval-every", "4", "--save-every", "6"),
+     r"set --save-every to a multiple of --eval-every \(now save_every 6, eval_every 4\)"),
 ])
 def test_invalid_combinations_are_refused_with_where(argv, message):
     with pytest.raises(ShardwiseError, match=message):
