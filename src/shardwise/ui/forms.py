@@ -222,6 +222,7 @@ def train(values: dict, runs_dir: str | None = None, check_model: bool = False) 
     def go():
         args = _parse("train", argv_for(values, "train"))
         res = config.load_config(None, config.flags_from_namespace(args))
+        config.check_train_data(res)  # as `shardwise train` does: a model directory needs --data
         if check_model:
             launch.check_model(res.cfg, res)
         argv = minimal_train_argv(res)
