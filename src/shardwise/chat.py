@@ -228,7 +228,7 @@ def run(args) -> int:
     if args.temperature < 0:
         raise ShardwiseError(f"--temperature must be >= 0, got {args.temperature}")
     model_dir, adapter_dir = resolve_dirs(args.dir, args.adapter, args.base)
-    from shardwise.launch import quiet_libraries
+    from shardwise.rundir import quiet_libraries
 
     quiet_libraries()
     import torch
