@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
                                               "adapter_config.json).")
     p.add_argument("--prompt", default=None, help="Answer this one message and exit (no interactive session).")
     p.add_argument("--system", default="", help="A system message put before the conversation.")
-    p.add_argument("--chat-template", default="", help="A Jinja chat template file for a model that has none.")
+    p.add_argument("--chat-template", default="", help="A chat template for a model that has none: a shipped NAME (chatml, llama3, qwen, mistral, gemma) or a Jinja FILE.")
     p.add_argument("--max-new-tokens", type=int, default=256, help="Most tokens per answer.")
     p.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature; 0 is greedy decoding.")
     p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (with temperature > 0).")
@@ -136,17 +136,15 @@ def load(model_dir: str, adapter_dir: str | None, device, trust_remote_code: boo
     return model, tok
 
 
-def set_template(tok, template_file: str, where: str) -> None:
-    """Give the tokenizer a chat template: --chat-template FILE, else the model's own."""
-    if template_file:
-        try:
-            with open(template_file, encoding="utf-8") as fh:
-                tok.chat_template = fh.read()
-        except OSError as e:
-            raise ShardwiseError(f"--chat-template {template_file}: cannot read it ({e.strerror})")
+def set_template(tok, template: str, where: str) -> None:
+    """Give the tokenizer a chat template: --chat-template NAME|FILE (the templates `train`
+    ships, or a Jinja file), else the model's own."""
+    from shardwise.data.templates import names, use_chat_template
+
+    use_chat_template(tok, template)
     if not getattr(tok, "chat_template", None):
-        raise ShardwiseError(f"chat {where}: the tokenizer has no chat template; pass --chat-template FILE "
-                             "(a Jinja template)")
+        raise ShardwiseError(f"chat {where}: the tokenizer has no chat template; pass --chat-template NAME "
+                             f"({', '.join(names())}) or a Jinja FILE")
 
 
 # ----------------------------------------------------------------------------- talking

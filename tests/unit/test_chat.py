@@ -48,3 +48,15 @@ def test_no_chat_template_is_one_line_naming_the_flag(tmp_path, tiny_dir):
     f.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     set_template(tok, str(f), "here")
     assert tok.apply_chat_template([{"role": "user", "content": "abc"}], tokenize=False) == "abc"
+
+
+def test_a_shipped_template_name_is_accepted(tiny_dir):
+    from shardwise.models.load import load_tokenizer
+
+    tok = load_tokenizer(tiny_dir, False)
+    tok.chat_template = None
+    set_template(tok, "chatml", "here")
+    text = tok.apply_chat_template([{"role": "user", "content": "abc"}], tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>user\nabc<|im_end|>" in text and text.rstrip().endswith("<|im_start|>assistant")
+    with pytest.raises(ShardwiseError, match="neither a shipped chat template"):
+        set_template(tok, "no-such-template", "here")
