@@ -90,8 +90,9 @@ class Config:
     rdzv_endpoint: str = _f("", "HOST:PORT of the c10d rendezvous (needed when nnodes > 1).")
     collective_timeout: float = _f(1800.0, "Seconds before a collective that does not complete (a hung or dead rank) becomes an error naming the rank and operation.")
     max_restarts: int = _f(0, "Restart the worker group this many times after a failure; the run resumes from its newest checkpoint.")
-    sequence_parallel: int = _f(1, "Ranks that split each sequence (context parallelism); the data-parallel degree is the world size / (sequence_parallel x tensor_parallel). Only 1 in this version.")
+    sequence_parallel: int = _f(1, "Ranks that split each sequence (Ulysses sequence parallelism; 1 = off); the data-parallel degree is the world size / (sequence_parallel x tensor_parallel). Needs the attention heads divisible by it.")
     tensor_parallel: int = _f(1, "Ranks that split each weight matrix (tensor parallelism). Only 1 in this version.")
+    sp_mode: str = _f("auto", "How sequence parallelism splits attention: ulysses (all-to-all to head shards; heads divisible by N), ring (not yet), or auto (Ulysses for the largest degree the heads allow; the choice is printed).", ("auto", "ulysses", "ring"))
     # optimisation
     max_steps: int = _f(-1, "Optimizer steps to run; -1 means as many as `epochs` take.")
     epochs: int = _f(1, "Passes over the data (used when max_steps is -1).")
@@ -562,10 +563,9 @@ def validate(res: Resolved) -> None:
     need(c.nnodes >= 1, "nnodes", f"nnodes must be >= 1, got {c.nnodes}")
     need(0 <= c.node_rank < c.nnodes, "node_rank", f"node_rank must be in [0, nnodes={c.nnodes}), got {c.node_rank}")
     need(c.max_restarts >= 0, "max_restarts", f"max_restarts must be >= 0, got {c.max_restarts}")
-    for key, issue in (("sequence_parallel", "sequence parallelism"), ("tensor_parallel", "tensor parallelism")):
-        degree = get(c, key)
-        need(degree >= 1, key, f"{key} must be >= 1, got {degree}")
-        need(degree == 1, key, f"{key} {degree}: not yet supported in this version (issue: {issue}); use 1")
+    need(c.tensor_parallel >= 1, "tensor_parallel", f"tensor_parallel must be >= 1, got {c.tensor_parallel}")
+    need(c.tensor_parallel == 1, "tensor_parallel",
+         f"tensor_parallel {c.tensor_parallel}: not yet supported in this version (issue: tensor parallelism); use 1")
     need(c.nnodes == 1 or bool(c.rdzv_endpoint), "nnodes",
          "a multi-node run needs --rdzv-endpoint HOST:PORT (the address of node 0)")
     if c.rdzv_endpoint:
@@ -629,6 +629,16 @@ def validate(res: Resolved) -> None:
     if base == "single":
         need(c.nnodes == 1 and c.nproc_per_node in (0, 1), "strategy",
              "strategy 'single' runs one process; use --strategy ddp (or fsdp) for more than one")
+    need(c.sequence_parallel >= 1, "sequence_parallel", f"sequence_parallel must be >= 1, got {c.sequence_parallel} (1 = off)")
+    if c.sequence_parallel > 1:
+        need(base != "single", "sequence_parallel",
+             "sequence parallelism splits sequences over several ranks; use --strategy ddp, fsdp or zero*, not single")
+        need(c.sp_mode != "ring", "sp_mode",
+             "ring attention is not implemented yet; use --sp-mode ulysses (heads divisible by the degree) or auto")
+        if c.nproc_per_node:
+            world = c.nproc_per_node * c.nnodes
+            need(world % c.sequence_parallel == 0, "sequence_parallel",
+                 f"sequence_parallel {c.sequence_parallel} must divide the {world} ranks (nnodes x nproc_per_node)")
 
 
 def to_yaml(cfg: Config, where: str = "") -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -158,6 +159,7 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
 
     model_dir = check_model(cfg, res)
     resume_notes = ckpt.check_resume(resume_from, cfg, model_dir) if resume_from else []
+    check_sequence_parallel(cfg, res, world, model_dir)
     check_fit(cfg, res, world, force)
     tokenizer = load_tokenizer(model_dir, cfg.trust_remote_code)
     use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
@@ -168,7 +170,7 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     if val is not None and not val.stats["loss_tokens"]:
         raise ShardwiseError(f"{res.where('val_data' if cfg.val_data else 'val_split')}: the validation set has no "
                              "loss token (every example empty or truncated away); give more or longer examples")
-    global_batch = cfg.micro_batch_size * cfg.grad_accum * world
+    global_batch = cfg.micro_batch_size * cfg.grad_accum * (world // cfg.sequence_parallel)
     if len(encoded) < global_batch:
         raise ShardwiseError(f"the dataset has {len(encoded)} sequences, fewer than one global batch of "
                              f"{global_batch}; lower --micro-batch-size or --grad-accum, or add data")
@@ -262,6 +264,35 @@ def validation_records(cfg: Config, res: Resolved, records: list) -> tuple[list,
                              f"of {len(records)}; lower it")
     held = set(random.Random(cfg.seed).sample(range(len(records)), n))
     return ([r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held])
+
+
+def check_sequence_parallel(cfg: Config, res: Resolved, world: int, model_dir: str) -> None:
+    """Refuse a sequence-parallel degree the ranks or the model's heads cannot take, with
+    the model's numbers; say which mode runs."""
+    n = cfg.sequence_parallel
+    if n == 1:
+        return
+    if world % n:
+        raise ShardwiseError(f"{res.where('sequence_parallel')}: sequence_parallel {n} must divide the {world} "
+                             "ranks (nnodes x nproc_per_node); the data-parallel degree is ranks / N")
+    with open(os.path.join(model_dir, "config.json")) as fh:
+        hf = json.load(fh)
+    hf = hf.get("text_config", hf)
+    heads = hf.get("num_attention_heads")
+    kv = hf.get("num_key_value_heads") or heads
+    if heads is None:
+        raise ShardwiseError(f"{res.where('sequence_parallel')}: the model's config.json names no "
+                             "num_attention_heads, so Ulysses cannot split its heads; use sequence_parallel 1")
+    if heads % n:
+        fits = [d for d in range(2, heads + 1) if heads % d == 0 and world % d == 0]
+        hint = f"use --sequence-parallel {fits[-1]}" if fits else "use --sequence-parallel 1"
+        raise ShardwiseError(f"{res.where('sequence_parallel')}: Ulysses splits the model's {heads} attention heads "
+                             f"over the {n} ranks of a sequence-parallel group, and {n} does not divide {heads}; "
+                             f"{hint} (ring attention, for degrees beyond the heads, is not implemented yet)")
+    how = "KV heads replicated to " + str(math.lcm(kv, n)) if kv % n else f"{kv // n} KV head(s) per rank"
+    say(f"sequence parallel: Ulysses ({'chosen by --sp-mode auto: ' if cfg.sp_mode == 'auto' else ''}"
+        f"{heads} heads divide by {n}) over groups of {n} ranks, {heads // n} query heads per rank ({how}); "
+        f"data-parallel degree {world // n}; each rank holds {cfg.seq_len // n} of {cfg.seq_len} tokens")
 
 
 def check_fit(cfg: Config, res: Resolved, world: int, force: bool) -> None:

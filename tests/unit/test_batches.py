@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from shardwise.data.batches import DataPosition, StepSampler
 from shardwise.data.encode import IGNORE, Encoded
@@ -73,3 +74,22 @@ def test_position_is_world_size_independent():
 def test_too_little_data_for_one_global_batch():
     with pytest.raises(ShardwiseError, match="fewer than one global batch of 64"):
         StepSampler(dataset(10), 8, 4, 2, 0, seed=0, pad_id=0)
+
+
+def test_sequence_parallel_ranks_share_rows_and_split_each_sequence():
+    """SP degree 2 on 4 ranks: data-parallel degree 2; the two SP ranks of a group get the
+    same rows and, side by side, exactly the unsplit micro-batch (targets shifted before
+    the split, positions global), padded to a multiple of 16."""
+    data = dataset()
+    whole = StepSampler(data, 2, 1, 2, 1, seed=3, pad_id=0)
+    parts = [StepSampler(data, 2, 1, 2, 1, seed=3, pad_id=0, sp_degree=2, sp_rank=r) for r in range(2)]
+    (ref, _), (a, _), (b, _) = (s.next(DataPosition()) for s in (whole, *parts))
+    assert a.rows == b.rows == ref.rows and a.loss_tokens == ref.loss_tokens
+    for key in ("input_ids", "targets", "position_ids"):
+        left, right = getattr(a.micro[0], key), getattr(b.micro[0], key)
+        assert left.shape == right.shape and left.shape[1] * 2 % 16 == 0
+        joined = torch.cat([left, right], dim=1)
+        want = getattr(ref.micro[0], key)
+        assert torch.equal(joined[:, :want.shape[1]], want), key
+        if key == "targets":
+            assert (joined[:, want.shape[1]:] == IGNORE).all()

@@ -10,7 +10,6 @@ from shardwise import config, strategies
 from shardwise.errors import ShardwiseError
 from shardwise.strategies.base import DistEnv
 from shardwise.strategies.parallel import ParallelDims
-from tests.helpers import run_cli
 
 
 def cfg_of(**flags):
@@ -73,9 +72,8 @@ def test_hybrid_shard_group_that_does_not_divide_the_ranks_is_refused():
         strategies.get("hybrid").parallel_dims(cfg, env)
 
 
-@pytest.mark.parametrize("key,issue", [("sequence_parallel", "sequence parallelism"),
-                                       ("tensor_parallel", "tensor parallelism")])
-def test_sequence_and_tensor_parallel_above_one_are_not_yet_supported(key, issue):
+@pytest.mark.parametrize("key,issue", [("tensor_parallel", "tensor parallelism")])
+def test_tensor_parallel_above_one_is_not_yet_supported(key, issue):
     with pytest.raises(ShardwiseError) as e:
         cfg_of(strategy="fsdp", **{key: 2})
     assert str(e.value) == (f"flag --{key.replace('_', '-')}: {key} 2: not yet supported in this version "
@@ -85,15 +83,23 @@ def test_sequence_and_tensor_parallel_above_one_are_not_yet_supported(key, issue
     assert getattr(cfg_of(strategy="fsdp", **{key: 1}), key) == 1
 
 
-def test_cli_refuses_sequence_parallel_before_launch(tmp_path):
-    out = tmp_path / "run"
-    p = run_cli("train", "--strategy", "ddp", "--sequence-parallel", "2", "--max-steps", "1",
-                "--output-dir", str(out), check=False)
-    assert p.returncode != 0
-    err = [line for line in p.stderr.splitlines() if line.strip()]
-    assert err == ["shardwise: error: flag --sequence-parallel: sequence_parallel 2: not yet supported in this "
-                   "version (issue: sequence parallelism); use 1"]
-    assert not out.exists()
+def test_sequence_parallel_is_accepted_and_checked():
+    """Sequence parallelism is supported (tests/dist/test_sequence_parallel.py); its config checks."""
+    assert cfg_of(strategy="fsdp", sequence_parallel=2, nproc_per_node=2).sequence_parallel == 2
+    with pytest.raises(ShardwiseError, match="sequence_parallel must be >= 1, got 0"):
+        cfg_of(strategy="fsdp", sequence_parallel=0)
+    with pytest.raises(ShardwiseError, match="sequence_parallel 3 must divide the 2 ranks"):
+        cfg_of(strategy="fsdp", sequence_parallel=3, nproc_per_node=2)
+    with pytest.raises(ShardwiseError, match="ring attention is not implemented yet"):
+        cfg_of(strategy="fsdp", sequence_parallel=2, sp_mode="ring")
+    with pytest.raises(ShardwiseError, match="not single"):
+        cfg_of(strategy="single", sequence_parallel=2)
+
+
+def test_sequence_parallel_dims_shard_and_average_over_the_sequence_ranks_too():
+    dims = ParallelDims(1, 2, 2, 1, world_size=4, rank=3)  # fsdp on 4 ranks, SP 2
+    assert (dims.dp_size, dims.dp_rank, dims.sp_rank) == (2, 1, 1)
+    assert (dims.grad_size, dims.shard_size) == (4, 4)
 
 
 def test_build_model_leaves_checkpointing_and_compile_to_the_strategy(tiny_dir):

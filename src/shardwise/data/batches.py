@@ -7,6 +7,13 @@ contiguous slice of it, split into grad_accum micro-batches. The data position i
 resumed on another number of ranks neither repeats nor skips a row within the epoch.
 Every rank holds the whole (tokenized) dataset, so each can count the global batch's loss
 tokens itself; no collective is needed to normalise the loss.
+
+With sequence parallelism of degree N, `world_size` and `rank` are the data-parallel
+degree and rank: the N ranks of one sequence-parallel group get the same rows, and collate
+gives each its contiguous 1/N of every sequence (the width padded to a multiple of 8 N).
+Targets were shifted before the split (data/encode.py), so a slice's last token predicts
+the next slice's first, and positions are global, so rotary embeddings and the document
+mask see the whole sequence (models/sequence_parallel.py).
 """
 
 from __future__ import annotations
@@ -45,9 +52,10 @@ class StepBatch:
 
 class StepSampler:
     def __init__(self, data: Encoded, micro_batch_size: int, grad_accum: int, world_size: int, rank: int,
-                 seed: int, pad_id: int):
+                 seed: int, pad_id: int, sp_degree: int = 1, sp_rank: int = 0):
         self.data, self.mbs, self.accum, self.world, self.rank = data, micro_batch_size, grad_accum, world_size, rank
         self.seed, self.pad_id = seed, pad_id
+        self.sp_degree, self.sp_rank = sp_degree, sp_rank
         self.global_batch = micro_batch_size * grad_accum * world_size
         if len(data) < self.global_batch:
             raise ShardwiseError(
@@ -82,7 +90,8 @@ class StepSampler:
 
     def collate(self, rows: list[int]) -> MicroBatch:
         longest = max(self.lengths[r] for r in rows)
-        width = -(-longest // 8) * 8  # a multiple of 8 keeps matmul shapes friendly
+        unit = 8 * self.sp_degree  # a multiple of 8 keeps matmul shapes friendly, on every slice
+        width = -(-longest // unit) * unit
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.int64)
         tg = torch.full((len(rows), width), IGNORE, dtype=torch.int64)
         pos = torch.arange(width, dtype=torch.int64).repeat(len(rows), 1)
@@ -95,4 +104,7 @@ class StepSampler:
             # padding continues the last example's positions: it sits after every real
             # token, so causal attention keeps it invisible to them
             pos[i, n:] = p[-1] + 1 + torch.arange(width - n)
+        if self.sp_degree > 1:
+            part = slice(self.sp_rank * width // self.sp_degree, (self.sp_rank + 1) * width // self.sp_degree)
+            ids, tg, pos = ids[:, part].contiguous(), tg[:, part].contiguous(), pos[:, part].contiguous()
         return MicroBatch(ids, tg, pos)

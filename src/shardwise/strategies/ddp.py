@@ -26,7 +26,7 @@ class DDPStrategy(Strategy):
         # as soon as its backward finishes.
         torch._dynamo.config.optimize_ddp = False
         # gradient_as_bucket_view: gradients live in the all-reduce buckets (no second copy)
-        return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, process_group=self.dims.dp_group)
+        return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, process_group=self.dims.grad_group)
 
     def sync(self, model, enabled: bool):
         return contextlib.nullcontext() if enabled else model.no_sync()

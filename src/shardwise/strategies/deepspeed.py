@@ -27,7 +27,7 @@ from shardwise.strategies.parallel import shard_all
 
 def ds_config(cfg, world: int, cuda: bool) -> dict:
     """The DeepSpeed JSON for this run, from our config; the user's file overrides keys.
-    `world`: the data-parallel degree (dims.dp_size; the world size while sp = tp = 1)."""
+    `world`: the ranks DeepSpeed averages over (dims.grad_size: data-parallel x sequence-parallel)."""
     ds = cfg.deepspeed
     zero: dict = {"stage": ds.stage}
     if ds.offload_optimizer:
@@ -82,12 +82,13 @@ class DeepSpeedStrategy(Strategy):
         super().__init__(cfg, env)
         self.scaler = None  # DeepSpeed scales fp16 losses itself
         self.engine = None
-        self.config = ds_config(cfg, self.dims.dp_size, env.device.type == "cuda")
+        self.config = ds_config(cfg, self.dims.grad_size, env.device.type == "cuda")
 
     def apply_data_parallel(self, model: torch.nn.Module):
         """DeepSpeed's engine around the model and our optimizer (it flattens the groups).
-        Its data-parallel group is the default one, which is dims.dp_group while sp = tp = 1;
-        sequence/tensor parallelism will have to hand it the mesh's groups."""
+        Its data-parallel group is the default one, which is dims.grad_group while tp = 1 (the
+        sequence-parallel ranks average gradients with the data-parallel ones); tensor
+        parallelism will have to hand it the mesh's groups."""
         import deepspeed
         import deepspeed.ops
 

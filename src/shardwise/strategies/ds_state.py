@@ -18,7 +18,7 @@ import torch
 
 def _mesh(strategy):
     """The 1-D mesh ZeRO partitions over (the run's dp_shard dimension)."""
-    return strategy.dims.dp_shard_mesh
+    return strategy.dims.shard_mesh
 
 
 def _shard(full: torch.Tensor, strategy):

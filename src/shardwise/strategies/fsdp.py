@@ -107,7 +107,7 @@ class FSDPStrategy(Strategy):
         # no model.to(device): each fully_shard call moves its unit's tensors to the device and
         # shards them (and, with offload, moves the shards to the CPU), so setup never holds
         # more than one unit unsharded on the GPU
-        self.mesh = self.dims.dp_shard_mesh  # (dp_shard,), or (dp_replicate, dp_shard) for HSDP
+        self.mesh = self.dims.shard_mesh  # (dp_shard [x sp],), or (dp_replicate, dp_shard [x sp]) for HSDP
         units = block_units(model) if f.wrap == "block" else size_units(model, int(f.wrap[5:]))
         self.reshard = f.reshard_after_forward and not self.keeps_gathered()
         kw = dict(mesh=self.mesh, mp_policy=self.mp_policy(),
@@ -135,7 +135,7 @@ class FSDPStrategy(Strategy):
         fsdp.keep_gathered_one_rank false turns it off; CPU offload (a choice for the least GPU memory) keeps
         resharding. The rule is declared once, presets.FSDPSpec.keeps_gathered, which the planner calls too."""
         f = self.cfg.fsdp
-        return presets.FSDP.keeps_gathered(f.keep_gathered_one_rank, f.cpu_offload, self.dims.dp_shard,
+        return presets.FSDP.keeps_gathered(f.keep_gathered_one_rank, f.cpu_offload, self.mesh.shape[-1],
                                            self.compute_dtype.itemsize, self.param_dtype.itemsize)
 
     def optimizer_kernel(self) -> dict:

@@ -6,7 +6,7 @@ Every rank is placed on a 4-D grid, outermost first:
 
 - dp_replicate: data-parallel ranks that hold full replicas (DDP; HSDP's groups);
 - dp_shard: data-parallel ranks that shard parameters/states (FSDP, ZeRO; HSDP within a group);
-- sp: sequence (context) parallel ranks that split one sequence (1 until that issue lands);
+- sp: sequence-parallel ranks that split one sequence (Ulysses, models/sequence_parallel.py);
 - tp: tensor parallel ranks that split each weight (1 until that issue lands).
 
 The data-parallel degree is dp_replicate x dp_shard: the sampler, the loss normalisation and
@@ -96,11 +96,45 @@ class ParallelDims:
         return self._mesh
 
     @property
+    def grad_size(self) -> int:
+        """The ranks gradients are averaged over: the data-parallel ranks and, within each, the
+        sequence-parallel ranks (each holds other tokens of the same rows), as torchtitan's dp_cp.
+        The loop scales each rank's loss by it; DeepSpeed's batch size counts it."""
+        return self.dp_size * self.sp
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks FSDP / ZeRO shard over: dp_shard x sp (sequence-parallel ranks shard too)."""
+        return self.dp_shard * self.sp
+
+    @property
     def dp_shard_mesh(self):
         """The mesh FSDP and the ZeRO checkpoint form shard over: 1-D (dp_shard), or 2-D
         (dp_replicate, dp_shard) for HSDP. (Sequence parallelism will shard over dp_shard x sp
         flattened, as torchtitan's dp_shard_cp.)"""
         return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    @property
+    def shard_mesh(self):
+        """The mesh FSDP and the ZeRO checkpoint form shard over: dp_shard_mesh, with the
+        sequence-parallel ranks flattened into the shard dimension when sp > 1 (torchtitan's
+        dp_shard_cp); (dp_replicate, dp_shard x sp) for HSDP."""
+        if self.sp == 1:
+            return self.dp_shard_mesh
+        flat = self.mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+        return self.mesh["dp_replicate", "dp_shard_sp"] if self.dp_replicate > 1 else flat
+
+    @property
+    def grad_group(self):
+        """The process group gradients are averaged over (grad_size ranks): dp_group, with the
+        sequence-parallel ranks when sp > 1."""
+        import torch.distributed as dist
+
+        if self.sp == 1:
+            return self.dp_group
+        if self.grad_size == self.world_size:
+            return dist.group.WORLD
+        return self.mesh["dp_replicate", "dp_shard", "sp"]._flatten("dp_sp").get_group()
 
     @property
     def dp_group(self):

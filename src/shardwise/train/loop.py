@@ -26,6 +26,7 @@ from shardwise.data.templates import use_chat_template
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import peak_flops
 from shardwise.models.load import load_model, load_tokenizer
+from shardwise.models.sequence_parallel import DENSE_MASK_LIMIT, apply_sequence_parallel
 from shardwise.models.speed import install_fused_loss
 from shardwise.rundir import atomic_write_json, record_interrupted
 from shardwise.strategies.base import DTYPES
@@ -69,11 +70,15 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE, reduction="sum")
 
 
-def build_model(cfg: Config, model_dir: str):
-    """The HF model on the CPU, before any strategy touches it: storage dtype, adapters and
-    the fused loss head (it changes what the head returns, not how the model is parallelised).
-    Checkpointing and compile are the strategy's parallelize steps (Strategy.parallelize)."""
+def build_model(cfg: Config, model_dir: str, sp_group=None):
+    """The HF model on the CPU, before any strategy touches it: storage dtype, the attention
+    function (Ulysses over `sp_group` with sequence parallelism), adapters and the fused loss
+    head (it changes what the head returns, not how the model is parallelised). Checkpointing
+    and compile are the strategy's parallelize steps (Strategy.parallelize)."""
     model = load_model(model_dir, DTYPES[cfg.param_dtype], cfg.trust_remote_code)
+    # long packed sequences on one rank too: a block mask instead of transformers' dense (B, 1, S, S) one
+    if cfg.sequence_parallel > 1 or (cfg.packing and cfg.seq_len ** 2 > DENSE_MASK_LIMIT and torch.cuda.is_available()):
+        apply_sequence_parallel(model, sp_group, cfg.sequence_parallel)
     if cfg.tuner != "full":
         from shardwise.models.lora import apply_lora
 
@@ -110,7 +115,7 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(job.model_dir, cfg.trust_remote_code)
         use_chat_template(self.tokenizer, cfg.chat_template)  # final/ carries the template the run trained with
-        model = build_model(cfg, job.model_dir)
+        model = build_model(cfg, job.model_dir, self.dims.sp_group if self.dims.sp > 1 else None)
         self.hf_config = model.config
         head = model.get_output_embeddings()
         self.fused_head = head if getattr(head, "loss_targets", "absent") is None else None
@@ -123,9 +128,11 @@ class Trainer:
         from safetensors.torch import load_file
 
         self.data = Encoded.from_tensors(load_file(job.data_file))
-        # each data-parallel rank reads its own share (sequence/tensor-parallel peers read the same one)
+        # each data-parallel rank reads its own share (sequence/tensor-parallel peers read the same one);
+        # the sequence-parallel ranks of a group each take their slice of every sequence
         self.sampler = StepSampler(self.data, cfg.micro_batch_size, cfg.grad_accum, self.dims.dp_size,
-                                   self.dims.dp_rank, cfg.seed, self.tokenizer.pad_token_id)
+                                   self.dims.dp_rank, cfg.seed, self.tokenizer.pad_token_id,
+                                   sp_degree=self.dims.sp, sp_rank=self.dims.sp_rank)
         self.total = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * self.sampler.steps_per_epoch
         notes = ["ranks held different initial weights; rank 0's were broadcast to all"] if broadcasted else []
         if self.restarted:
@@ -182,7 +189,8 @@ class Trainer:
         env = self.env
         self.rep = Reporter(self.out, env.is_main, self.total, self.step, append=self.resume_from is not None,
                             report_to=self.cfg.report_to, config=dataclasses.asdict(self.cfg))
-        self.rep.say(f"shardwise: {self.strategy.describe()} on {env.world_size} rank(s) ({env.backend}, "
+        sp = f" + Ulysses sequence parallel over groups of {self.dims.sp}" if self.dims.sp > 1 else ""
+        self.rep.say(f"shardwise: {self.strategy.describe()}{sp} on {env.world_size} rank(s) ({env.backend}, "
                      f"{env.device.type}), {self.n_params / 1e6:.2f}M params ({self.n_trainable / 1e6:.2f}M "
                      f"trainable), {len(self.data)} sequences, global batch {self.sampler.global_batch}, "
                      f"{self.total} steps")
@@ -200,7 +208,7 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr_at(cfg, step, self.total)
         with self.profiler.step(step + 1):  # a null context unless this step is profiled
-            step_loss = forward_backward_step(self.model, self.strategy, batch, self.dims.dp_size, self.env.device,
+            step_loss = forward_backward_step(self.model, self.strategy, batch, self.dims.grad_size, self.env.device,
                                               self.faults, step + 1, self.fused_head)
             self.settle()  # the previous step's flag
             self.phase = f"step {step + 1}: optimizer step (gradient-norm reduction)"
@@ -335,9 +343,10 @@ def forward_backward_step(model, strategy, batch: StepBatch, dp_size: int, devic
                           fused_head=None) -> torch.Tensor:
     """Forward/backward over the rank's micro-batches; returns this rank's share of the
     global mean loss (a tensor, so no host sync). Each micro-batch's summed loss is divided
-    by the global batch's loss-token count and scaled by the data-parallel degree
-    (dims.dp_size), because every strategy averages gradients over the data-parallel ranks:
-    the result equals one process on the whole global batch."""
+    by the global batch's loss-token count and scaled by `dp_size`, the ranks gradients are
+    averaged over (dims.grad_size: the data-parallel degree, times the sequence-parallel
+    degree, whose ranks sum the losses of their slices of the same rows): the result equals
+    one process on the whole global batch."""
     scale = dp_size / batch.loss_tokens
     total = torch.zeros((), device=device)
     last = len(batch.micro) - 1
