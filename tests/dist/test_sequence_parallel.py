@@ -18,6 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.dist.shared import MAX_GRAD_NORM, RTOL, SINGLE, STEPS, TWO, Run, train_args
+from tests.dist.test_parity import assert_same_run
+from tests.helpers import ConcurrentRuns, run_cli
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -102,6 +106,74 @@ def test_packed_mask_differs_from_plain_causal():
     assert not torch.allclose(packed[0, 5:], plain[0, 5:], atol=1e-3)
 
 
-@pytest.mark.skipif(True, reason="placeholder")
-def test_cli_parity():
-    pass
+# -- the whole path through the CLI ---------------------------------------------------------
+# SP = 2 on 2 ranks is data-parallel degree 1: the global batch of 8 is 2 x 4 accumulation,
+# the same rows as the session's one-process runs (SINGLE). Each case also exercises
+# something else: packing with gradient checkpointing (recomputed exchanges), ZeRO-3, and
+# checkpoints that cross SP degrees both ways (the data position is counted in rows).
+SP2 = ("--nproc-per-node", "2", "--micro-batch-size", "2", "--grad-accum", "4", "--sequence-parallel", "2")
+PACKED = ("--packing",)
+
+
+@pytest.fixture(scope="module")
+def sp_runs(tmp_path_factory, chat_data, single_ref):
+    batch, outs = ConcurrentRuns(), {}
+    cases = {
+        "ddp": (*SP2, "--strategy", "ddp", "--save-every", "6", "--no-save-final"),
+        "single-packed": (*SINGLE, *PACKED, "--no-save-final"),
+        "fsdp-packed": (*SP2, *PACKED, "--strategy", "fsdp", "--gradient-checkpointing", "--no-save-final"),
+        # SP = 1 (one process) -> SP = 2 under ZeRO-3
+        "zero3-from-single": (*SP2, "--strategy", "zero3", "--resume", str(single_ref.ckpt(4)), "--no-save-final"),
+    }
+    for name, extra in cases.items():
+        outs[name] = tmp_path_factory.mktemp(name)
+        batch.add(name, *train_args(outs[name], chat_data, *extra))
+    # SP = 2 -> SP = 1 (data-parallel degree 2)
+    outs["ddp-from-sp"] = tmp_path_factory.mktemp("ddp-from-sp")
+    batch.add("ddp-from-sp", *train_args(outs["ddp-from-sp"], chat_data, *TWO, "--strategy", "ddp", "--resume",
+                                         str(outs["ddp"] / "checkpoints" / "step_00000006"), "--no-save-final"),
+              after="ddp")
+    return lambda name: Run(outs[name], batch.get(name).stdout)
+
+
+def test_sp2_ddp_trains_like_one_process(sp_runs, single_ref):
+    run = sp_runs("ddp")
+    assert "Ulysses sequence parallel over groups of 2" in run.stdout
+    assert "data-parallel degree 1" in run.stdout
+    assert_same_run(run.metrics, single_ref.metrics)
+
+
+def test_sp2_fsdp_packed_trains_like_one_process_packed(sp_runs):
+    """Packed rows keep their document boundaries across the split (the mask comes from the
+    gathered global positions); gradient checkpointing recomputes the exchanges."""
+    ref = sp_runs("single-packed").metrics
+    assert max(r["grad_norm"] for r in ref) > MAX_GRAD_NORM
+    assert_same_run(sp_runs("fsdp-packed").metrics, ref)
+
+
+def test_checkpoints_cross_sequence_parallel_degrees(sp_runs, single_ref):
+    single = single_ref.metrics
+    down = sp_runs("ddp-from-sp")
+    assert [r["step"] for r in down.metrics] == list(range(7, STEPS + 1))
+    torch.testing.assert_close(torch.tensor(down.losses), torch.tensor([r["loss"] for r in single[6:]]),
+                               rtol=RTOL, atol=0)
+    up = sp_runs("zero3-from-single")
+    assert [r["step"] for r in up.metrics] == list(range(5, STEPS + 1))
+    torch.testing.assert_close(torch.tensor(up.losses), torch.tensor([r["loss"] for r in single[4:]]),
+                               rtol=RTOL, atol=0)
+
+
+def test_bad_degrees_are_refused_before_launch(tmp_path, chat_data):
+    """One line naming the flag and the model's numbers; nothing written."""
+    out = tmp_path / "run"
+    p = run_cli(*train_args(out, chat_data, "--strategy", "ddp", "--nproc-per-node", "2",
+                            "--sequence-parallel", "3"), check=False, timeout=300)
+    assert p.returncode != 0 and "sequence_parallel 3 must divide the 2 ranks" in p.stderr + p.stdout
+    p = run_cli(*train_args(out, chat_data, "--strategy", "ddp", "--nproc-per-node", "8",
+                            "--sequence-parallel", "8"), check=False, timeout=300)
+    text = p.stderr + p.stdout
+    assert p.returncode != 0 and "4 attention heads" in text and "--sequence-parallel 4" in text, text
+    p = run_cli(*train_args(out, chat_data, "--nproc-per-node", "2", "--sequence-parallel", "2", "--sp-mode", "ring"),
+                check=False, timeout=300)
+    assert p.returncode != 0 and "ring attention is not implemented yet" in p.stderr + p.stdout
+    assert not out.exists()

@@ -37,8 +37,11 @@ DENSE_MASK_LIMIT = 8192 * 8192
 class _State:
     group: dist.ProcessGroup | None = None  # the SP group of this process (one model per process)
     degree: int = 1
-    cached_local: torch.Tensor | None = None  # the local position ids the cache below belongs to
-    cached_global: torch.Tensor | None = None
+    # per forward: the local position ids the entries below belong to, the documents of the
+    # whole sequence, and (long packed sequences on CUDA) their block mask
+    cached_local: torch.Tensor | None = None
+    cached_docs: torch.Tensor | None = None
+    cached_block_mask = None
 
 
 _state = _State()
@@ -105,18 +108,20 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
     return starts.to(torch.int32).cumsum(dim=1)
 
 
-def global_positions(local: torch.Tensor) -> torch.Tensor:
-    """The whole sequence's position ids (B, S) from this rank's slice (B, S/N): gathered
-    over the SP group once per forward (every layer passes the same tensor object, and a
-    recomputed checkpointed layer too, identically on every rank)."""
-    if _state.group is None or _state.degree == 1:
-        return local
+def documents(local: torch.Tensor) -> torch.Tensor | None:
+    """Document ids (B, S) of the whole sequence from this rank's position ids (B, S/N),
+    or None for one document per row. The positions are gathered over the SP group once per
+    forward: every layer passes the same tensor object (a recomputed checkpointed layer
+    too), on every rank alike, so the cache hits and misses identically on all ranks."""
     if _state.cached_local is local:
-        return _state.cached_global
-    parts = [torch.empty_like(local) for _ in range(_state.degree)]
-    dist.all_gather(parts, local.contiguous(), group=_state.group)
-    _state.cached_local, _state.cached_global = local, torch.cat(parts, dim=1)
-    return _state.cached_global
+        return _state.cached_docs
+    full = local
+    if _state.group is not None and _state.degree > 1:
+        parts = [torch.empty_like(local) for _ in range(_state.degree)]
+        dist.all_gather(parts, local.contiguous(), group=_state.group)
+        full = torch.cat(parts, dim=1)
+    _state.cached_local, _state.cached_docs, _state.cached_block_mask = local, document_ids(full), None
+    return _state.cached_docs
 
 
 def doc_attention(query, key, value, docs: torch.Tensor | None, scaling: float | None, gqa: bool) -> torch.Tensor:
@@ -143,18 +148,24 @@ def _flex_doc_attention(query, key, value, docs, scaling, gqa):
 
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    if _state.cached_block_mask is None or _state.cached_docs is not docs:
 
-    def doc_causal(b, h, q, k):
-        return (q >= k) & (docs[b, q] == docs[b, k])
+        b, _, s, _ = query.shape
+        ids = docs.expand(b, -1)
 
-    b, _, s, _ = query.shape
-    block = create_block_mask(doc_causal, b, None, s, s, device=query.device)
-    return _compiled_flex(query, key, value, block_mask=block, scale=scaling, enable_gqa=gqa)
+        def doc_causal(bi, h, q, k):
+            return (q >= k) & (ids[bi, q] == ids[bi, k])
+
+        # compiled: the mask is evaluated tile by tile, never as S x S
+        _state.cached_block_mask = create_block_mask(doc_causal, b, None, s, s, device=query.device, _compile=True)
+        _state.cached_docs = docs
+    return _compiled_flex(query, key, value, block_mask=_state.cached_block_mask, scale=scaling, enable_gqa=gqa)
 
 
 # -- the transformers attention function ---------------------------------------------------
 
 
+@torch.compiler.disable  # a compiled block runs up to here; the exchange and the attention kernel run eagerly
 def ulysses_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """A transformers attention function: q (B, H, S/N, D), k/v (B, Hkv, S/N, D) for this
     rank's slice -> (attention output (B, S/N, H, D), None)."""
@@ -165,7 +176,7 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         raise ShardwiseError("sequence-parallel attention needs position_ids (the loop always passes them)")
-    docs = document_ids(global_positions(position_ids.expand(query.shape[0], -1)))
+    docs = documents(position_ids)
     if n > 1:
         if key.shape[1] % n:
             key, value = replicate_kv(key, n), replicate_kv(value, n)
@@ -211,7 +222,7 @@ def apply_sequence_parallel(model, group, degree: int) -> str:
     heads, _kv = heads_of(model.config)
     check_degree(degree, heads)
     _state.group, _state.degree = group, degree
-    _state.cached_local = _state.cached_global = None
+    _state.cached_local = _state.cached_docs = _state.cached_block_mask = None
     register()
     model.set_attn_implementation(NAME)
     dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0
