@@ -242,7 +242,9 @@ def check_model(cfg: Config, res: Resolved) -> str:
     limit = max_positions(model_dir)
     if limit and cfg.seq_len > limit:
         raise ShardwiseError(f"{res.where('seq_len')}: seq_len {cfg.seq_len} is larger than the model supports "
-                             f"(max_position_embeddings {limit}); lower --seq-len")
+                             f"(max_position_embeddings {limit}); lower --seq-len, or extend the model's context "
+                             "in its config.json: a rope_scaling entry (e.g. yarn with factor seq_len / "
+                             f"{limit}) and max_position_embeddings raised to the new length (docs/long-context.md)")
     return model_dir
 
 

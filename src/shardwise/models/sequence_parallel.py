@@ -27,11 +27,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise.errors import ShardwiseError
+from shardwise.plan.memory import DENSE_MASK_MAX_SEQ
 
 NAME = "shardwise_ulysses"
 # Above this many (query x key) pairs a packed sequence uses FlexAttention's block mask
 # (on CUDA) instead of a dense boolean mask: 8192^2 is a 64 MiB boolean mask per sequence.
-DENSE_MASK_LIMIT = 8192 * 8192
+DENSE_MASK_LIMIT = DENSE_MASK_MAX_SEQ ** 2
 
 
 class _State:

@@ -7,6 +7,7 @@ all-gather / reduce-scatter, and takes that many bytes divided by the bus bandwi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from shardwise.plan.memory import QLORA_BYTES_PER_PARAM, Job, Opts, reshards, unit_params
@@ -60,7 +61,7 @@ class Compute:
 
 @dataclass
 class Coll:
-    op: str  # all_reduce | all_gather | reduce_scatter | h2d | d2h
+    op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | h2d | d2h
     bytes: float  # M, the full buffer
     ranks: int
     where: str  # intra | inter | flat | host
@@ -87,6 +88,20 @@ class Timing:
     tokens_per_s: float
     collectives: list = field(default_factory=list)
     overhead_s: float = 0.0  # the strategy's own per-step work (strategy_overhead), included in other_s
+
+
+def ulysses_exchanges(spec: ModelSpec, job: Job) -> list[Coll]:
+    """Sequence parallelism (Ulysses, models/sequence_parallel.py): per layer, all-to-alls of q, k, v (KV heads
+    replicated up to a multiple of sp) and the attention output over the sp ranks of a group, in forward, backward,
+    and the recomputed forward under checkpointing; each rank sends (sp-1)/sp of its slice. On the critical path."""
+    if job.sp <= 1:
+        return []
+    kv_heads = math.lcm(spec.num_kv_heads, job.sp) if spec.num_kv_heads % job.sp else spec.num_kv_heads
+    per_layer = job.tokens * job.c * (2 * spec.q_dim + 2 * kv_heads * spec.head_dim)
+    n = spec.num_layers * per_layer
+    where = "intra" if job.sp <= job.gpus_per_node else "flat"
+    return [Coll("all_to_all", n, job.sp, where, job.grad_accum, "fwd"),
+            Coll("all_to_all", n * (2 if job.checkpointing else 1), job.sp, where, job.grad_accum, "bwd")]
 
 
 def collectives(spec: ModelSpec, job: Job, o: Opts, shard_n: int) -> list[Coll]:
@@ -132,6 +147,7 @@ def collectives(spec: ModelSpec, job: Job, o: Opts, shard_n: int) -> list[Coll]:
             out.append(Coll("h2d", c * P_t / n, 1, "host", 1, "step"))
         if o.offload_params and o.stage == 3:
             out.append(Coll("h2d", 2 * c * P / n, 1, "host", ga, "fwd"))
+    out += ulysses_exchanges(spec, job)
     return out
 
 
@@ -213,7 +229,9 @@ def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, co
     overlap = 1.0 if (o.prefetch or o.base != "fsdp") else 0.5
     exposed = 0.0
     other = 0.0
-    net = [cl for cl in colls if cl.where != "host"]
+    net = [cl for cl in colls if cl.where != "host" and cl.op != "all_to_all"]
+    exchanges = [cl for cl in colls if cl.op == "all_to_all"]  # sequence parallel: nothing hides them
+    exposed += sum(coll_time(cl, links) * cl.per_step for cl in exchanges)
     if o.base == "ddp":
         for cl in net:  # overlapped with the last micro-batch's backward, except the last bucket
             t = coll_time(cl, links)
@@ -243,6 +261,6 @@ def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, co
     overhead = strategy_overhead(spec, job, o, shard_n, comp)
     other += overhead
     step = compute + exposed + other
-    comm_bytes = sum(cl.wire() * cl.per_step for cl in net)
+    comm_bytes = sum(cl.wire() * cl.per_step for cl in net + exchanges)
     tokens = job.world * job.tokens * ga
     return Timing(comm_bytes, compute, exposed, other, step, tokens / step if step > 0 else 0.0, colls, overhead)

@@ -19,7 +19,7 @@ SHARED_KEYS = ["model", "strategy", "seq_len", "micro_batch_size", "grad_accum",
                "mixed_precision", "param_dtype", "gradient_checkpointing", "packing", "nproc_per_node",
                "fsdp.reshard_after_forward", "fsdp.keep_gathered_one_rank", "fsdp.hybrid", "fsdp.shard_group_size",
                "fsdp.cpu_offload", "fsdp.wrap", "fsdp.prefetch", "deepspeed.stage", "deepspeed.offload_optimizer",
-               "deepspeed.offload_params", "compile", "fused_loss"]
+               "deepspeed.offload_params", "compile", "fused_loss", "sequence_parallel"]
 
 
 def add_parser(subparsers) -> None:
@@ -98,6 +98,10 @@ def build(args):
     if getattr(args, "config", None) or res.explicit("strategy"):
         configured = cfg.strategy if cfg.strategy != "auto" else None
     plan = plan_model(spec, job, setup, configured=configured, cfg=cfg)
+    if setup.world > 1:
+        from shardwise.plan.decide import sequence_parallel_rows
+
+        plan.sp_rows = sequence_parallel_rows(spec, job, setup, configured or plan.recommended, cfg)
     plan.lint = lint(plan, res)
     return plan, res
 
@@ -135,7 +139,9 @@ def _job_line(plan) -> str:
     dt = {4: "fp32"}.get(j.c, "fp16" if j.compute == "fp16" else "bf16")
     tuner = {"full": "full fine-tune", "lora": f"LoRA r={j.lora_r}", "qlora": f"QLoRA r={j.lora_r} (4-bit base)"}[j.tuner]
     return (f"{tuner}; micro-batch {j.micro_batch} x {j.seq_len} tokens, grad-accum {j.grad_accum} "
-            f"(global {j.micro_batch * j.grad_accum * j.world} sequences); compute {dt}, weights/grads/optimizer "
+            f"(global {j.micro_batch * j.grad_accum * j.world // j.sp} sequences)"
+            + (f"; sequence parallel {j.sp} ({j.seq_len // j.sp} tokens per rank)" if j.sp > 1 else "")
+            + f"; compute {dt}, weights/grads/optimizer "
             f"{j.param_dtype}; checkpointing {'on' if j.checkpointing else 'off'}; packing {'on' if j.packing else 'off'}; "
             f"compile {'on' if j.compile else 'off'}; fused loss {'on' if j.fused_loss else 'off'}")
 
@@ -180,6 +186,14 @@ def render(plan, sim=None) -> str:
     for sp in plan.strategies:
         if sp.notes:
             lines.append(f"  {sp.strategy}: " + "; ".join(sp.notes))
+    if plan.sp_rows:
+        lines += ["", f"sequence parallel (Ulysses; degrees dividing the ranks and the {s.num_heads} heads), "
+                      f"{plan.sp_rows[0]['strategy']}:",
+                  f"  {'SP':>3s}{'per rank ' + unit:>16s}  {'fits':5s}{'step s':>9s}{'tokens/s':>11s}{'all-to-all GB':>15s}"]
+        for r in plan.sp_rows:
+            mark = ">" if r["sp"] == plan.job.sp else " "
+            lines.append(f"{mark} {r['sp']:>3d}{r['mem_gib'] * scale:16.2f}  {'yes' if r['fits'] else 'NO':5s}"
+                         f"{r['step_time_s']:9.3f}{r['tokens_per_s']:11,.0f}{r['exchange_gb_per_step']:15.2f}")
     lines += ["", f"recommended: {plan.recommended}"] + [f"  - {r}" for r in plan.reasons]
     t = plan.tree
     lines += ["", f"article's decision tree: {t['path']} (says {t['says']}); planner: {t['planner']} — "

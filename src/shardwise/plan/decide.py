@@ -133,6 +133,7 @@ class Plan:
     configured: str | None = None
     lint: list = field(default_factory=list)
     assumptions: list = field(default_factory=list)
+    sp_rows: list = field(default_factory=list)  # sequence_parallel_rows(): one per feasible SP degree
 
     def for_strategy(self, name: str) -> StrategyPlan:
         for s in self.strategies:
@@ -164,6 +165,7 @@ class Plan:
             "decision_tree": self.tree,
             "lint": self.lint,
             "assumptions": self.assumptions,
+            "sequence_parallel": self.sp_rows,
         }
 
 
@@ -443,3 +445,19 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
     _, text, best = max((c for c in ok if c[0] == rank), key=lambda c: c[2].tokens_per_s)
     return (head + f"; does not fit. Cheapest change that fits: {text} "
             f"(~{best.memory.total / GiB:.1f} GiB, ~{best.tokens_per_s:,.0f} tokens/s)")
+
+
+def sequence_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, strategy: str, cfg=None) -> list[dict]:
+    """`strategy` at every sequence-parallel degree this setup allows (dividing the ranks and the attention heads,
+    as Ulysses needs): per-rank memory, fit and speed, so a length that does not fit shows the degree that does."""
+    rows = []
+    for d in range(1, setup.world + 1):
+        if setup.world % d or spec.num_heads % d:
+            continue
+        sp = plan_model(spec, dataclasses.replace(job, sp=d), setup, configured=strategy, cfg=cfg).for_strategy(strategy)
+        rows.append({"sp": d, "strategy": strategy, "mem_gib": round(sp.memory.total / GiB, 4), "fits": sp.fits,
+                     "step_time_s": round(sp.timing.step_s, 5), "tokens_per_s": round(sp.timing.tokens_per_s, 1),
+                     "exchange_gb_per_step": round(sum(c.wire() * c.per_step for c in sp.timing.collectives
+                                                      if c.op == "all_to_all") / 1e9, 4)})
+    return rows
+

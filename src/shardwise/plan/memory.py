@@ -86,6 +86,7 @@ class Job:
     # the fused head computed the weight gradient of a frozen head too (LoRA/QLoRA), as the engine did before it
     # checked needs_input_grad (issue 16): only for comparing with rows measured before then
     frozen_head_grad: bool = False
+    sp: int = 1  # sequence-parallel degree: each rank holds 1/sp of every sequence (config `sequence_parallel`)
 
     @property
     def gpus_per_node(self) -> int:
@@ -93,7 +94,8 @@ class Job:
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch * self.seq_len
+        """Tokens of one micro-batch on one rank (a 1/sp slice of each sequence under sequence parallelism)."""
+        return self.micro_batch * self.seq_len // self.sp
 
     @property
     def c(self) -> int:
@@ -214,7 +216,7 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
               "gate_up": T * h * (2 * c if autocast else r), "down": T * i * c}
     # attention: rotated q, k, v (repeated to all heads when a mask is used), SDPA output, its contiguous copy
     # (the o_proj input, counted above) and the fp32 log-sum-exp
-    d["attention"] = T * c * (spec.q_dim + 2 * kv + spec.q_dim) + 4 * job.micro_batch * spec.num_heads * job.seq_len
+    d["attention"] = T * c * (spec.q_dim + 2 * kv + spec.q_dim) + 4 * spec.num_heads * job.tokens
     # gated MLP: gate (silu input), up, silu(gate) (mul inputs); the product is the down_proj input
     d["mlp"] = 3 * T * i * c
     if spec.family == "gemma2":  # eager attention for softcapping: scores through tanh and softmax, O(S^2)
@@ -234,6 +236,15 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     return d
 
 
+# Past this sequence length a packed sequence on CUDA (or any sequence-parallel one) is attended through
+# FlexAttention's block mask, not a dense (B, 1, S, S) mask (models/sequence_parallel.py, train/loop.py).
+DENSE_MASK_MAX_SEQ = 8192
+
+
+def long_packed(job: Job) -> bool:
+    return job.accelerator == "cuda" and job.seq_len > DENSE_MASK_MAX_SEQ
+
+
 def head_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     """Outside the blocks: inputs, final norm, logits and the fp32 loss tensors."""
     T, h, V, c = job.tokens, spec.hidden_size, spec.vocab_size, job.c
@@ -251,7 +262,7 @@ def head_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
         d["logits"] = (c * T * V if job.hold_outputs else 0) + 12 * T * V
         if spec.family == "gemma2":  # final logit softcapping keeps two more T*V tensors
             d["logits"] += 2 * c * T * V
-    if job.packing:  # block-diagonal attention mask, bool, shared by the layers
+    if job.packing and not long_packed(job):  # block-diagonal attention mask, bool, shared by the layers
         d["mask"] = job.micro_batch * job.seq_len ** 2
     return d
 
