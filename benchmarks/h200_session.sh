@@ -13,6 +13,7 @@
 #                                                    accuracy5 levers3 accuracy6 vshf (fourth session)
 #                                                    vshf5 (fifth session)
 #                                                    twogpu (fourth session, on the nvidia-h200-x2 kind)
+#                                                    sptest long1 long2 long3 long4 longqwen (issue 15, x2 kind)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
 set -u
@@ -81,6 +82,19 @@ twogpu() {  # two GPUs: NCCL bandwidth, then every strategy of the demo round-ro
 # fifth session (after the mesh refactor: ParallelDims + the strategy's parallelize pipeline): issue 13's check
 vshf5() {
   python3 benchmarks/vs_hf_trainer.py --out "$OUT" --steps 24 --warmup 8 --variants hf-trainer,sw-single,sw-fsdp
+}
+# prepared for the issue-15 session (not run yet), on the nvidia-h200-x2 kind; each part fits one 10-minute call
+# (the model directories stay under /tmp/shardwise-long-context while the machine is warm)
+sptest() { python3 -m pytest -q -rs tests/gpu/test_sequence_parallel.py; }
+long1() { python3 benchmarks/long_context.py --lengths 32768,65536 --sp 1,2 --steps 4 --tag a --out "$OUT"; }
+long2() { python3 benchmarks/long_context.py --lengths 131072 --sp 2 --steps 4 --tag b --out "$OUT"; }
+long3() {  # the non-SP limit (above 64k), then SP 2 at twice it
+  python3 benchmarks/long_context.py --lengths 98304,131072 --sp 1 --steps 3 --stop-after-oom --tag limit1 --out "$OUT"
+}
+long4() { python3 benchmarks/long_context.py --lengths 196608,262144 --sp 2 --steps 3 --stop-after-oom --tag limit2 --out "$OUT"; }
+longqwen() {
+  python3 benchmarks/long_context.py --shape qwen2.5-7b --lengths 131072 --sp 2 --steps 4 --packing --tag qwen-lora \
+    --out "$OUT" -- --tuner lora --lora-r 16
 }
 setup
 LOGF="$OUT/logs-$(date +%H%M%S).txt"
