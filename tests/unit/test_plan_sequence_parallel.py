@@ -83,3 +83,12 @@ def test_plan_command_shows_the_rows_and_takes_the_flag(capsys):
     assert plan_cmd.run(parse(*argv)) == 0
     text = capsys.readouterr().out
     assert "sequence parallel (Ulysses; degrees dividing the ranks and the 32 heads), fsdp:" in text
+
+
+def test_a_degree_the_ranks_or_heads_cannot_take_is_one_line():
+    from shardwise.errors import ShardwiseError
+
+    for gpus, n in (("2", "4"), ("8", "8")):  # 4 does not divide 2 ranks; 8 does not divide qwen2.5-7b's 28 heads
+        with pytest.raises(ShardwiseError, match=f"sequence_parallel {n} must divide the {gpus} ranks and the "
+                                                 "model's 28 attention heads"):
+            plan_cmd.run(parse("--model", "qwen2.5-7b", "--gpus", gpus, "--sequence-parallel", n))

@@ -94,6 +94,9 @@ def build(args):
                        ranks_per_node=per_node if gpus is None else None)
     spec = resolve_model(cfg.model)
     job = job_from_config(cfg, setup)
+    if job.sp > 1 and (setup.world % job.sp or spec.num_heads % job.sp):
+        raise ShardwiseError(f"{res.where('sequence_parallel')}: sequence_parallel {job.sp} must divide the "
+                             f"{setup.world} ranks and the model's {spec.num_heads} attention heads (Ulysses)")
     configured = None
     if getattr(args, "config", None) or res.explicit("strategy"):
         configured = cfg.strategy if cfg.strategy != "auto" else None
