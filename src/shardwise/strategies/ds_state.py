@@ -17,7 +17,7 @@ import torch
 
 
 def _mesh(strategy):
-    """The 1-D mesh ZeRO partitions over (the run's dp_shard dimension)."""
+    """The 1-D mesh ZeRO partitions over (the run's dp_shard dimension, x sp with sequence parallelism)."""
     return strategy.dims.shard_mesh
 
 

@@ -9,9 +9,11 @@ Every rank is placed on a 4-D grid, outermost first:
 - sp: sequence-parallel ranks that split one sequence (Ulysses, models/sequence_parallel.py);
 - tp: tensor parallel ranks that split each weight (1 until that issue lands).
 
-The data-parallel degree is dp_replicate x dp_shard: the sampler, the loss normalisation and
-DeepSpeed's batch size read it (never the world size); the metrics read the world size (every
-rank's hardware). Ranks are laid out as `init_device_mesh` lays them (row-major), so the
+The data-parallel degree is dp_replicate x dp_shard: the sampler reads it (never the world
+size). Gradients are averaged over the data-parallel ranks times the sequence-parallel ranks
+(`grad_size`: each sequence rank holds other tokens of the same rows), which the loss
+normalisation and DeepSpeed's batch size read; the metrics read the world size (every rank's
+hardware). Ranks are laid out as `init_device_mesh` lays them (row-major), so the
 data-parallel rank, sequence rank and tensor rank are arithmetic on the world rank and need no
 mesh. The `DeviceMesh` itself is built on first use (it creates process groups, which is a
 collective): a dimension that spans the world uses the default group, so a pure data-parallel
@@ -110,8 +112,8 @@ class ParallelDims:
     @property
     def dp_shard_mesh(self):
         """The mesh FSDP and the ZeRO checkpoint form shard over: 1-D (dp_shard), or 2-D
-        (dp_replicate, dp_shard) for HSDP. (Sequence parallelism will shard over dp_shard x sp
-        flattened, as torchtitan's dp_shard_cp.)"""
+        (dp_replicate, dp_shard) for HSDP. With sequence parallelism the strategies shard over
+        shard_mesh instead (dp_shard x sp flattened)."""
         return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
 
     @property
@@ -138,7 +140,8 @@ class ParallelDims:
 
     @property
     def dp_group(self):
-        """The process group gradients are averaged over (all data-parallel ranks)."""
+        """The data-parallel ranks' group (gradients are averaged over grad_group: these ranks,
+        and the sequence-parallel ones when sp > 1)."""
         import torch.distributed as dist
 
         if self.dp_size == self.world_size:
