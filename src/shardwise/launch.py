@@ -19,7 +19,7 @@ import sys
 import time
 import uuid
 
-from shardwise import presets, rundir
+from shardwise import phases, presets, rundir
 from shardwise.config import Config, Resolved, to_yaml
 from shardwise.errors import ShardwiseError
 from shardwise.rundir import quiet_libraries
@@ -105,6 +105,7 @@ def check_output_dir(cfg: Config, res: Resolved, lock: rundir.RunLock | None = N
 
 def prepare(res: Resolved, force: bool = False) -> Prepared:
     """Validate everything, then write the run directory. Returns what to launch."""
+    t0 = time.time()
     quiet_libraries()
     cfg = resolve_runtime(res)
     if cfg.strategy == "auto":
@@ -114,14 +115,14 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
     try:
         if node0:
             check_output_dir(cfg, res, lock)
-        return _prepare(res, cfg, lock, force)
+        return _prepare(res, cfg, lock, force, t0)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
 
 
-def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: bool) -> Prepared:
+def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: bool, t0: float = 0.0) -> Prepared:
     from safetensors.torch import save_file
 
     from shardwise.data.encode import ChatOptions, encode
@@ -225,7 +226,9 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
         else:
             rundir.atomic_write(os.path.join(out, "config.yaml"), to_yaml(cfg, out))
     job = {"config": dataclasses.asdict(cfg), "model_dir": model_dir, "data_file": data_file,
-           "output_dir": out, "resume": cfg.resume, "val_file": val_file}
+           "output_dir": out, "resume": cfg.resume, "val_file": val_file,
+           "timeline": {"process_start": phases.process_start(), "prepare_start": t0 or time.time(),
+                        "prepared": time.time()}}
     job_path = os.path.join(prep, "job.json")
     rundir.atomic_write(job_path, json.dumps(job, indent=1))
     return Prepared(cfg, out, job_path, world, lock)
@@ -518,6 +521,22 @@ def train(res: Resolved, force: bool = False) -> int:
             p.lock.release()
 
 
+def _add_exit_phase(p: Prepared, summary: dict) -> dict:
+    """Rank 0 wrote its marks (.prep/timeline.json); add the exit (workers and agent gone),
+    rewrite summary.json's phases_s and print them on one line."""
+    path = os.path.join(p.output_dir, ".prep", "timeline.json")
+    try:
+        with open(path) as fh:
+            marks = json.load(fh)
+    except (OSError, ValueError):
+        return summary
+    marks["exited"] = time.time()
+    summary = dict(summary, phases_s=phases.durations(marks))
+    rundir.atomic_write(os.path.join(p.output_dir, "summary.json"), json.dumps(summary, indent=1))
+    say(phases.line(summary["phases_s"]))
+    return summary
+
+
 def _train(p: Prepared) -> int:
     say(f"run directory: {p.output_dir} ({p.cfg.strategy}, {p.world_size} process(es), "
         f"mixed precision {p.cfg.mixed_precision})")
@@ -532,6 +551,7 @@ def _train(p: Prepared) -> int:
               file=sys.stderr, flush=True)
         return 128 + e.signum
     if summary:
+        summary = _add_exit_phase(p, summary)
         kind = "PEFT adapter directory" if p.cfg.tuner != "full" else "Hugging Face directory"
         final = f", final/ ({kind})" if summary.get("final_model") else ""
         say(f"outputs: {p.output_dir}/metrics.jsonl, summary.json{final}; "

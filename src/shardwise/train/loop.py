@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardwise import strategies
+from shardwise import phases, strategies
 from shardwise.config import Config, from_dict
 from shardwise.data.batches import DataPosition, StepBatch, StepSampler
 from shardwise.data.encode import IGNORE, Encoded
@@ -49,6 +49,7 @@ class Job:
     output_dir: str
     resume: str  # "none", "auto" or a checkpoint path
     val_file: str = ""  # the tokenized validation set, if any
+    timeline: dict = dataclasses.field(default_factory=dict)  # the launcher's marks (shardwise.phases)
 
 
 class Preempted(Exception):
@@ -105,7 +106,13 @@ class Trainer:
     # -- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, job = self.cfg, self.job
+        # where the time goes before the first step (summary.json phases_s); in one process the
+        # worker starts where the launcher hands over
+        marks = self.marks = dict(job.timeline)
+        marks["worker_start"] = max(phases.process_start(), marks.get("prepared", 0.0))
+        marks["setup_start"] = time.time()
         env = self.env = sdist.init_distributed(cfg.collective_timeout)
+        marks["initialized"] = time.time()
         strategy_cls = strategies.get(cfg.strategy)
         # the run's parallel degrees and its one device mesh: everything below reads them from here
         env.dims = self.dims = strategy_cls.parallel_dims(cfg, env)
@@ -122,8 +129,10 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         broadcasted = sdist.ensure_same_weights(model, env)
+        marks["model_loaded"] = time.time()
         self.strategy = strategy_cls(cfg, env)
         self.model, self.optimizer = self.strategy.setup(model)  # the strategy's parallelize pipeline
+        marks["wrapped"] = time.time()
 
         from safetensors.torch import load_file
 
@@ -265,11 +274,15 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------
     def train(self) -> dict:
         cfg, env, out, total = self.cfg, self.env, self.out, self.total
-        self.t_start = time.time()
+        self.t_start = self.marks["ready"] = time.time()
         self.model.train()
         try:
             while self.step < total:
                 grad_norm = self.train_step()
+                if "first_step" not in self.marks:
+                    if env.device.type == "cuda":
+                        torch.cuda.synchronize(env.device)  # once: the first step's time, compile included
+                    self.marks["first_step"] = time.time()
                 step, profiler = self.step, self.profiler
                 # a profiled step is logged on its own: the step before it closes the window
                 if (step % cfg.log_every == 0 or step == total or profiler.wants(step) or profiler.wants(step + 1)
@@ -291,6 +304,7 @@ class Trainer:
                     self.save()
                     self.control.saved()
             self.settle()
+            self.marks["trained"] = time.time()
             if cfg.save_every and not (ckpt.latest(out) or "").endswith(f"step_{self.step:08d}"):
                 self.phase = "final checkpoint save"
                 self.save()
@@ -312,6 +326,7 @@ class Trainer:
         cfg, env, out = self.cfg, self.env, self.out
         final_dir = save_final(cfg, env, self.strategy, self.model, self.tokenizer, out) if cfg.save_final else None
         wall = time.time() - self.t_start
+        self.marks["saved"] = time.time()
         first_loss, step = self.first_loss, self.step
         # first_loss and wall_time_s cover the whole run, resumes included; final_loss (kept for older readers)
         # is the same value as final_loss_window_mean: the mean over the last logged window, not the last step's
@@ -321,8 +336,9 @@ class Trainer:
                    "peak_mem_gib": self.last_rec.get("peak_mem_gib"), "wall_time_s": self.earlier["wall_time_s"] + wall,
                    "wall_time_this_launch_s": wall, "params": self.n_params,
                    "trainable_params": self.n_trainable, "skipped_nonfinite_steps": self.skipped,
-                   "final_model": final_dir, **self.evaluator.summary()}
+                   "final_model": final_dir, **self.evaluator.summary(), "phases_s": phases.durations(self.marks)}
         if env.is_main:
+            _write_json(os.path.join(out, ".prep", "timeline.json"), self.marks)  # the launcher adds the exit
             _write_json(os.path.join(out, "summary.json"), summary)
         self.rep.say(f"shardwise: done: {step} steps, loss {first_loss:.4f} (first logged) -> "
                      f"{summary['final_loss']:.4f} (last)" if first_loss is not None else f"shardwise: done: {step} steps")

@@ -1,0 +1,66 @@
+"""Where a run's time goes before and around training (issue 17 item 3: time to first step).
+
+Timestamps are wall-clock epoch seconds so the launcher's and the workers' marks (one
+machine) line up: the launcher passes its own in the job (`timeline`), rank 0 adds the
+workers' and writes the durations into summary.json as `phases_s`, and the launcher adds
+the exit and prints them on one line. Imports nothing heavy: it runs before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_IMPORTED = time.time()
+
+# (phase, start mark, end mark), in the order they happen
+PHASES = (
+    ("imports", "process_start", "prepare_start"),         # launcher: interpreter, CLI and config
+    ("prepare", "prepare_start", "prepared"),              # imports, checks, tokenizer, records, tokenised data
+    ("worker_start", "prepared", "worker_start"),          # rendezvous agent, spawning the workers
+    ("worker_imports", "worker_start", "setup_start"),     # each worker's interpreter and imports (rank 0's)
+    ("init", "setup_start", "initialized"),                # process group
+    ("model_load", "initialized", "model_loaded"),         # tokenizer, weights, adapters, same weights on all ranks
+    ("wrap", "model_loaded", "wrapped"),                   # the strategy's parallelize (wrap, compile wrapper) + optimizer
+    ("data_load", "wrapped", "ready"),                     # tokenised data, sampler, resume
+    ("first_step", "ready", "first_step"),                 # the first optimizer step (compiles when compile is on)
+    ("training", "first_step", "trained"),                 # the other steps (and their checkpoints)
+    ("save", "trained", "saved"),                          # the final model
+    ("exit", "saved", "exited"),                           # summary, process group, workers and agent gone
+)
+
+
+def process_start() -> float:
+    """When this process started (epoch seconds): from /proc on Linux, else when this module
+    was first imported."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        t = time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+        return min(t, _IMPORTED)
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED
+
+
+def durations(marks: dict) -> dict:
+    """Seconds per phase for the marks present (a phase whose marks are missing is left out),
+    plus `time_to_first_step` and `total` where their marks exist."""
+    out = {}
+    for name, a, b in PHASES:
+        if a in marks and b in marks:
+            out[name] = round(max(marks[b] - marks[a], 0.0), 3)
+    first = marks.get("process_start", marks.get("setup_start"))
+    if first is not None and "first_step" in marks:
+        out["time_to_first_step"] = round(max(marks["first_step"] - first, 0.0), 3)
+    last = marks.get("exited", marks.get("saved"))
+    if first is not None and last is not None:
+        out["total"] = round(max(last - first, 0.0), 3)
+    return out
+
+
+def line(phases: dict) -> str:
+    parts = [f"{name} {phases[name]:.2f}s" for name, _, _ in PHASES if name in phases]
+    tail = [f"{k.replace('_', ' ')} {phases[k]:.2f}s" for k in ("time_to_first_step", "total") if k in phases]
+    return "phases: " + ", ".join(parts) + ("; " + ", ".join(tail) if tail else "")
