@@ -225,22 +225,14 @@ def packed_positions(micro_batch: int, seq_len: int) -> torch.Tensor:
 
 
 def wrap_fsdp(model, mesh, opts: Opts, compute: torch.dtype, param: torch.dtype):
-    """As strategies/fsdp.py does it: each decoder layer a unit (the last kept gathered), then the root."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    """Through strategies/fsdp.py's own sharding (shard_units): each decoder layer a unit, then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from shardwise.strategies.fsdp import block_units
+    from shardwise.strategies.fsdp import block_units, shard_units
 
     mp = MixedPrecisionPolicy(param_dtype=compute if compute != param else None, reduce_dtype=torch.float32)
-    layers = block_units(model)
     reshard = opts.reshard_after_forward and not keeps_gathered(opts, mesh.shape[-1], compute.itemsize, param.itemsize)
-    for i, layer in enumerate(layers):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    if opts.prefetch and len(layers) > 1:
-        for a, b in zip(layers, layers[1:]):
-            a.set_modules_to_forward_prefetch([b])
-            b.set_modules_to_backward_prefetch([a])
-    return model
+    return shard_units(model, block_units(model), mesh, mp, reshard, prefetch=opts.prefetch)
 
 
 def simulate(spec: ModelSpec, job: Job, opts: Opts, shard_ranks: int | None = None, steps: int = 2) -> dict:

@@ -85,6 +85,23 @@ def size_units(model: nn.Module, min_params: int) -> list[nn.Module]:
     return units
 
 
+def shard_units(model: nn.Module, units: list[nn.Module], mesh, mp_policy, reshard: bool, prefetch: bool,
+                offload_policy=None) -> nn.Module:
+    """fully_shard each unit, then the root, on `mesh`; with `prefetch` (units that run in list order, as
+    decoder blocks do) each unit prefetches the next one's all-gather in forward and the previous one's in
+    backward. The last unit is gathered again first thing in backward, so it is kept gathered. Shared by
+    FSDPStrategy.wrap and the planner's --simulate, so both shard the same way."""
+    kw = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy or OffloadPolicy())
+    for i, unit in enumerate(units):
+        fully_shard(unit, reshard_after_forward=reshard and i < len(units) - 1, **kw)
+    fully_shard(model, reshard_after_forward=reshard, **kw)
+    if prefetch and len(units) > 1:
+        for a, b in zip(units, units[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
+    return model
+
+
 class FSDPStrategy(Strategy):
     name = "fsdp"
     dp_split = staticmethod(dp_split)
@@ -110,18 +127,9 @@ class FSDPStrategy(Strategy):
         self.mesh = self.dims.shard_mesh  # (dp_shard [x sp],), or (dp_replicate, dp_shard [x sp]) for HSDP
         units = block_units(model) if f.wrap == "block" else size_units(model, int(f.wrap[5:]))
         self.reshard = f.reshard_after_forward and not self.keeps_gathered()
-        kw = dict(mesh=self.mesh, mp_policy=self.mp_policy(),
-                  offload_policy=CPUOffloadPolicy(pin_memory=self.env.device.type == "cuda") if f.cpu_offload
-                  else OffloadPolicy())
-        for i, unit in enumerate(units):
-            # the last unit is gathered again first thing in backward: keep it
-            reshard = self.reshard and i < len(units) - 1
-            fully_shard(unit, reshard_after_forward=reshard, **kw)
-        fully_shard(model, reshard_after_forward=self.reshard, **kw)
-        if f.prefetch and f.wrap == "block" and len(units) > 1:  # blocks run in list order
-            for a, b in zip(units, units[1:]):
-                a.set_modules_to_forward_prefetch([b])
-                b.set_modules_to_backward_prefetch([a])
+        offload = CPUOffloadPolicy(pin_memory=self.env.device.type == "cuda") if f.cpu_offload else OffloadPolicy()
+        shard_units(model, units, self.mesh, self.mp_policy(), self.reshard,
+                    prefetch=f.prefetch and f.wrap == "block", offload_policy=offload)
         if self.env.is_main:
             log.info("fsdp: %d units + root on mesh %s", len(units), tuple(self.mesh.shape))
         self.n_units = len(units)
