@@ -69,6 +69,8 @@ def fields() -> list[Field]:
               ("auto",) + tuple(n for n in presets.known_names() if n != "auto")),
         Field("shard_group_size", "shard group size (hybrid)", "--fsdp-shard-group-size", "--fsdp-shard-group-size",
               help=_help("fsdp.shard_group_size") + " Empty: not set."),
+        Field("sequence_parallel", "sequence parallel degree", "--sequence-parallel", "--sequence-parallel",
+              default="1", help=_help("sequence_parallel")),
         # what only a launch needs
         Field("data", "data", None, "--data", default="demo", help=_help("data"), launch_only=True),
         Field("max_steps", "max steps", None, "--max-steps", default="30", help=_help("max_steps"), launch_only=True),
