@@ -151,7 +151,19 @@ def mark(output_dir: str) -> str:
 
 
 def own_entries_present(output_dir: str) -> list[str]:
-    return [e for e in OWN_ENTRIES if os.path.lexists(os.path.join(output_dir, e))]
+    """The run-directory entry names present in `output_dir`. A `.prep` holding only other
+    nodes' `nodeK/` folders does not count: on a shared filesystem the nodes of one run
+    prepare at the same time, and node 0 may find them before it marks the directory."""
+    return [e for e in OWN_ENTRIES if os.path.lexists(os.path.join(output_dir, e))
+            and not (e == PREP and _only_peer_nodes(os.path.join(output_dir, e)))]
+
+
+def _only_peer_nodes(prep: str) -> bool:
+    try:
+        names = os.listdir(prep)
+    except OSError:
+        return False
+    return all(n.startswith("node") and n[4:].isdigit() and int(n[4:]) > 0 for n in names)
 
 
 def has_trained(output_dir: str) -> bool:
