@@ -19,7 +19,8 @@ from tests.ui.conftest import UIServer
 pytestmark = pytest.mark.timeout(400)
 
 BAD_INPUTS = {  # form field -> (value typed, the same input as `shardwise train` flags)
-    "model": ("/nonexistent/model-dir", ["--model", "/nonexistent/model-dir"]),
+    # the form's data field defaults to the demo set; train refuses a model directory without --data
+    "model": ("/nonexistent/model-dir", ["--model", "/nonexistent/model-dir", "--data", "demo"]),
     "seq_len": ("100000", ["--seq-len", "100000"]),
     "micro_batch_size": ("eight", ["--micro-batch-size", "eight"]),
 }
