@@ -7,6 +7,7 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 -d .whl hjson pydantic==2.14.4 pydantic-core==2.50.5 annotated-types \
 #     typing-inspection typing_extensions bitsandbytes==0.50.2
+#   pip download --no-deps -d .whl pytest-xdist==3.8.0 execnet   (pyproject's pytest addopts use -n 2)
 # and carried to the device, 48 MB in all). Usage on the GPU machine, from the repo root:
 #   bash benchmarks/h200_session.sh setup PART...     PART: tests strategies offload qlora accuracy bench3b
 #                                                    accuracy3 levers fsdp1 proftest accuracy4 levers2 defaults (third session)

@@ -14,6 +14,9 @@ import torch
 from tests.dist.shared import DDP, RTOL, SINGLE, STEPS, train_args
 from tests.helpers import ConcurrentRuns, losses
 
+# reads tests/dist's session-wide reference runs: on the same pytest-xdist worker as their other readers
+pytestmark = pytest.mark.xdist_group("dist-session-runs")
+
 
 def norms(run) -> torch.Tensor:
     return torch.tensor([r["grad_norm"] for r in run.metrics])

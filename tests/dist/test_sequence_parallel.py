@@ -11,7 +11,6 @@ real CLI: SP = 2 trains like one process on the same global batch, step for step
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -22,11 +21,9 @@ from tests.dist.shared import MAX_GRAD_NORM, RTOL, SINGLE, STEPS, TWO, Run, trai
 from tests.dist.test_parity import assert_same_run
 from tests.helpers import ConcurrentRuns, run_cli
 
+# reads tests/dist's session-wide reference runs: on the same pytest-xdist worker as their other readers
+pytestmark = pytest.mark.xdist_group("dist-session-runs")
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(kv_heads: int, seed: int = 0):
@@ -56,11 +53,11 @@ def _loss(model, ids, pos, targets):
     return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), reduction="sum"), logits
 
 
-def _attention_worker(rank: int, port: int, q) -> None:
+def _attention_worker(rank: int, init_file: str, q) -> None:
     from shardwise.models.sequence_parallel import apply_sequence_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # a file rendezvous: no port to pick, so nothing another test's processes could take first
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     results = {}
     for kv in (2, 1):
         for packed in (False, True):
@@ -86,12 +83,12 @@ def _attention_worker(rank: int, port: int, q) -> None:
     dist.destroy_process_group()
 
 
-def test_ulysses_attention_matches_the_unsplit_model():
+def test_ulysses_attention_matches_the_unsplit_model(tmp_path):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    mp.start_processes(_attention_worker, args=(_port(), q), nprocs=2, start_method="spawn")
+    mp.start_processes(_attention_worker, args=(str(tmp_path / "init"), q), nprocs=2, start_method="spawn")
     for _ in range(2):
-        rank, results = q.get()
+        rank, results = q.get(timeout=60)
         for case, (logits_ok, loss_ok, grads_ok) in results.items():
             assert logits_ok and loss_ok and grads_ok, (rank, case, logits_ok, loss_ok, grads_ok)
 

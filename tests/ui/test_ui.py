@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import socket
@@ -220,7 +221,14 @@ def test_launch_watch_stop_resume(server, page, runs_dir, shots):
 def test_bench_report_as_charts(server, page, background, shots):
     """A real `shardwise bench` report in the runs directory: the Bench page lists it and
     charts measured against predicted tokens/s from its JSON."""
-    background["bench"].result()
+    try:
+        background["bench"].result()
+    except AssertionError as e:  # the end of the run's own log says where it stopped
+        tails = []
+        for log in sorted(glob.glob(os.path.join(server.runs_dir, "bench", "runs", "*", "bench.log"))):
+            with open(log, errors="replace") as fh:
+                tails.append(f"--- {log}\n" + "".join(fh.readlines()[-40:]))
+        raise AssertionError(f"{e}\n" + "\n".join(tails)) from None
     with open(os.path.join(server.runs_dir, "bench", "report.json")) as fh:
         report = json.load(fh)
     page.goto(server.base + "/bench")

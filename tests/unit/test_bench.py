@@ -334,8 +334,10 @@ def test_a_run_that_prints_an_oom_is_does_not_fit_with_its_prediction(monkeypatc
 
 
 def test_a_hung_run_is_stopped_at_the_timeout(monkeypatch, tmp_path):
-    o = _run_with(monkeypatch, tmp_path, "import time; time.sleep(120)", timeout_s=1.0)
+    o = _run_with(monkeypatch, tmp_path, "import time; print('shardwise: waiting at step 7', flush=True); "
+                  "time.sleep(120)", timeout_s=8.0)
     assert o.status == "failed" and "timed out" in o.reason
+    assert o.reason.endswith("its log ended with: shardwise: waiting at step 7")  # where it stopped
     assert o.returncode is not None and o.wall_s < 30  # the process was stopped, not waited for
 
 

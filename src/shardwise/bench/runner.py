@@ -294,7 +294,7 @@ def run_strategy(spec: BenchSpec, name: str, sample_rss: bool, say=print, run_na
     oc.wall_s = time.monotonic() - t0
     oc.returncode = proc.returncode
     if timed_out:
-        oc.status, oc.reason = "failed", f"timed out after {spec.timeout_s:.0f} s (raise --timeout)"
+        oc.status, oc.reason = "failed", f"timed out after {spec.timeout_s:.0f} s (raise --timeout)" + _last_line(log_path)
     elif proc.returncode == 0:
         if os.path.isfile(os.path.join(out_dir, "metrics.jsonl")):
             oc.status = "ok"
@@ -304,6 +304,16 @@ def run_strategy(spec: BenchSpec, name: str, sample_rss: bool, say=print, run_na
         with open(log_path, errors="replace") as fh:
             oc.status, oc.reason = classify(fh.read(), proc.returncode)
     return oc
+
+
+def _last_line(log_path: str) -> str:
+    """'; its log ended with: LINE' (where a timed-out run was), or nothing."""
+    try:
+        with open(log_path, errors="replace") as fh:
+            lines = [ln.strip() for ln in fh.readlines()[-50:] if ln.strip()]
+    except OSError:
+        return ""
+    return f"; its log ended with: {lines[-1][:200]}" if lines else ""
 
 
 def pick_median(spec: BenchSpec, runs: list[Outcome]) -> Outcome:
