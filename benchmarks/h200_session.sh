@@ -14,6 +14,7 @@
 #                                                    vshf5 (fifth session)
 #                                                    twogpu (fourth session, on the nvidia-h200-x2 kind)
 #                                                    sptest long1 long2 long3 long4 longqwen (issue 15, x2 kind)
+#                                                    spflex spprobe spprobe2 spplain sppacked (sixth session, x2)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
 set -u
@@ -23,7 +24,8 @@ setup() {
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   fi
-  export PYTHONPATH=/tmp/site:$PWD/src:$PWD NCCL_NVLS_ENABLE=0 SHARDWISE_CACHE_DIR=/tmp/swcache PYTHONUNBUFFERED=1
+  export PYTHONPATH=/tmp/site:$PWD/src:$PWD NCCL_NVLS_ENABLE=0 SHARDWISE_CACHE_DIR=/tmp/swcache PYTHONUNBUFFERED=1 \
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
   python3 -c "import deepspeed, bitsandbytes; print('deepspeed', deepspeed.__version__, 'bitsandbytes', bitsandbytes.__version__)" 2>&1 | tail -1
 }
@@ -85,7 +87,27 @@ vshf5() {
 }
 # prepared for the issue-15 session (not run yet), on the nvidia-h200-x2 kind; each part fits one 10-minute call
 # (the model directories stay under /tmp/shardwise-long-context while the machine is warm)
-sptest() { python3 -m pytest -q -rs tests/gpu/test_sequence_parallel.py; }
+# (sixth session) every GPU pytest with -x -s -p no:logging, pytest's --timeout and an outer timeout:
+# a hang in the fifth session's first call burned 9.5 minutes of device time
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN} SHARDWISE_DEBUG=${SHARDWISE_DEBUG:-1}
+gpytest() { local t=$1; shift; timeout -k 10 $((t + 20)) python3 -m pytest -x -s -p no:logging --timeout "$t" "$@"; }
+sptest() { gpytest 400 -q -rs tests/gpu/test_sequence_parallel.py; }
+spflex() { gpytest 90 -q -rs tests/gpu/test_sequence_parallel.py -k never_attends; }
+# the two-GPU case outside pytest, output streamed, every process's stacks after 110 s
+spprobe() {
+  rm -f /tmp/probe_ok
+  SW_STACKS_AFTER=110 timeout -k 10 170 python3 benchmarks/sp_probe.py --timeout 150 -- --collective-timeout 130 \
+    && touch /tmp/probe_ok
+}
+spprobe2() {  # only after a failed probe: the same without torch.compile, to tell compile from the exchange
+  [ -f /tmp/probe_ok ] && { echo "skipped: the probe passed"; return 0; }
+  SW_STACKS_AFTER=100 timeout -k 10 150 python3 benchmarks/sp_probe.py --timeout 130 -- --collective-timeout 120 --compile off
+}
+spplain() {
+  [ -f /tmp/probe_ok ] || { echo "skipped: the probe failed"; return 1; }
+  gpytest 250 -q -rs tests/gpu/test_sequence_parallel.py -k plain
+}
+sppacked() { gpytest 250 -q -rs tests/gpu/test_sequence_parallel.py -k packed; }
 long1() { python3 benchmarks/long_context.py --lengths 32768,65536 --sp 1,2 --steps 4 --tag a --out "$OUT"; }
 long2() { python3 benchmarks/long_context.py --lengths 131072 --sp 2 --steps 4 --tag b --out "$OUT"; }
 long3() {  # the non-SP limit (above 64k), then SP 2 at twice it
@@ -106,5 +128,6 @@ for part in "$@"; do
   echo "=== $part exit $? $(date +%T)"
   grep -v "Writing model shards" "/tmp/logs/$part.log" | tail -25
   { echo "=== $part"; grep -v "Writing model shards" "/tmp/logs/$part.log" | tail -150; } >> "$LOGF"
+  [ -n "${KEEP_LOGS:-}" ] && tail -c 4000000 "/tmp/logs/$part.log" > "$OUT/$part.log"  # whole logs back (8 files at most)
 done
 echo "=== done $(date +%T)"
