@@ -4,11 +4,11 @@ tests/dist/test_sequence_parallel.py).
 - One GPU: at 16k tokens (past the dense-mask limit), packed documents go through
   FlexAttention's block mask; every document's logits equal the document run alone, so no
   token attends across a boundary, and no (S x S) mask is ever built.
-- Two GPUs, through the real CLI: SP = 2 (NCCL all-to-all, per-block compile) trains like
-  one GPU on the same batch, plain and packed at a length where the block mask is used.
+- Two GPUs, through the real CLI: SP = 2 (NCCL all-to-all) trains like one GPU on the same
+  batch, plain and packed at a length where the block mask is used (compile off, see _train).
 
 Skipped, with the reason, without CUDA (the two-GPU tests without 2 GPUs):
-`python -m pytest -q tests/gpu/test_sequence_parallel.py`.
+`python -m pytest -x -s -p no:logging --timeout 400 tests/gpu/test_sequence_parallel.py`.
 """
 
 from __future__ import annotations
@@ -97,9 +97,14 @@ def long_data(tmp_path_factory):
 
 
 def _train(out, model, data, *extra):
+    # compile off: the parity is about the exchange and the masks, and a cold torch.compile of
+    # every new width of the unpacked rows (dynamic-shape recompiles) costs minutes on a fresh
+    # machine. A hung collective becomes an error naming the rank and phase within
+    # --collective-timeout, and a run that still does not finish fails with its output.
     run_cli("train", "--model", model, "--data", str(data), "--data-format", "text", "--output-dir", str(out),
             "--overwrite", "--max-steps", "6", "--log-every", "1", "--lr", "1e-3", "--warmup-steps", "0",
-            "--mixed-precision", "no", "--micro-batch-size", "1", "--no-save-final", *extra, timeout=900)
+            "--mixed-precision", "no", "--micro-batch-size", "1", "--no-save-final", "--compile", "off",
+            "--collective-timeout", "120", *extra, timeout=170)
     return read_metrics(str(out))
 
 
