@@ -15,6 +15,8 @@
 #                                                    vshf5 (fifth session)
 #                                                    twogpu (fourth session, on the nvidia-h200-x2 kind)
 #                                                    sptest long1 long2 long3 long4 longqwen (issue 15, x2 kind)
+#                                                    spflex spplain sppacked spprobe longmin (sixth session, x2;
+#                                                    not run: the device budget was spent)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
 set -u
@@ -24,7 +26,8 @@ setup() {
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   fi
-  export PYTHONPATH=/tmp/site:$PWD/src:$PWD NCCL_NVLS_ENABLE=0 SHARDWISE_CACHE_DIR=/tmp/swcache PYTHONUNBUFFERED=1
+  export PYTHONPATH=/tmp/site:$PWD/src:$PWD NCCL_NVLS_ENABLE=0 SHARDWISE_CACHE_DIR=/tmp/swcache PYTHONUNBUFFERED=1 \
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
   python3 -c "import deepspeed, bitsandbytes; print('deepspeed', deepspeed.__version__, 'bitsandbytes', bitsandbytes.__version__)" 2>&1 | tail -1
 }
@@ -86,7 +89,23 @@ vshf5() {
 }
 # prepared for the issue-15 session (not run yet), on the nvidia-h200-x2 kind; each part fits one 10-minute call
 # (the model directories stay under /tmp/shardwise-long-context while the machine is warm)
-sptest() { python3 -m pytest -q -rs tests/gpu/test_sequence_parallel.py; }
+# (sixth session) every GPU pytest with -x -s -p no:logging, pytest's --timeout and an outer timeout:
+# a hang in the fifth session's first call burned 9.5 minutes of device time
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN} SHARDWISE_DEBUG=${SHARDWISE_DEBUG:-1}
+gpytest() { local t=$1; shift; timeout -k 10 $((t + 20)) python3 -m pytest -x -s -p no:logging --timeout "$t" "$@"; }
+sptest() { gpytest 400 -q -rs tests/gpu/test_sequence_parallel.py; }
+spflex() { gpytest 90 -q -rs tests/gpu/test_sequence_parallel.py -k never_attends; }
+spplain() { gpytest 240 -q -rs tests/gpu/test_sequence_parallel.py -k plain; }   # compile off (see the test)
+sppacked() { gpytest 240 -q -rs tests/gpu/test_sequence_parallel.py -k packed; }
+# the two-GPU case outside pytest with the CUDA default compile on, output streamed, every process's
+# Python stacks after 110 s (a hang shows where each rank waits; a hung collective errors after 130 s)
+spprobe() { SW_STACKS_AFTER=110 timeout -k 10 170 python3 benchmarks/sp_probe.py --timeout 150 -- --collective-timeout 130; }
+# the smallest long-context table that answers goals 1-2 (8B shape): SP 2 at 64k and 128k, then SP 1 at 64k
+# and 128k (the latter expected to run out of memory: the non-SP limit); each run loads 8B in fp32
+longmin() {
+  python3 benchmarks/long_context.py --lengths 65536,131072 --sp 2,1 --steps 3 --stop-after-oom --timeout 240 \
+    --tag min --out "$OUT"
+}
 long1() { python3 benchmarks/long_context.py --lengths 32768,65536 --sp 1,2 --steps 4 --tag a --out "$OUT"; }
 long2() { python3 benchmarks/long_context.py --lengths 131072 --sp 2 --steps 4 --tag b --out "$OUT"; }
 long3() {  # the non-SP limit (above 64k), then SP 2 at twice it
@@ -107,5 +126,6 @@ for part in "$@"; do
   echo "=== $part exit $? $(date +%T)"
   grep -v "Writing model shards" "/tmp/logs/$part.log" | tail -25
   { echo "=== $part"; grep -v "Writing model shards" "/tmp/logs/$part.log" | tail -150; } >> "$LOGF"
+  [ -n "${KEEP_LOGS:-}" ] && tail -c 4000000 "/tmp/logs/$part.log" > "$OUT/$part.log"  # whole logs back (8 files at most)
 done
 echo "=== done $(date +%T)"

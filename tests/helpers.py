@@ -15,8 +15,13 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None, cwd: str 
             check: bool = True) -> subprocess.CompletedProcess:
     """`python -m shardwise ARGS` with captured output; raises with the output on failure."""
     full_env = {**os.environ, **(env or {})}
-    p = subprocess.run([sys.executable, "-m", "shardwise", *args], capture_output=True, text=True,
-                       timeout=timeout, env=full_env, cwd=cwd)
+    try:
+        p = subprocess.run([sys.executable, "-m", "shardwise", *args], capture_output=True, text=True,
+                           timeout=timeout, env=full_env, cwd=cwd)
+    except subprocess.TimeoutExpired as e:  # show what the run printed before it was stopped
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        raise AssertionError(f"shardwise {' '.join(args)} did not finish within {timeout:g} s\n"
+                             f"--- stdout\n{out[-6000:]}\n--- stderr\n{err[-6000:]}") from None
     if check and p.returncode != 0:
         raise AssertionError(f"shardwise {' '.join(args)} exited {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}")
     return p
