@@ -31,7 +31,7 @@ setup() {
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
   python3 -c "import deepspeed, bitsandbytes; print('deepspeed', deepspeed.__version__, 'bitsandbytes', bitsandbytes.__version__)" 2>&1 | tail -1
 }
-tests() { python3 -m pytest -q -rs tests/gpu; }
+tests() { python3 -m pytest -n 0 -q -rs tests/gpu; }
 strategies() { python3 benchmarks/strategies_gpu.py --strategies single,ddp,fsdp --steps 15 --tag ddpfix --out "$OUT"; }
 offload() {
   python3 benchmarks/strategies_gpu.py --strategies fsdp-offload,zero2-offload,zero3-offload --steps 6 --log-every 2 \
@@ -52,7 +52,7 @@ levers() {  # as run at 757fe6f (the +nosync lever is the engine's step since e4
     --repeat 2 --steps 10 --warmup 3 --profile single,fsdp --json "$OUT/levers.json"
 }
 fsdp1() { python3 benchmarks/strategies_gpu.py --strategies single,fsdp,fsdp-grad-op --steps 20 --tag fsdp1 --out "$OUT"; }
-proftest() { python3 -m pytest -q -rs -x tests/gpu/test_profile_cuda.py; }
+proftest() { python3 -m pytest -n 0 -q -rs -x tests/gpu/test_profile_cuda.py; }
 # after e45764c (one-rank fsdp keeps gathered weights; no host sync in the step): the fsdp rows again + the presets
 # the table lacked (zero1, the offload presets); before/after of both changes in one process; the CLI numbers
 accuracy4() {
@@ -92,7 +92,7 @@ vshf5() {
 # (sixth session) every GPU pytest with -x -s -p no:logging, pytest's --timeout and an outer timeout:
 # a hang in the fifth session's first call burned 9.5 minutes of device time
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN} SHARDWISE_DEBUG=${SHARDWISE_DEBUG:-1}
-gpytest() { local t=$1; shift; timeout -k 10 $((t + 20)) python3 -m pytest -x -s -p no:logging --timeout "$t" "$@"; }
+gpytest() { local t=$1; shift; timeout -k 10 $((t + 20)) python3 -m pytest -n 0 -x -s -p no:logging --timeout "$t" "$@"; }
 sptest() { gpytest 400 -q -rs tests/gpu/test_sequence_parallel.py; }
 spflex() { gpytest 90 -q -rs tests/gpu/test_sequence_parallel.py -k never_attends; }
 spplain() { gpytest 240 -q -rs tests/gpu/test_sequence_parallel.py -k plain; }   # compile off (see the test)

@@ -35,8 +35,9 @@ class ConcurrentRuns:
     raised by the `get` of that run only. A run added with `after=NAME` (a run added before
     it) starts once that one has finished."""
 
-    def __init__(self, jobs: int = 2):
-        self.jobs = jobs
+    def __init__(self, jobs: int | None = None):
+        # under pytest-xdist the other worker's tests use the second core: one run at a time here
+        self.jobs = jobs or (1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
         self.pending: dict[str, tuple[tuple, dict]] = {}
         self.results: dict[str, subprocess.CompletedProcess | AssertionError] = {}
 
