@@ -96,3 +96,20 @@ def test_packed_attention_is_block_diagonal_in_the_real_model(tok, tiny_dir):
 
 def test_shift_masks_targets_not_followed_by_loss_tokens():
     assert shift([1, 2, 3, 4], [0, 0, 1, 1]) == [IGNORE, 3, 4, IGNORE]
+
+
+def test_batched_encoding_gives_the_per_record_tokens(tok):
+    """encode() renders each conversation's last turn once and tokenizes records in batches;
+    the tokens and loss masks must be those of encoding every record on its own (text and
+    chat mixed, across a chunk boundary, multi-turn, cut records)."""
+    from shardwise.data.encode import ChatOptions, encode_record, encode_records
+
+    recs = [chat(("user", f"q{i} " * (i % 5 + 1)), ("assistant", f"a{i} " * (i % 7 + 1)),
+                 *((("user", "more"), ("assistant", "yes")) if i % 3 == 0 else ()))
+            for i in range(7)]
+    recs[2:2] = [Record("text", "plain text record", "t:2"), Record("text", "x" * 500, "t:3")]
+    for opts in (ChatOptions(), ChatOptions(system="sys", last_turn_only=True), ChatOptions(train_on_prompt=True)):
+        one_by_one = [encode_record(tok, r, opts, 120) for r in recs]
+        assert list(encode_records(tok, recs, opts, 120, chunk=3)) == one_by_one
+        assert any(cut for _, _, cut in one_by_one)
+        assert any(0 < sum(m) < len(m) for _, m, _ in one_by_one) or opts.train_on_prompt

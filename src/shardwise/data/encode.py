@@ -16,6 +16,7 @@ more than about 10 characters per token over a span, and 32 leaves room to spare
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -85,7 +86,8 @@ def assistant_spans(tokenizer, messages: list[dict], source: str,
     spans = []
     for i in turns:
         start = len(_render(tokenizer, messages[:i], True, source)) if i else 0
-        end_text = _render(tokenizer, messages[: i + 1], False, source)
+        # the conversation's last turn ends where the whole does: no second render of it
+        end_text = full if i + 1 == len(messages) else _render(tokenizer, messages[: i + 1], False, source)
         if not full.startswith(end_text) or start > len(end_text):
             raise ShardwiseError(f"{source}: the chat template does not render a conversation prefix as a prefix "
                                  "of the whole, so assistant turns cannot be located; use text-format data or "
@@ -117,32 +119,76 @@ def bound_chat(messages: list[dict], opts: ChatOptions, budget: int | None) -> t
     return msgs, turns, cut
 
 
-def encode_record(tokenizer, rec: Record, opts: ChatOptions | None = None,
-                  budget: int | None = None) -> tuple[list[int], list[int], bool]:
-    """(input_ids, loss mask per token, whether the text was cut to `budget` characters)
-    for one record, not yet truncated to seq_len."""
+def render_record(tokenizer, rec: Record, opts: ChatOptions | None = None, budget: int | None = None
+                  ) -> tuple[str, list[tuple[int, int]] | None, bool]:
+    """(text, character spans that carry loss or None for all of it, whether the text was
+    cut to `budget` characters) for one record: the chat template rendered, nothing tokenized."""
     opts = opts or ChatOptions()
     if rec.kind == "text":
         text, cut = rec.payload, False
         if budget is not None and len(text) > budget:
             text, cut = text[:budget], True
-        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-        if not cut and tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
-            ids = ids + [tokenizer.eos_token_id]
-        return ids, [1] * len(ids), cut
+        return text, None, cut
     msgs, turns, cut = bound_chat(rec.payload, opts, budget)
     if opts.train_on_prompt:
-        text, spans = _render(tokenizer, msgs, False, rec.source), None
-    else:
-        text, spans = assistant_spans(tokenizer, msgs, rec.source, turns)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        return _render(tokenizer, msgs, False, rec.source), None, cut
+    text, spans = assistant_spans(tokenizer, msgs, rec.source, turns)
+    return text, spans, cut
+
+
+def _ids_and_mask(tokenizer, rec: Record, enc_ids: list[int], offsets, spans, cut: bool) -> tuple[list[int], list[int]]:
+    if rec.kind == "text":
+        ids = enc_ids
+        if not cut and tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+            ids = ids + [tokenizer.eos_token_id]
+        return ids, [1] * len(ids)
     if spans is None:
-        return ids, [1] * len(ids), cut
-    mask = []
-    for s, e in offsets:
-        mask.append(int(any(a <= s < b for a, b in spans) and e > s))
-    return ids, mask, cut
+        return enc_ids, [1] * len(enc_ids)
+    mask = [int(e > s and any(a <= s < b for a, b in spans)) for s, e in offsets]
+    return enc_ids, mask
+
+
+def _tokenize(tokenizer, rec: Record, text: str):
+    """(ids, offsets) of one rendered record: text records with the tokenizer's special
+    tokens, chat records without (the template wrote them)."""
+    if rec.kind == "text":
+        return tokenizer(text, add_special_tokens=True)["input_ids"], None
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return enc["input_ids"], enc["offset_mapping"]
+
+
+def encode_record(tokenizer, rec: Record, opts: ChatOptions | None = None,
+                  budget: int | None = None) -> tuple[list[int], list[int], bool]:
+    """(input_ids, loss mask per token, whether the text was cut to `budget` characters)
+    for one record, not yet truncated to seq_len."""
+    text, spans, cut = render_record(tokenizer, rec, opts, budget)
+    ids, offsets = _tokenize(tokenizer, rec, text)
+    return (*_ids_and_mask(tokenizer, rec, ids, offsets, spans, cut), cut)
+
+
+def encode_records(tokenizer, records: list[Record], opts: ChatOptions | None, budget: int | None,
+                   chunk: int = 1024) -> Iterator[tuple[list[int], list[int], bool]]:
+    """encode_record over `records`, in order, the same tokens: the rendered texts of up to
+    `chunk` records go to the tokenizer in one batched call (a fast tokenizer's batch runs
+    in Rust; one call per record spends most of its time in Python)."""
+    for lo in range(0, len(records), chunk):
+        part = records[lo: lo + chunk]
+        rendered = [render_record(tokenizer, r, opts, budget) for r in part]
+        by_kind: dict[str, list[int]] = {"text": [], "chat": []}
+        for j, r in enumerate(part):
+            by_kind["text" if r.kind == "text" else "chat"].append(j)
+        toks: list = [None] * len(part)
+        if by_kind["text"]:
+            out = tokenizer([rendered[j][0] for j in by_kind["text"]], add_special_tokens=True)["input_ids"]
+            for j, ids in zip(by_kind["text"], out):
+                toks[j] = (ids, None)
+        if by_kind["chat"]:
+            out = tokenizer([rendered[j][0] for j in by_kind["chat"]], add_special_tokens=False,
+                            return_offsets_mapping=True)
+            for j, ids, offs in zip(by_kind["chat"], out["input_ids"], out["offset_mapping"]):
+                toks[j] = (ids, offs)
+        for r, (text, spans, cut), (ids, offs) in zip(part, rendered, toks):
+            yield (*_ids_and_mask(tokenizer, r, ids, offs, spans, cut), cut)
 
 
 def shift(ids: list[int], mask: list[int]) -> list[int]:
@@ -162,8 +208,7 @@ def encode(records: list[Record], tokenizer, seq_len: int, packing: bool,
     budget = (seq_len + 1) * CHARS_PER_TOKEN_BOUND
     rows_in, rows_tg, sources = [], [], []
     truncated = dropped = 0
-    for rec in records:
-        ids, mask, cut = encode_record(tokenizer, rec, options, budget)
+    for rec, (ids, mask, cut) in zip(records, encode_records(tokenizer, records, options, budget)):
         # +1 so the last kept input still has its next token as a target
         if cut or len(ids) > seq_len + 1:
             truncated += 1
