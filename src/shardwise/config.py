@@ -82,6 +82,7 @@ class Config:
     system: str = _f("", "Default system prompt, added to conversations that have none.")
     train_on_prompt: bool = _f(False, "Put loss on every token of a conversation (system and user turns too), not only on the assistant turns.")
     last_turn_only: bool = _f(False, "Put loss on the last assistant turn of each conversation only; earlier turns are context.")
+    data_cache: bool = _f(True, "Keep the tokenized data under $SHARDWISE_CACHE_DIR/data (default ~/.cache/shardwise/data), keyed by the records, the tokenizer's files, the chat template and the encoding settings, so a repeat run with the same inputs skips tokenizing; --no-data-cache tokenizes every run and writes nothing there.")
     # strategy and launch
     strategy: str = _f("ddp", "Strategy or preset: " + ", ".join(presets.known_names()) + ".")
     nproc_per_node: int = _f(0, "Processes per node; 0 means one per GPU, or 2 on a CPU-only machine.")

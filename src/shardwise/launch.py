@@ -125,7 +125,8 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
 def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: bool, t0: float = 0.0) -> Prepared:
     from safetensors.torch import save_file
 
-    from shardwise.data.encode import ChatOptions, encode
+    from shardwise.data.cache import encode_cached
+    from shardwise.data.encode import ChatOptions, check_options
     from shardwise.data.sources import load_records
     from shardwise.data.templates import use_chat_template
     from shardwise.models.load import load_tokenizer
@@ -166,8 +167,15 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
     records, stats = load_records(cfg, res.where)
     records, val = validation_records(cfg, res, records)
-    encoded = encode(records, tokenizer, cfg.seq_len, cfg.packing, ChatOptions.from_config(cfg))
-    val = encode(val, tokenizer, cfg.seq_len, False, ChatOptions.from_config(cfg)) if val else None
+    opts = ChatOptions.from_config(cfg)
+    check_options(tokenizer, opts, any(r.kind == "chat" for r in records + val))  # not hidden by a cache hit
+    encoded, tensors, hit = encode_cached(records, tokenizer, model_dir, cfg.seq_len, cfg.packing, opts,
+                                          cfg.data_cache, say)
+    val_tensors = None
+    if val:
+        val, val_tensors, _ = encode_cached(val, tokenizer, model_dir, cfg.seq_len, False, opts, cfg.data_cache, say)
+    else:
+        val = None
     if val is not None and not val.stats["loss_tokens"]:
         raise ShardwiseError(f"{res.where('val_data' if cfg.val_data else 'val_split')}: the validation set has no "
                              "loss token (every example empty or truncated away); give more or longer examples")
@@ -192,18 +200,20 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
         rundir.clear_interrupted(out)  # a record left by the run this one resumes is not this run's
     data_file = os.path.join(prep, "data.safetensors")
     with rundir.atomic_path(data_file) as tmp:
-        save_file(encoded.to_tensors(), tmp)
+        save_file(tensors, tmp)
     rundir.atomic_write(os.path.join(prep, "sources.json"), json.dumps(encoded.sources))
     val_file = ""
     if val is not None:
         val_file = os.path.join(prep, "val.safetensors")
         with rundir.atomic_path(val_file) as tmp:
-            save_file(val.to_tensors(), tmp)
+            save_file(val_tensors, tmp)
         rundir.atomic_write(os.path.join(prep, "val_sources.json"), json.dumps(val.sources))
     st = encoded.stats
     src = "the built-in demo set" if stats is None else ", ".join(stats.files[:3]) + (" ..." if len(stats.files) > 3 else "")
     msg = (f"data: {st['records']} records from {src}; {st['sequences']} sequences, {st['tokens']:,} tokens, "
            f"{st['loss_tokens']:,} loss tokens; {st['truncated']} truncated to seq_len {cfg.seq_len}")
+    if hit:
+        msg += " (tokenized data from the cache; --no-data-cache tokenizes again)"
     if st["dropped_no_loss_tokens"]:
         msg += f"; {st['dropped_no_loss_tokens']} dropped (no loss token left after truncation)"
     if stats and stats.skipped:

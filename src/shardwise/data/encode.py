@@ -196,15 +196,20 @@ def shift(ids: list[int], mask: list[int]) -> list[int]:
     return [ids[i + 1] if mask[i + 1] else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
 
 
-def encode(records: list[Record], tokenizer, seq_len: int, packing: bool,
-           options: ChatOptions | None = None) -> Encoded:
-    if any(r.kind == "chat" for r in records) and not getattr(tokenizer, "chat_template", None):
+def check_options(tokenizer, options: ChatOptions | None, chat: bool) -> None:
+    """Refuse chat data without a chat template, and contradicting options."""
+    if chat and not getattr(tokenizer, "chat_template", None):
         raise ShardwiseError("the tokenizer has no chat template but the data is chat (messages/sharegpt/alpaca); "
                              "pass --chat-template NAME (chatml, llama3, qwen, mistral, gemma) or a Jinja FILE, "
                              "or use text-format data")
     if options and options.train_on_prompt and options.last_turn_only:
         raise ShardwiseError("--train-on-prompt (loss on every turn) and --last-turn-only (loss on the last "
                              "assistant turn) contradict each other; pass one of them")
+
+
+def encode(records: list[Record], tokenizer, seq_len: int, packing: bool,
+           options: ChatOptions | None = None) -> Encoded:
+    check_options(tokenizer, options, any(r.kind == "chat" for r in records))
     budget = (seq_len + 1) * CHARS_PER_TOKEN_BOUND
     rows_in, rows_tg, sources = [], [], []
     truncated = dropped = 0

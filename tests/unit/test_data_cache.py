@@ -1,0 +1,147 @@
+"""The tokenized-data cache (shardwise.data.cache): a hit gives the same tensors and skips
+encoding; a change of records, tokenizer or setting misses; a bad entry is rebuilt."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from shardwise.data import cache
+from shardwise.data.encode import ChatOptions
+from shardwise.data.formats import Record
+
+
+@pytest.fixture()
+def env(tiny_dir, tmp_path, monkeypatch):
+    from shardwise.models.load import load_tokenizer
+
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    recs = [Record("chat", [{"role": "user", "content": f"question {i}"},
+                            {"role": "assistant", "content": f"answer {i} " * (i % 4 + 1)}], f"d.jsonl:{i + 1}")
+            for i in range(12)]
+    return load_tokenizer(str(model)), str(model), recs
+
+
+def run(env, recs=None, seq_len=64, packing=True, opts=None, note=None):
+    tok, model, base = env
+    return cache.encode_cached(recs if recs is not None else base, tok, model, seq_len, packing,
+                               opts or ChatOptions(), True, note)
+
+
+def entries():
+    d = cache.cache_dir()
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_hit_gives_the_same_tensors_and_skips_encoding(env, monkeypatch):
+    enc, t, hit = run(env)
+    assert not hit and len(entries()) == 1
+    import shardwise.data.cache as mod
+
+    def boom(*a, **k):
+        raise AssertionError("encode ran on a cache hit")
+
+    monkeypatch.setattr(mod, "encode", boom)
+    enc2, t2, hit2 = run(env)
+    assert hit2 and same(t, t2)
+    assert (enc2.input_ids, enc2.targets, enc2.position_ids, enc2.sources, enc2.stats) == \
+        (enc.input_ids, enc.targets, enc.position_ids, enc.sources, enc.stats)
+    # the tensors written from the hit are byte-identical to those written without the cache
+    from safetensors.torch import save
+
+    assert save(t2) == save(enc.to_tensors())
+
+
+def test_a_changed_input_misses(env):
+    tok, model, recs = env
+    run(env)
+    changed = [Record(r.kind, r.payload, r.source) for r in recs]
+    changed[3] = Record("chat", [{"role": "user", "content": "question 3"},
+                                 {"role": "assistant", "content": "another answer"}], "d.jsonl:4")
+    for kw in (dict(recs=changed), dict(recs=recs[:-1]), dict(seq_len=32), dict(packing=False),
+               dict(opts=ChatOptions(system="be brief")), dict(opts=ChatOptions(train_on_prompt=True)),
+               dict(opts=ChatOptions(last_turn_only=True)),
+               dict(recs=[Record(r.kind, r.payload, r.source.replace("d.", "e.")) for r in recs])):
+        assert not run(env, **kw)[2], kw
+        assert run(env, **kw)[2], kw  # and is kept under its own key
+    # the chat template and the tokenizer's files are part of the key
+    tok.chat_template = tok.chat_template + " "
+    assert not run(env)[2]
+    with open(os.path.join(model, "tokenizer_config.json"), "a") as fh:
+        fh.write("\n")
+    assert not run(env)[2]
+
+
+def test_a_corrupt_or_truncated_entry_is_rebuilt(env):
+    enc, t, _ = run(env)
+    (name,) = entries()
+    path = os.path.join(cache.cache_dir(), name)
+    good = open(path, "rb").read()
+    for bad in (good[: len(good) // 2], b"", b"\x00" * 64, good[:8] + b"garbage" + good[15:]):
+        with open(path, "wb") as fh:
+            fh.write(bad)
+        notes = []
+        enc2, t2, hit = run(env, note=notes.append)
+        assert not hit and same(t, t2) and len(notes) == 1 and "tokenizing again" in notes[0]
+        _, t3, hit3 = run(env)  # rewritten whole: the next run hits it
+        assert hit3 and same(t, t3)
+
+
+def test_an_entry_of_another_key_is_not_used(env):
+    run(env)
+    (name,) = entries()
+    other = os.path.join(cache.cache_dir(), "f" * 64 + ".safetensors")
+    shutil.copy(os.path.join(cache.cache_dir(), name), other)
+    k = name[:64]
+    assert cache._read(other, k) is not None and cache._read(other, "f" * 64) is None
+
+
+def test_only_the_newest_entries_are_kept(env):
+    for n in range(cache.KEEP + 2):
+        run(env, seq_len=32 + n)
+    assert len(entries()) == cache.KEEP
+    assert len(os.listdir(cache.cache_dir())) == cache.KEEP  # no temporary file left either
+
+
+def test_disabled_writes_nothing(env):
+    tok, model, recs = env
+    enc, t, hit = cache.encode_cached(recs, tok, model, 64, True, ChatOptions(), False)
+    assert not hit and entries() == [] and t["lengths"].sum() == sum(map(len, enc.input_ids))
+
+
+def test_prepare_reads_a_repeat_run_from_the_cache_byte_identical(tiny_dir, tmp_path, monkeypatch, capsys):
+    """Through the launcher's prepare (no workers): the second run says the data came from the
+    cache and writes the same data.safetensors; --no-data-cache tokenizes and writes no entry."""
+    import json
+
+    from shardwise import config, launch
+
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"},
+                                                     {"role": "assistant", "content": f"a {i}"}]}) + "\n"
+                            for i in range(40)))
+
+    def prepare(out, **kw):
+        flags = {"model": tiny_dir, "data": str(data), "seq_len": 64, "val_split": 0.1, "output_dir": str(out),
+                 "nproc_per_node": 2, "strategy": "ddp", **kw}
+        p = launch.prepare(config.load_config(None, {k: (v, "flag") for k, v in flags.items()}))
+        p.lock.release()
+        prep = os.path.join(str(out), ".prep", "node0")
+        return (capsys.readouterr().out, open(os.path.join(prep, "data.safetensors"), "rb").read(),
+                open(os.path.join(prep, "val.safetensors"), "rb").read())
+
+    first = prepare(tmp_path / "a")
+    assert "from the cache" not in first[0] and len(entries()) == 2  # training and validation sets
+    second = prepare(tmp_path / "b")
+    assert "tokenized data from the cache" in second[0] and second[1:] == first[1:]
+    shutil.rmtree(tmp_path / "cache")
+    third = prepare(tmp_path / "c", data_cache=False)
+    assert "from the cache" not in third[0] and third[1:] == first[1:] and entries() == []
