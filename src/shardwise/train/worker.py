@@ -84,31 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_without_teardown(rc: int) -> None:
-    """Leave a worker that has finished cleanly (process group destroyed, summary, metrics
-    and trackers closed) without the interpreter's teardown: the atexit handlers run (the
-    libraries' own, e.g. a tracker's), logging and the standard streams are flushed, then
-    os._exit. Tearing down the modules and collecting a torch process's objects took
-    1.5-1.8 s per rank on the tiny CPU job, all of it after the run was complete (issue 17.3).
-    Everything shardwise writes went through closed files or os-level writes, which a
-    process exit keeps."""
-    import atexit
-    import logging
-
-    try:
-        atexit._run_exitfuncs()
-        logging.shutdown()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(rc)
-
-
 if __name__ == "__main__":
     code = main()
     if code == 0:
+        from shardwise.phases import exit_without_teardown
+
         exit_without_teardown(0)
     sys.exit(code)
