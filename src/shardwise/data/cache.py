@@ -69,7 +69,7 @@ def key(records: list[Record], tok_digest: str, seq_len: int, packing: bool, opt
     h = hashlib.sha256(json.dumps([FORMAT, tok_digest, seq_len, packing, opts.system, opts.train_on_prompt,
                                    opts.last_turn_only, len(records)]).encode())
     for r in records:
-        h.update(json.dumps([r.kind, r.payload, r.source], ensure_ascii=False).encode())
+        h.update(json.dumps([r.kind, r.payload, r.source], ensure_ascii=False, default=repr).encode("utf-8", "surrogatepass"))
         h.update(b"\n")
     return h.hexdigest()
 
