@@ -31,13 +31,12 @@ BAD_INPUTS = {  # form field -> (value typed, the same input as `shardwise train
 def background(runs_dir):
     """Started by the first test, used by later ones: a real bench report (ddp, 2 ranks, 2
     steps) in the runs directory, and the CLI's own messages for the bad inputs."""
-    # one at a time under pytest-xdist (the other worker uses the second core); the short CLI runs first
-    pool = ThreadPoolExecutor(max_workers=1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
-    cli = {f: pool.submit(run_cli, "train", *flags, "--max-steps", "1", check=False, cwd=runs_dir)
-           for f, (_, flags) in BAD_INPUTS.items()}
+    pool = ThreadPoolExecutor(max_workers=2)
     bench = pool.submit(run_cli, "bench", "--strategies", "ddp", "--nproc-per-node", "2", "--steps", "2",
                         "--warmup", "0", "--profile-steps", "0", "--report-dir", os.path.join(runs_dir, "bench"),
                         "--timeout", "300", cwd=runs_dir)
+    cli = {f: pool.submit(run_cli, "train", *flags, "--max-steps", "1", check=False, cwd=runs_dir)
+           for f, (_, flags) in BAD_INPUTS.items()}
     yield {"bench": bench, "cli": cli}
     pool.shutdown(wait=True)
 
