@@ -73,3 +73,13 @@ def test_resuming_a_tp2_checkpoint_with_another_degree_is_refused_before_launch(
     text = p.stdout + p.stderr
     assert p.returncode != 0 and "the checkpoint was saved with tensor_parallel 2, this run has 1" in text, text
     assert "Traceback" not in text and not (tmp_path / "resumed" / "metrics.jsonl").exists()
+
+
+def test_a_degree_the_heads_do_not_divide_is_refused_before_launch_with_the_models_numbers(chat_data, tmp_path):
+    p = run_cli(*train_args(tmp_path / "tp4", chat_data, "--strategy", "fsdp", "--nproc-per-node", "4",
+                            "--tensor-parallel", "4"), check=False)
+    text = p.stdout + p.stderr
+    assert p.returncode != 0, text
+    assert ("flag --tensor-parallel: tensor parallelism gives each of the 4 ranks whole attention heads, and 4 does "
+            "not divide the model's 4 attention heads and 2 KV heads; use --tensor-parallel 2") in text, text
+    assert "Traceback" not in text and not (tmp_path / "tp4").exists()
