@@ -5,7 +5,9 @@ q/k/v/gate/up split column-wise and o/down row-wise over the 2 ranks, FSDP wrapp
 the DTensor weights on the size-1 shard dimension) trains like the session's one process on
 the same global batch of 8, step for step: loss and pre-clip gradient norm at the parity
 tests' fp32 tolerance (clipping fires, so a gradient norm that counted the replicated
-weights once per tp rank, or missed the sharded ones, would show). Its final/ directory is a
+weights once per tp rank, or missed the sharded ones, would show: leaving one mesh's group out
+of the norm in Strategy.clip_grad_norm, on purpose, moved the losses by 1.6% and the norms by 17%).
+Its final/ directory is a
 plain Hugging Face model with full (gathered) weights equal to the reference's after the
 same 12 steps, its checkpoint exports to the same model in one process, and resuming it with
 another TP degree is refused before launch.
