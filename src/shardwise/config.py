@@ -92,7 +92,7 @@ class Config:
     collective_timeout: float = _f(1800.0, "Seconds before a collective that does not complete (a hung or dead rank) becomes an error naming the rank and operation.")
     max_restarts: int = _f(0, "Restart the worker group this many times after a failure; the run resumes from its newest checkpoint.")
     sequence_parallel: int = _f(1, "Ranks that split each sequence (Ulysses sequence parallelism; 1 = off); the data-parallel degree is the world size / (sequence_parallel x tensor_parallel). Needs the attention heads divisible by it.")
-    tensor_parallel: int = _f(1, "Ranks that split each weight matrix (tensor parallelism). Only 1 in this version.")
+    tensor_parallel: int = _f(1, "Ranks that split each weight matrix (tensor parallelism, DTensor; 1 = off): attention and MLP linears split over N ranks, with strategy single (pure TP: N processes) or the fsdp presets (FSDP over the other ranks). Needs the attention and KV heads divisible by N (docs/tensor-parallel.md).")
     sp_mode: str = _f("auto", "How sequence parallelism splits attention: ulysses (all-to-all to head shards; heads divisible by N), ring (not yet), or auto (Ulysses for the largest degree the heads allow; the choice is printed).", ("auto", "ulysses", "ring"))
     # optimisation
     max_steps: int = _f(-1, "Optimizer steps to run; -1 means as many as `epochs` take.")
@@ -565,8 +565,6 @@ def validate(res: Resolved) -> None:
     need(0 <= c.node_rank < c.nnodes, "node_rank", f"node_rank must be in [0, nnodes={c.nnodes}), got {c.node_rank}")
     need(c.max_restarts >= 0, "max_restarts", f"max_restarts must be >= 0, got {c.max_restarts}")
     need(c.tensor_parallel >= 1, "tensor_parallel", f"tensor_parallel must be >= 1, got {c.tensor_parallel}")
-    need(c.tensor_parallel == 1, "tensor_parallel",
-         f"tensor_parallel {c.tensor_parallel}: not yet supported in this version (issue: tensor parallelism); use 1")
     need(c.nnodes == 1 or bool(c.rdzv_endpoint), "nnodes",
          "a multi-node run needs --rdzv-endpoint HOST:PORT (the address of node 0)")
     if c.rdzv_endpoint:
@@ -628,8 +626,23 @@ def validate(res: Resolved) -> None:
     need(not c.merge_lora or c.tuner == "lora", "merge_lora",
          "merge_lora needs --tuner lora (a full fine-tune is already a full model; a 4-bit QLoRA base is not merged)")
     if base == "single":
-        need(c.nnodes == 1 and c.nproc_per_node in (0, 1), "strategy",
-             "strategy 'single' runs one process; use --strategy ddp (or fsdp) for more than one")
+        need(c.nnodes == 1 and c.nproc_per_node in (0, 1, c.tensor_parallel), "strategy",
+             "strategy 'single' runs one process (or --tensor-parallel N processes, one replica); "
+             "use --strategy ddp (or fsdp) for more than one")
+    if c.tensor_parallel > 1:
+        need(base in ("single", "fsdp"), "tensor_parallel",
+             f"tensor_parallel {c.tensor_parallel} composes with strategy single (pure TP) or the fsdp presets "
+             f"(FSDP x TP), not '{c.strategy}' (DDP and ZeRO do not wrap DTensor weights; auto does not plan TP "
+             "yet); use --strategy fsdp")
+        need(c.tuner == "full", "tensor_parallel",
+             "tensor_parallel with LoRA is not built yet (adapters on DTensor-sharded linears); use --tuner full "
+             "or --tensor-parallel 1")
+        need(c.sequence_parallel == 1, "tensor_parallel",
+             "tensor_parallel with sequence_parallel > 1 is not built yet; set one of them to 1")
+        if c.nproc_per_node:
+            world = c.nproc_per_node * c.nnodes
+            need(world % c.tensor_parallel == 0, "tensor_parallel",
+                 f"tensor_parallel {c.tensor_parallel} must divide the {world} ranks (nnodes x nproc_per_node)")
     need(c.sequence_parallel >= 1, "sequence_parallel", f"sequence_parallel must be >= 1, got {c.sequence_parallel} (1 = off)")
     if c.sequence_parallel > 1:
         need(base != "single", "sequence_parallel",

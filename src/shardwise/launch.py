@@ -50,7 +50,7 @@ def resolve_runtime(res: Resolved) -> Config:
     if cfg.mixed_precision == "auto":
         cfg.mixed_precision = "bf16" if bf16_supported() else "no"
     if cfg.nproc_per_node == 0:
-        cfg.nproc_per_node = 1 if cfg.strategy == "single" else (n_gpu if cuda else 2)
+        cfg.nproc_per_node = cfg.tensor_parallel if cfg.strategy == "single" else (n_gpu if cuda else 2)
     if cuda and cfg.nproc_per_node > n_gpu:
         raise ShardwiseError(f"{res.where('nproc_per_node')}: {cfg.nproc_per_node} processes per node but this "
                              f"node has {n_gpu} GPU(s); one GPU per rank")
@@ -149,9 +149,9 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     if resume_from:
         ckpt.verify(resume_from)  # complete, and nothing in it can run code when loaded
     world = cfg.nproc_per_node * cfg.nnodes
-    if presets.base_strategy(cfg.strategy) == "single" and world > 1:
-        raise ShardwiseError(f"{res.where('strategy')}: strategy 'single' runs one process, not {world}; "
-                             "use --strategy ddp")
+    if presets.base_strategy(cfg.strategy) == "single" and world > cfg.tensor_parallel:
+        raise ShardwiseError(f"{res.where('strategy')}: strategy 'single' runs one process "
+                             f"(or --tensor-parallel N processes), not {world}; use --strategy ddp")
     from shardwise import strategies
 
     strategies.get(cfg.strategy)  # unknown / not installed -> one clear line now, not in N workers
@@ -162,6 +162,7 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     model_dir = check_model(cfg, res)
     resume_notes = ckpt.check_resume(resume_from, cfg, model_dir) if resume_from else []
     check_sequence_parallel(cfg, res, world, model_dir)
+    check_tensor_parallel(cfg, res, world, model_dir)
     check_fit(cfg, res, world, force)
     tokenizer = load_tokenizer(model_dir, cfg.trust_remote_code)
     use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
@@ -179,7 +180,7 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     if val is not None and not val.stats["loss_tokens"]:
         raise ShardwiseError(f"{res.where('val_data' if cfg.val_data else 'val_split')}: the validation set has no "
                              "loss token (every example empty or truncated away); give more or longer examples")
-    global_batch = cfg.micro_batch_size * cfg.grad_accum * (world // cfg.sequence_parallel)
+    global_batch = cfg.micro_batch_size * cfg.grad_accum * (world // (cfg.sequence_parallel * cfg.tensor_parallel))
     if len(encoded) < global_batch:
         raise ShardwiseError(f"the dataset has {len(encoded)} sequences, fewer than one global batch of "
                              f"{global_batch}; lower --micro-batch-size or --grad-accum, or add data")
@@ -308,6 +309,43 @@ def check_sequence_parallel(cfg: Config, res: Resolved, world: int, model_dir: s
     say(f"sequence parallel: Ulysses ({'chosen by --sp-mode auto: ' if cfg.sp_mode == 'auto' else ''}"
         f"{heads} heads divide by {n}) over groups of {n} ranks, {heads // n} query heads per rank ({how}); "
         f"data-parallel degree {world // n}; each rank holds {cfg.seq_len // n} of {cfg.seq_len} tokens")
+
+
+def check_tensor_parallel(cfg: Config, res: Resolved, world: int, model_dir: str) -> None:
+    """Refuse a tensor-parallel degree the ranks or the model's heads cannot take, with the
+    model's numbers; say how the weights are split (strategies/parallelize.py)."""
+    n = cfg.tensor_parallel
+    if n == 1:
+        return
+    where = res.where("tensor_parallel")
+    if world % n:
+        raise ShardwiseError(f"{where}: tensor_parallel {n} must divide the {world} ranks (nnodes x nproc_per_node); "
+                             "the data-parallel degree is ranks / N")
+    with open(os.path.join(model_dir, "config.json")) as fh:
+        hf = json.load(fh)
+    hf = hf.get("text_config", hf)
+    heads = hf.get("num_attention_heads")
+    kv = hf.get("num_key_value_heads") or heads
+    if heads is None:
+        raise ShardwiseError(f"{where}: the model's config.json names no num_attention_heads, so tensor parallelism "
+                             "cannot split its heads; use tensor_parallel 1")
+    if heads % n or kv % n:
+        fits = [d for d in range(2, kv + 1) if heads % d == 0 and kv % d == 0 and world % d == 0]
+        hint = f"use --tensor-parallel {fits[-1]}" if fits else "use --tensor-parallel 1"
+        raise ShardwiseError(f"{where}: tensor parallelism gives each of the {n} ranks whole attention heads, and {n} "
+                             f"does not divide the model's {heads} attention heads and {kv} KV heads; {hint}")
+    from shardwise.strategies.parallelize import TP_FAMILIES
+
+    family = hf.get("model_type")
+    if family not in TP_FAMILIES:
+        raise ShardwiseError(f"{where}: tensor parallelism knows the decoder families {', '.join(TP_FAMILIES)}, "
+                             f"not the model's '{family}' (model_type in its config.json); use tensor_parallel 1")
+    inter = hf.get("intermediate_size")
+    if inter and inter % n:
+        raise ShardwiseError(f"{where}: tensor_parallel {n} does not divide the model's MLP width "
+                             f"(intermediate_size {inter}); use a degree that divides it and the heads")
+    say(f"tensor parallel: attention and MLP linears split over groups of {n} ranks ({heads // n} query heads and "
+        f"{kv // n} KV head(s) per rank); embeddings, norms and head replicated; data-parallel degree {world // n}")
 
 
 def check_fit(cfg: Config, res: Resolved, world: int, force: bool) -> None:

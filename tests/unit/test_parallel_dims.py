@@ -72,15 +72,40 @@ def test_hybrid_shard_group_that_does_not_divide_the_ranks_is_refused():
         strategies.get("hybrid").parallel_dims(cfg, env)
 
 
-@pytest.mark.parametrize("key,issue", [("tensor_parallel", "tensor parallelism")])
-def test_tensor_parallel_above_one_is_not_yet_supported(key, issue):
-    with pytest.raises(ShardwiseError) as e:
-        cfg_of(strategy="fsdp", **{key: 2})
-    assert str(e.value) == (f"flag --{key.replace('_', '-')}: {key} 2: not yet supported in this version "
-                            f"(issue: {issue}); use 1")
-    with pytest.raises(ShardwiseError, match=f"{key} must be >= 1, got 0"):
-        cfg_of(strategy="fsdp", **{key: 0})
-    assert getattr(cfg_of(strategy="fsdp", **{key: 1}), key) == 1
+def test_tensor_parallel_is_accepted_with_single_and_fsdp_and_refused_elsewhere_in_one_line():
+    """TP composes with single (pure TP, N processes) and the fsdp presets; DDP, ZeRO, auto, LoRA
+    and SP > 1 with it are refused before launch, naming the flag (tests/dist/test_tensor_parallel.py
+    runs it)."""
+    assert cfg_of(strategy="fsdp", tensor_parallel=2, nproc_per_node=4).tensor_parallel == 2
+    assert cfg_of(strategy="single", tensor_parallel=2, nproc_per_node=2).nproc_per_node == 2
+    with pytest.raises(ShardwiseError, match="strategy 'single' runs one process"):
+        cfg_of(strategy="single", tensor_parallel=2, nproc_per_node=4)
+    with pytest.raises(ShardwiseError, match="tensor_parallel must be >= 1, got 0"):
+        cfg_of(strategy="fsdp", tensor_parallel=0)
+    for preset in ("ddp", "zero2", "zero3", "auto"):
+        with pytest.raises(ShardwiseError) as e:
+            cfg_of(strategy=preset, tensor_parallel=2, nproc_per_node=2)
+        msg = str(e.value)
+        assert msg.startswith("flag --tensor-parallel: tensor_parallel 2 composes with strategy single") and \
+            f"not '{preset}'" in msg and "\n" not in msg, msg
+    with pytest.raises(ShardwiseError, match="tensor_parallel with LoRA is not built yet"):
+        cfg_of(strategy="fsdp", tensor_parallel=2, tuner="lora")
+    with pytest.raises(ShardwiseError, match="tensor_parallel with sequence_parallel > 1 is not built yet"):
+        cfg_of(strategy="fsdp", tensor_parallel=2, sequence_parallel=2, nproc_per_node=4)
+    with pytest.raises(ShardwiseError, match="tensor_parallel 3 must divide the 4 ranks"):
+        cfg_of(strategy="fsdp", tensor_parallel=3, nproc_per_node=4)
+
+
+def test_tensor_parallel_dims_leave_the_tp_ranks_on_one_data_parallel_rank():
+    """fsdp on 4 ranks with TP 2: ranks 0-1 and 2-3 are tensor groups; each group reads one data share
+    and gradients are averaged over the 2 data-parallel ranks only (the tp ranks compute one step together)."""
+    cfg = cfg_of(strategy="fsdp", tensor_parallel=2, nproc_per_node=4)
+    got = []
+    for rank in range(4):
+        dims = strategies.get("fsdp").parallel_dims(cfg, DistEnv(rank, 4, rank, 4, torch.device("cpu"), "gloo"))
+        got.append((dims.dp_rank, dims.tp_rank))
+        assert (dims.dp_size, dims.grad_size, dims.shard_size, dims.tp) == (2, 2, 2, 2)
+    assert got == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def test_sequence_parallel_is_accepted_and_checked():

@@ -87,6 +87,7 @@ class Job:
     # checked needs_input_grad (issue 16): only for comparing with rows measured before then
     frozen_head_grad: bool = False
     sp: int = 1  # sequence-parallel degree: each rank holds 1/sp of every sequence (config `sequence_parallel`)
+    tp: int = 1  # tensor-parallel degree: each rank holds 1/tp of every block linear (config `tensor_parallel`)
 
     @property
     def gpus_per_node(self) -> int:
@@ -553,13 +554,26 @@ def zero3_reduce_moment(spec: ModelSpec, job: Job, o: Opts, N: int, st: States, 
     return moment_c, reduce_end, extraC
 
 
+def tensor_parallel_states(spec: ModelSpec, job: Job, st: States) -> None:
+    """Tensor parallelism (strategies/parallelize.py): every block linear is split over the tp ranks,
+    embeddings, norms and head replicated; the parameters, gradients and optimizer states of the
+    linears are divided by tp (a full fine-tune; LoRA with TP is refused before launch). The
+    gathered-unit buffers and the activations are not divided yet (an over-estimate: docs/tensor-parallel.md)."""
+    if job.tp == 1 or job.tuner != "full" or not spec.total_params:
+        return
+    linear = spec.num_layers * spec.layer_linear_params / spec.total_params  # the split share of the weights
+    keep = 1 - linear + linear / job.tp
+    st.params, st.grads, st.opt, st.host = st.params * keep, st.grads * keep, st.opt * keep, st.host * keep
+
+
 def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     """Per-rank memory of one steady-state step (optimizer states exist; grads set to None by zero_grad)."""
     if o.base not in FAMILY_STATES:
         raise ValueError(o.base)
-    N = shard_ranks(job, o)
+    N = max(1, shard_ranks(job, o) // job.tp)  # FSDP shards over the data-parallel ranks, not the tp ones
     st = States(*trainable(spec, job))
     FAMILY_STATES[o.base](spec, job, o, N, st)
+    tensor_parallel_states(spec, job, st)
     P_t, tw, grads, extraA, extraB, persist = st.P_t, st.tw, st.grads, st.extraA, st.extraB, st.persist
     offload_moves = job.accelerator != "cpu"
 

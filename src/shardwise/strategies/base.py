@@ -102,13 +102,16 @@ class Strategy:
         return model.to(self.env.device)
 
     def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        """AdamW; no weight decay on biases and norm weights (1-D tensors)."""
-        decay, no_decay = [], []
+        """AdamW; no weight decay on biases and norm weights (1-D tensors). Parameters on different
+        meshes (tensor parallelism: DTensor weights beside replicated plain ones) go in separate
+        groups, since one foreach/fused kernel call cannot mix them; one mesh: the same two groups."""
+        decay: dict = {}
+        no_decay: dict = {}
         for p in model.parameters():
             if p.requires_grad:
-                (decay if p.ndim >= 2 else no_decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+                (decay if p.ndim >= 2 else no_decay).setdefault(getattr(p, "device_mesh", None), []).append(p)
+        groups = [*({"params": ps, "weight_decay": self.cfg.weight_decay} for ps in decay.values()),
+                  *({"params": ps, "weight_decay": 0.0} for ps in no_decay.values())]
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.cfg.lr, betas=(0.9, 0.999),
                                  eps=1e-8, **self.optimizer_kernel())
 
@@ -132,10 +135,28 @@ class Strategy:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def clip_grad_norm(self, model: torch.nn.Module, optimizer) -> torch.Tensor:
+        """Clip to the global gradient norm; returns the pre-clip norm (a plain tensor).
+
+        torch's clip_grad_norm_ needs every gradient on one mesh (or none). Tensor parallelism
+        leaves several: DTensors over the tp mesh (or FSDP's 2-D mesh) beside the replicated
+        plain tensors (norms, embeddings, head) or FSDP's 1-D DTensors. Then each group's norm is
+        taken on its own (a DTensor norm is reduced over its mesh: a sharded weight's pieces are
+        summed, a replicated one counted once), the groups' norms combined, and every group
+        scaled by the same coefficient."""
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        groups: dict = {}
+        for p in params:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        if len(groups) <= 1:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+            return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norms = [torch.nn.utils.get_total_norm([p.grad for p in g], foreach=True) for g in groups.values()]
+        norm = torch.linalg.vector_norm(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n
+                                                     for n in norms]))
+        for g in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(g, max_norm, norm, foreach=True)
+        return norm
 
     def step(self, model: torch.nn.Module, optimizer) -> torch.Tensor:
         """Unscale (fp16), clip, step, zero the gradients; returns the pre-clip global norm.

@@ -7,7 +7,8 @@ Every rank is placed on a 4-D grid, outermost first:
 - dp_replicate: data-parallel ranks that hold full replicas (DDP; HSDP's groups);
 - dp_shard: data-parallel ranks that shard parameters/states (FSDP, ZeRO; HSDP within a group);
 - sp: sequence-parallel ranks that split one sequence (Ulysses, models/sequence_parallel.py);
-- tp: tensor parallel ranks that split each weight (1 until that issue lands).
+- tp: tensor parallel ranks that split each weight (DTensor, strategies/parallelize.py; the tp ranks of a
+  data-parallel rank read the same rows and compute one loss together).
 
 The data-parallel degree is dp_replicate x dp_shard: the sampler reads it (never the world
 size). Gradients are averaged over the data-parallel ranks times the sequence-parallel ranks
@@ -155,6 +156,7 @@ class ParallelDims:
 
     @property
     def tp_group(self):
+        """The tensor-parallel group: the ranks that split each weight (apply_tensor_parallel uses mesh["tp"])."""
         return self.mesh["tp"].get_group()
 
 

@@ -435,6 +435,11 @@ def check_resume(path: str, cfg, model_dir: str) -> list[str]:
         raise ShardwiseError(f"--resume {path}: the checkpoint was trained with a different model: {', '.join(diff)}; "
                              f"resume with the model and tuner it was saved with (--model {old.get('model', '?')}), "
                              "or start a new run in another --output-dir")
+    tp_before = old.get("tensor_parallel", 1) if old else cfg.tensor_parallel
+    if tp_before != cfg.tensor_parallel:
+        raise ShardwiseError(f"--resume {path}: the checkpoint was saved with tensor_parallel {tp_before}, this run has "
+                             f"{cfg.tensor_parallel}; resuming across tensor-parallel degrees is not built yet "
+                             f"(the optimizer's parameter groups differ); resume with --tensor-parallel {tp_before}")
     changed = [f"{k} {old[k]} -> {getattr(cfg, k)}" for k in RESHAPE_FIELDS if k in old and old[k] != getattr(cfg, k)]
     if changed:
         return [(f"resuming {path} with a changed run shape ({', '.join(changed)}); the data order and the "

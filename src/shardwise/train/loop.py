@@ -199,6 +199,7 @@ class Trainer:
         self.rep = Reporter(self.out, env.is_main, self.total, self.step, append=self.resume_from is not None,
                             report_to=self.cfg.report_to, config=dataclasses.asdict(self.cfg))
         sp = f" + Ulysses sequence parallel over groups of {self.dims.sp}" if self.dims.sp > 1 else ""
+        sp += f" + tensor parallel over groups of {self.dims.tp}" if self.dims.tp > 1 else ""
         self.rep.say(f"shardwise: {self.strategy.describe()}{sp} on {env.world_size} rank(s) ({env.backend}, "
                      f"{env.device.type}), {self.n_params / 1e6:.2f}M params ({self.n_trainable / 1e6:.2f}M "
                      f"trainable), {len(self.data)} sequences, global batch {self.sampler.global_batch}, "
@@ -218,7 +219,7 @@ class Trainer:
             g["lr"] = lr_at(cfg, step, self.total)
         with self.profiler.step(step + 1):  # a null context unless this step is profiled
             step_loss = forward_backward_step(self.model, self.strategy, batch, self.dims.grad_size, self.env.device,
-                                              self.faults, step + 1, self.fused_head)
+                                              self.faults, step + 1, self.fused_head, loss_replicas=self.dims.tp)
             self.settle()  # the previous step's flag
             self.phase = f"step {step + 1}: optimizer step (gradient-norm reduction)"
             grad_norm = self.strategy.step(self.model, self.optimizer)
@@ -356,13 +357,16 @@ def is_collective_timeout(e: BaseException) -> bool:
 
 
 def forward_backward_step(model, strategy, batch: StepBatch, dp_size: int, device, faults: Faults, step: int,
-                          fused_head=None) -> torch.Tensor:
+                          fused_head=None, loss_replicas: int = 1) -> torch.Tensor:
     """Forward/backward over the rank's micro-batches; returns this rank's share of the
     global mean loss (a tensor, so no host sync). Each micro-batch's summed loss is divided
     by the global batch's loss-token count and scaled by `dp_size`, the ranks gradients are
     averaged over (dims.grad_size: the data-parallel degree, times the sequence-parallel
     degree, whose ranks sum the losses of their slices of the same rows): the result equals
-    one process on the whole global batch."""
+    one process on the whole global batch. `loss_replicas`: the ranks that compute the same loss
+    (the tensor-parallel ranks, dims.tp), so the returned shares still sum to the global mean
+    over the world (the gradients are not scaled by it: each tp rank's backward is one part of
+    one computation)."""
     scale = dp_size / batch.loss_tokens
     total = torch.zeros((), device=device)
     last = len(batch.micro) - 1
@@ -379,7 +383,7 @@ def forward_backward_step(model, strategy, batch: StepBatch, dp_size: int, devic
                 summed = loss_sum(model(input_ids=ids, position_ids=pos).logits, tg)
             loss = faults.poison_loss(step, summed * scale)
         strategy.backward(loss)
-        total += loss.detach() / dp_size
+        total += loss.detach() / (dp_size * loss_replicas)
     return total
 
 

@@ -1,0 +1,87 @@
+"""Tensor parallelism (DTensor, strategies/parallelize.py) through the real CLI on 2 gloo ranks.
+
+One launch: fsdp with --tensor-parallel 2 on 2 ranks (one data-parallel rank: each block's
+q/k/v/gate/up split column-wise and o/down row-wise over the 2 ranks, FSDP wrapped around
+the DTensor weights on the size-1 shard dimension) trains like the session's one process on
+the same global batch of 8, step for step: loss and pre-clip gradient norm at the parity
+tests' fp32 tolerance (clipping fires, so a gradient norm that counted the replicated
+weights once per tp rank, or missed the sharded ones, would show: leaving one mesh's group out
+of the norm in Strategy.clip_grad_norm, on purpose, moved the losses by 1.6% and the norms by 17%).
+Its final/ directory is a
+plain Hugging Face model with full (gathered) weights equal to the reference's after the
+same 12 steps, its checkpoint exports to the same model in one process, and resuming it with
+another TP degree is refused before launch.
+
+The 2-D mesh (FSDP 2 x TP 2 on 4 ranks) and pure TP (`--strategy single --tensor-parallel 2`)
+were checked the same way by hand (docs/tensor-parallel.md); 4 CPU ranks cost too much of the
+suite's time to run on every change.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist.shared import MAX_GRAD_NORM, STEPS, Run, train_args
+from tests.dist.test_parity import assert_same_run
+from tests.helpers import run_cli
+
+# reads tests/dist's session-wide reference runs: on the same pytest-xdist worker as their other readers
+pytestmark = pytest.mark.xdist_group("dist-session-runs")
+
+# SINGLE's global batch (1 rank x 2 x 4) on one data-parallel rank of 2 tensor-parallel ranks
+TP2 = ("--strategy", "fsdp", "--nproc-per-node", "2", "--tensor-parallel", "2", "--micro-batch-size", "2",
+       "--grad-accum", "4", "--save-every", "12")
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory, chat_data) -> Run:
+    out = tmp_path_factory.mktemp("tp2")
+    p = run_cli(*train_args(out, chat_data, *TP2))
+    return Run(out, p.stdout, p.stderr)
+
+
+def test_tp2_trains_like_one_process_step_for_step(tp_run, single_ref):
+    ref = single_ref.metrics
+    assert max(r["grad_norm"] for r in ref) > MAX_GRAD_NORM  # clipping fires: the norm is compared sharply
+    text = tp_run.stdout + tp_run.stderr
+    assert "tensor parallel: attention and MLP linears split over groups of 2 ranks" in text, text[-3000:]
+    assert "+ tensor parallel over groups of 2 on 2 rank(s)" in text, text[-3000:]
+    assert_same_run(tp_run.metrics, ref)
+
+
+def test_tp2_final_and_checkpoint_are_full_hugging_face_models_equal_to_one_process(tp_run, single_ref, tmp_path):
+    """final/ holds the gathered (full) weights, and `shardwise export` turns the TP checkpoint (DTensor
+    shards in DCP) into the same model in one process; both equal the one-process run's step-12
+    checkpoint, exported the same way. atol 5e-5: Adam divides by sqrt(v), so reduction-order
+    differences in tiny gradients move weights by more than the losses' 2e-5 relative (observed 3.5e-6)."""
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.export import export
+
+    final = AutoModelForCausalLM.from_pretrained(str(tp_run.out / "final")).state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(export(str(tp_run.ckpt(STEPS)), str(tmp_path / "tp"))).state_dict()
+    ref = AutoModelForCausalLM.from_pretrained(export(str(single_ref.ckpt(STEPS)), str(tmp_path / "one"))).state_dict()
+    assert ref.keys() == final.keys() == exported.keys()
+    for name, t in ref.items():
+        assert final[name].shape == exported[name].shape == t.shape, name  # e.g. q_proj (heads x head_dim, hidden)
+        torch.testing.assert_close(final[name], t, rtol=0, atol=5e-5, msg=lambda m, n=name: f"final {n}: {m}")
+        torch.testing.assert_close(exported[name], final[name], rtol=0, atol=0, msg=lambda m, n=name: f"export {n}: {m}")
+
+
+def test_resuming_a_tp2_checkpoint_with_another_degree_is_refused_before_launch(tp_run, chat_data, tmp_path):
+    p = run_cli(*train_args(tmp_path / "resumed", chat_data, "--strategy", "fsdp", "--nproc-per-node", "2",
+                            "--resume", str(tp_run.ckpt(STEPS))), check=False)
+    text = p.stdout + p.stderr
+    assert p.returncode != 0 and "the checkpoint was saved with tensor_parallel 2, this run has 1" in text, text
+    assert "Traceback" not in text and not (tmp_path / "resumed" / "metrics.jsonl").exists()
+
+
+def test_a_degree_the_heads_do_not_divide_is_refused_before_launch_with_the_models_numbers(chat_data, tmp_path):
+    p = run_cli(*train_args(tmp_path / "tp4", chat_data, "--strategy", "fsdp", "--nproc-per-node", "4",
+                            "--tensor-parallel", "4"), check=False)
+    text = p.stdout + p.stderr
+    assert p.returncode != 0, text
+    assert ("flag --tensor-parallel: tensor parallelism gives each of the 4 ranks whole attention heads, and 4 does "
+            "not divide the model's 4 attention heads and 2 KV heads; use --tensor-parallel 2") in text, text
+    assert "Traceback" not in text and not (tmp_path / "tp4").exists()
