@@ -15,18 +15,11 @@ def tiny_dir():
     return build(42)
 
 
-# The suite runs on two pytest-xdist workers (pyproject's addopts: -n 2 --dist loadgroup): a
+
+# The suite runs on two pytest-xdist workers (pyproject's addopts: -n 2 --dist loadfile): a
 # launch spends much of its time waiting (rendezvous, a collective timeout, a signal's
-# grace), so one CPU core stays idle with one worker. Each test module stays on one worker
-# (its module-scoped runs are made once); modules that read tests/dist's session-wide
-# reference runs share one group, so those runs are made once too.
-SESSION_RUN_GROUP = "dist-session-runs"
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            path = item.nodeid.split("::", 1)[0]
-            # the GPU tests share the machine's GPUs: one at a time, on one worker
-            item.add_marker(pytest.mark.xdist_group("gpu" if path.startswith("tests/gpu/") else path))
+# grace), so one CPU core stays idle with one worker. Each test module stays whole on one
+# worker (its module-scoped runs are made once). A --dist loadgroup with one group per
+# module, made by a collection hook here, split modules across workers (the hook's marks
+# came after xdist's); loadfile does it natively. tests/dist's session reference runs are
+# then made once per worker that needs them.

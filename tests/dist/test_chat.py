@@ -10,8 +10,6 @@ import torch
 
 from tests.helpers import ConcurrentRuns
 
-# reads tests/dist's session-wide reference runs: on the same pytest-xdist worker as their other readers
-pytestmark = pytest.mark.xdist_group("dist-session-runs")
 
 PROMPT = "reverse: apple river stone"
 NEW = 8

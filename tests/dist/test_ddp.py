@@ -14,8 +14,6 @@ import torch
 from tests.dist.shared import DDP, RTOL, SINGLE, STEPS, train_args
 from tests.helpers import ConcurrentRuns, losses
 
-# reads tests/dist's session-wide reference runs: on the same pytest-xdist worker as their other readers
-pytestmark = pytest.mark.xdist_group("dist-session-runs")
 
 
 def norms(run) -> torch.Tensor:

@@ -18,8 +18,6 @@ import torch
 from tests.dist.shared import LORA, MAX_GRAD_NORM, RTOL, STEPS, TWO, Run, train_args
 from tests.helpers import ConcurrentRuns
 
-# reads tests/dist's session-wide reference runs: on the same pytest-xdist worker as their other readers
-pytestmark = pytest.mark.xdist_group("dist-session-runs")
 
 
 def assert_same_run(got: list[dict], ref: list[dict]) -> None:

@@ -8,8 +8,6 @@ import pytest
 
 from shardwise.phases import PHASES
 
-# reads tests/dist's session-wide reference runs: on the same pytest-xdist worker as their other readers
-pytestmark = pytest.mark.xdist_group("dist-session-runs")
 
 PHASE_NAMES = [name for name, _, _ in PHASES]
 

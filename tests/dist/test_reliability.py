@@ -12,8 +12,6 @@ from tests.dist.shared import COMMON as _COMMON
 from tests.dist.shared import DDP, RTOL
 from tests.helpers import ConcurrentRuns, losses, read_metrics, run_cli
 
-# reads tests/dist's session-wide reference runs: on the same pytest-xdist worker as their other readers
-pytestmark = pytest.mark.xdist_group("dist-session-runs")
 
 # The session's flags (clipping at 0.5 included) with 12 steps of micro-batches of 2, so that
 # the session's 2-rank DDP run (tests/dist/shared.py: checkpoints at 4, 8, 12) is the reference.

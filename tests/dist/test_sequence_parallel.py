@@ -21,8 +21,6 @@ from tests.dist.shared import MAX_GRAD_NORM, RTOL, SINGLE, STEPS, TWO, Run, trai
 from tests.dist.test_parity import assert_same_run
 from tests.helpers import ConcurrentRuns, run_cli
 
-# reads tests/dist's session-wide reference runs: on the same pytest-xdist worker as their other readers
-pytestmark = pytest.mark.xdist_group("dist-session-runs")
 
 
 

@@ -26,8 +26,6 @@ from tests.dist.shared import MAX_GRAD_NORM, STEPS, Run, train_args
 from tests.dist.test_parity import assert_same_run
 from tests.helpers import run_cli
 
-# reads tests/dist's session-wide reference runs: on the same pytest-xdist worker as their other readers
-pytestmark = pytest.mark.xdist_group("dist-session-runs")
 
 # SINGLE's global batch (1 rank x 2 x 4) on one data-parallel rank of 2 tensor-parallel ranks
 TP2 = ("--strategy", "fsdp", "--nproc-per-node", "2", "--tensor-parallel", "2", "--micro-batch-size", "2",
