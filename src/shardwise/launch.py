@@ -282,6 +282,19 @@ def validation_records(cfg: Config, res: Resolved, records: list) -> tuple[list,
     return ([r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held])
 
 
+def _attention_heads(model_dir: str, where: str, who: str, key: str) -> tuple[dict, int, int]:
+    """(the model's text config, its attention heads, its KV heads) from config.json; a
+    config without num_attention_heads is refused for `who`, which splits heads."""
+    with open(os.path.join(model_dir, "config.json")) as fh:
+        hf = json.load(fh)
+    hf = hf.get("text_config", hf)
+    heads = hf.get("num_attention_heads")
+    if heads is None:
+        raise ShardwiseError(f"{where}: the model's config.json names no num_attention_heads, so {who} cannot "
+                             f"split its heads; use {key} 1")
+    return hf, heads, hf.get("num_key_value_heads") or heads
+
+
 def check_sequence_parallel(cfg: Config, res: Resolved, world: int, model_dir: str) -> None:
     """Refuse a sequence-parallel degree the ranks or the model's heads cannot take, with
     the model's numbers; say which mode runs."""
@@ -291,14 +304,7 @@ def check_sequence_parallel(cfg: Config, res: Resolved, world: int, model_dir: s
     if world % n:
         raise ShardwiseError(f"{res.where('sequence_parallel')}: sequence_parallel {n} must divide the {world} "
                              "ranks (nnodes x nproc_per_node); the data-parallel degree is ranks / N")
-    with open(os.path.join(model_dir, "config.json")) as fh:
-        hf = json.load(fh)
-    hf = hf.get("text_config", hf)
-    heads = hf.get("num_attention_heads")
-    kv = hf.get("num_key_value_heads") or heads
-    if heads is None:
-        raise ShardwiseError(f"{res.where('sequence_parallel')}: the model's config.json names no "
-                             "num_attention_heads, so Ulysses cannot split its heads; use sequence_parallel 1")
+    _, heads, kv = _attention_heads(model_dir, res.where("sequence_parallel"), "Ulysses", "sequence_parallel")
     if heads % n:
         fits = [d for d in range(2, heads + 1) if heads % d == 0 and world % d == 0]
         hint = f"use --sequence-parallel {fits[-1]}" if fits else "use --sequence-parallel 1"
@@ -321,14 +327,7 @@ def check_tensor_parallel(cfg: Config, res: Resolved, world: int, model_dir: str
     if world % n:
         raise ShardwiseError(f"{where}: tensor_parallel {n} must divide the {world} ranks (nnodes x nproc_per_node); "
                              "the data-parallel degree is ranks / N")
-    with open(os.path.join(model_dir, "config.json")) as fh:
-        hf = json.load(fh)
-    hf = hf.get("text_config", hf)
-    heads = hf.get("num_attention_heads")
-    kv = hf.get("num_key_value_heads") or heads
-    if heads is None:
-        raise ShardwiseError(f"{where}: the model's config.json names no num_attention_heads, so tensor parallelism "
-                             "cannot split its heads; use tensor_parallel 1")
+    hf, heads, kv = _attention_heads(model_dir, where, "tensor parallelism", "tensor_parallel")
     if heads % n or kv % n:
         fits = [d for d in range(2, kv + 1) if heads % d == 0 and kv % d == 0 and world % d == 0]
         hint = f"use --tensor-parallel {fits[-1]}" if fits else "use --tensor-parallel 1"
