@@ -22,21 +22,39 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.shared import MAX_GRAD_NORM, STEPS, Run, train_args
+from tests.dist.shared import MAX_GRAD_NORM, RTOL, STEPS, TWO, Run, train_args
 from tests.dist.test_parity import assert_same_run
-from tests.helpers import run_cli
+from tests.helpers import ConcurrentRuns, run_cli
 
 
 # SINGLE's global batch (1 rank x 2 x 4) on one data-parallel rank of 2 tensor-parallel ranks
 TP2 = ("--strategy", "fsdp", "--nproc-per-node", "2", "--tensor-parallel", "2", "--micro-batch-size", "2",
-       "--grad-accum", "4", "--save-every", "12")
+       "--grad-accum", "4")
 
 
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory, chat_data) -> Run:
     out = tmp_path_factory.mktemp("tp2")
-    p = run_cli(*train_args(out, chat_data, *TP2))
+    p = run_cli(*train_args(out, chat_data, *TP2, "--save-every", "4", "--keep-checkpoints", "3"))
     return Run(out, p.stdout, p.stderr)
+
+
+@pytest.fixture(scope="module")
+def resumes(tmp_path_factory, chat_data, tp_run, single_ref):
+    """The cross-degree resumes, launched together: the TP 2 x DP 1 run's step-4 checkpoint resumed
+    as TP 1 x DP 2 (fsdp on 2 ranks), and the one-process run's step-4 checkpoint resumed as
+    TP 2 x DP 1 with gradient checkpointing (TP composed with it, compared step for step)."""
+    batch, outs = ConcurrentRuns(), {}
+    for name, ckpt, extra in (("tp1-from-tp2", tp_run.ckpt(4), ("--strategy", "fsdp", *TWO)),
+                              ("tp2-from-tp1", single_ref.ckpt(4), (*TP2, "--gradient-checkpointing"))):
+        outs[name] = tmp_path_factory.mktemp(name)
+        batch.add(name, *train_args(outs[name], chat_data, *extra, "--resume", str(ckpt), "--no-save-final"))
+
+    def get(name) -> Run:
+        p = batch.get(name)
+        return Run(outs[name], p.stdout, p.stderr)
+
+    return get
 
 
 def test_tp2_trains_like_one_process_step_for_step(tp_run, single_ref):
@@ -67,12 +85,20 @@ def test_tp2_final_and_checkpoint_are_full_hugging_face_models_equal_to_one_proc
         torch.testing.assert_close(exported[name], final[name], rtol=0, atol=0, msg=lambda m, n=name: f"export {n}: {m}")
 
 
-def test_resuming_a_tp2_checkpoint_with_another_degree_is_refused_before_launch(tp_run, chat_data, tmp_path):
-    p = run_cli(*train_args(tmp_path / "resumed", chat_data, "--strategy", "fsdp", "--nproc-per-node", "2",
-                            "--resume", str(tp_run.ckpt(STEPS))), check=False)
-    text = p.stdout + p.stderr
-    assert p.returncode != 0 and "the checkpoint was saved with tensor_parallel 2, this run has 1" in text, text
-    assert "Traceback" not in text and not (tmp_path / "resumed" / "metrics.jsonl").exists()
+@pytest.mark.parametrize("name,saved_by,resumed_by", [("tp1-from-tp2", "fsdp on 2", "fsdp on 2"),
+                                                      ("tp2-from-tp1", "single on 1", "fsdp on 2")])
+def test_a_checkpoint_resumes_with_another_tensor_parallel_degree_on_the_same_trajectory(
+        name, saved_by, resumed_by, resumes, single_ref):
+    """The optimizer's state is saved keyed by parameter name (not by parameter group, which differ per
+    mesh), so TP 2 x DP 1 resumes as TP 1 x DP 2 and a TP 1 checkpoint as TP 2 (with gradient
+    checkpointing); steps 5-12 equal the uninterrupted one-process run's, loss and gradient norm."""
+    run = resumes(name)
+    assert f"saved by {saved_by} ranks; now {resumed_by}" in run.stdout, run.stdout[-3000:]
+    got, ref = run.metrics, single_ref.metrics[4:]
+    assert [r["step"] for r in got] == list(range(5, STEPS + 1))
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in ref]),
+                                   rtol=RTOL, atol=0, msg=lambda m, key=key: f"{name} {key}: {m}")
 
 
 def test_a_degree_the_heads_do_not_divide_is_refused_before_launch_with_the_models_numbers(chat_data, tmp_path):

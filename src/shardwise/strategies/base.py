@@ -204,17 +204,25 @@ class Strategy:
         return out
 
     # -- state -------------------------------------------------------------------------
-    def state_dict(self, model, optimizer) -> dict:
+    def state_dict(self, model, optimizer, flat: bool = True) -> dict:
         """Model and optimizer state keyed by parameter names, sharded where the backend
-        shards: the form torch.distributed.checkpoint saves and reshards on load."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        shards: the form torch.distributed.checkpoint saves and reshards on load.
 
-        msd, osd = get_state_dict(model, optimizer)
+        `flat` (every checkpoint written now): the optimizer's state and hyper-parameters are keyed
+        by parameter name alone (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`: DCP's
+        flatten_optimizer_state_dict), so the saved form does not depend on how this run grouped its
+        parameters (one group per mesh with tensor parallelism, two without): a TP 2 checkpoint
+        resumes with TP 1 and back. `flat=False`: the grouped form (`param_groups.<index>.*`) that
+        checkpoints written before it hold, to load those (train.checkpoint.optimizer_layout)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
         return {"model": msd, "optim": osd}
 
     def load_state_dict(self, model, optimizer, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        # either form of `state_dict` (DCP tells them apart by the "state" key of the grouped one)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         # the saved param groups carry the saving run's kernel (foreach from a CPU or offload run, fused from a GPU
         # one); keep this run's own

@@ -128,8 +128,8 @@ class DeepSpeedStrategy(Strategy):
         return norm
 
     # -- state: the same portable, name-keyed form as the other strategies ----------------
-    def state_dict(self, model, optimizer) -> dict:
-        return ds_state.state_dict(self, model)
+    def state_dict(self, model, optimizer, flat: bool = True) -> dict:
+        return ds_state.state_dict(self, model, flat)
 
     def load_state_dict(self, model, optimizer, state: dict) -> None:
         ds_state.load_state_dict(self, model, state)

@@ -108,7 +108,8 @@ def _zero_step(opt, group: dict, params: list) -> None:
         p.grad = grad
 
 
-def state_dict(strategy, engine) -> dict:
+def state_dict(strategy, engine, flat: bool = True) -> dict:
+    """`flat`: the optimizer's state keyed by parameter name alone, as Strategy.state_dict's."""
     from deepspeed.utils import safe_get_full_optimizer_state
 
     _init_optimizer_state(engine)
@@ -130,7 +131,26 @@ def state_dict(strategy, engine) -> dict:
     for params, g in zip(strategy.groups, inner.param_groups):
         hyper = {k: v for k, v in g.items() if k != "params"}
         groups.append({**hyper, "params": [names[id(p)] for p in params]})
-    return {"model": msd, "optim": {"state": ostate, "param_groups": groups}}
+    optim = {"state": ostate, "param_groups": groups}
+    return {"model": msd, "optim": flatten_optim(optim) if flat else optim}
+
+
+def flatten_optim(osd: dict) -> dict:
+    """The grouped optimizer state dict -> DCP's flat form (`state.<fqn>.<key>`, `param_groups.<fqn>.<key>`), the
+    form `get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)` gives."""
+    flat = {f"state.{fqn}.{k}": v for fqn, st in osd["state"].items() for k, v in st.items()}
+    for g in osd["param_groups"]:
+        for fqn in g["params"]:
+            flat.update({f"param_groups.{fqn}.{k}": v for k, v in g.items() if k != "params"})
+    return flat
+
+
+def optim_state(optim: dict, fqn: str) -> dict:
+    """One parameter's optimizer state from either form of the optimizer state dict."""
+    if "state" in optim:
+        return optim["state"][fqn]
+    prefix = f"state.{fqn}."
+    return {k[len(prefix):]: v for k, v in optim.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
 
 
 @torch.no_grad()
@@ -138,7 +158,7 @@ def load_state_dict(strategy, engine, state: dict) -> None:
     import deepspeed
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    module, msd, ostate = engine.module, state["model"], state["optim"]["state"]
+    module, msd, optim = engine.module, state["model"], state["optim"]
     names = {id(p): n for n, p in module.named_parameters()}
     step = None
     for key, t in _entries(module):
@@ -155,7 +175,7 @@ def load_state_dict(strategy, engine, state: dict) -> None:
             t.data.copy_(full.to(t.dtype))
         if t.requires_grad:
             safe_set_full_fp32_param(t, full.float())
-            for k, v in ostate[key].items():
+            for k, v in optim_state(optim, key).items():
                 if k == "step":
                     step = float(v)
                 else:

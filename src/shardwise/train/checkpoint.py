@@ -393,6 +393,17 @@ def load(path: str, state: dict, no_dist: bool = False) -> None:
                              "may not match this model or tuner") from None
 
 
+_GROUPED_OPTIM = re.compile(r"^optim\.param_groups\.\d+\.")
+
+
+def optimizer_is_flat(path: str) -> bool:
+    """Whether the checkpoint keys its optimizer state by parameter name alone (Strategy.state_dict's flat
+    form, every checkpoint written now) rather than by parameter-group index (written before): the form
+    to ask the strategy for when loading it. Read from DCP's .metadata through the restricted unpickler."""
+    keys = read_dcp_metadata(path).state_dict_metadata
+    return not any(_GROUPED_OPTIM.match(k) for k in keys)
+
+
 def rng_state() -> dict:
     out = {"cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available():
@@ -436,10 +447,11 @@ def check_resume(path: str, cfg, model_dir: str) -> list[str]:
                              f"resume with the model and tuner it was saved with (--model {old.get('model', '?')}), "
                              "or start a new run in another --output-dir")
     tp_before = old.get("tensor_parallel", 1) if old else cfg.tensor_parallel
-    if tp_before != cfg.tensor_parallel:
+    if tp_before != cfg.tensor_parallel and not optimizer_is_flat(path):
         raise ShardwiseError(f"--resume {path}: the checkpoint was saved with tensor_parallel {tp_before}, this run has "
-                             f"{cfg.tensor_parallel}; resuming across tensor-parallel degrees is not built yet "
-                             f"(the optimizer's parameter groups differ); resume with --tensor-parallel {tp_before}")
+                             f"{cfg.tensor_parallel}, and it was written before checkpoints keyed the optimizer's "
+                             f"state by parameter name (its parameter groups differ per degree); resume with "
+                             f"--tensor-parallel {tp_before}")
     changed = [f"{k} {old[k]} -> {getattr(cfg, k)}" for k in RESHAPE_FIELDS if k in old and old[k] != getattr(cfg, k)]
     if changed:
         return [(f"resuming {path} with a changed run shape ({', '.join(changed)}); the data order and the "

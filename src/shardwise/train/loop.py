@@ -180,7 +180,8 @@ class Trainer:
         if env.is_main:
             ckpt.remove_partial(out)
         meta = ckpt.read_meta(resume_from)
-        state = self.strategy.state_dict(self.model, self.optimizer)
+        # a checkpoint written before the optimizer's state was keyed by parameter name loads in its own form
+        state = self.strategy.state_dict(self.model, self.optimizer, flat=ckpt.optimizer_is_flat(resume_from))
         ckpt.load(resume_from, state)
         self.strategy.load_state_dict(self.model, self.optimizer, state)
         self.step, self.tokens_seen = meta["step"], meta.get("tokens_seen", 0)
