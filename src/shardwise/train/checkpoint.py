@@ -393,7 +393,9 @@ def load(path: str, state: dict, no_dist: bool = False) -> None:
                              "may not match this model or tuner") from None
 
 
-_GROUPED_OPTIM = re.compile(r"^optim\.param_groups\.\d+\.")
+# the grouped form's list of names per group; the flat form has no "params" entry (a parameter named
+# "<i>.params" gives "optim.param_groups.<i>.params.lr", never ".params" or ".params.<digits>")
+_GROUPED_OPTIM = re.compile(r"^optim\.param_groups\.\d+\.params(\.\d+)?$")
 
 
 def optimizer_is_flat(path: str) -> bool:
