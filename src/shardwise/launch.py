@@ -344,7 +344,8 @@ def check_tensor_parallel(cfg: Config, res: Resolved, world: int, model_dir: str
         raise ShardwiseError(f"{where}: tensor_parallel {n} does not divide the model's MLP width "
                              f"(intermediate_size {inter}); use a degree that divides it and the heads")
     say(f"tensor parallel: attention and MLP linears split over groups of {n} ranks ({heads // n} query heads and "
-        f"{kv // n} KV head(s) per rank); embeddings, norms and head replicated; data-parallel degree {world // n}")
+        f"{kv // n} KV head(s) per rank); embedding and head split over the vocabulary, norms over the sequence; "
+        f"data-parallel degree {world // n}")
 
 
 def check_fit(cfg: Config, res: Resolved, world: int, force: bool) -> None:

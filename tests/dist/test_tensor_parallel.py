@@ -43,10 +43,13 @@ def tp_run(tmp_path_factory, chat_data) -> Run:
 def resumes(tmp_path_factory, chat_data, tp_run, single_ref):
     """The cross-degree resumes, launched together: the TP 2 x DP 1 run's step-4 checkpoint resumed
     as TP 1 x DP 2 (fsdp on 2 ranks), and the one-process run's step-4 checkpoint resumed as
-    TP 2 x DP 1 with gradient checkpointing (TP composed with it, compared step for step)."""
+    TP 2 x DP 1 with gradient checkpointing and the plain (unfused) loss: the vocabulary-sharded
+    logits' cross-entropy under torch's loss_parallel (the module's other runs use the fused
+    vocabulary-parallel loss of models/speed.py)."""
     batch, outs = ConcurrentRuns(), {}
     for name, ckpt, extra in (("tp1-from-tp2", tp_run.ckpt(4), ("--strategy", "fsdp", *TWO)),
-                              ("tp2-from-tp1", single_ref.ckpt(4), (*TP2, "--gradient-checkpointing"))):
+                              ("tp2-from-tp1", single_ref.ckpt(4), (*TP2, "--gradient-checkpointing",
+                                                                         "--no-fused-loss"))):
         outs[name] = tmp_path_factory.mktemp(name)
         batch.add(name, *train_args(outs[name], chat_data, *extra, "--resume", str(ckpt), "--no-save-final"))
 

@@ -1,7 +1,13 @@
 """Speed-ups of the Hugging Face model that compose with every strategy: a chunked linear +
 cross-entropy head that never holds the full logits (installed by `train.loop.build_model`),
 and torch.compile of each decoder block (the `apply_compile` step of a strategy's
-parallelize pipeline, strategies/parallelize.py, before the data-parallel wrapping)."""
+parallelize pipeline, strategies/parallelize.py, before the data-parallel wrapping).
+
+With tensor parallelism the head's weight is a DTensor sharded over the vocabulary: the fused
+head then computes a vocabulary-parallel cross-entropy (each tp rank its slice of every chunk's
+logits, the log-sum-exp and the target logit combined by two all-reduces per chunk), and the
+plain head returns logits sharded over the vocabulary, whose loss `token_loss_sum` takes under
+torch's `loss_parallel` (the strategy's `loss_parallel` context). Neither gathers full logits."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import torch
 from torch import nn
 
 IGNORE = -100
+_ROWS = torch.distributed.tensor.Shard(0) if torch.distributed.is_available() else None
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -54,6 +61,86 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h * grad_loss, None if grad_w is None else grad_w * grad_loss, None, None, None
 
 
+class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
+    """_LinearCrossEntropy with the weight split by rows (the vocabulary) over `group`: this rank holds rows
+    [v0, v0 + V_local). Every rank passes the same hidden rows and targets and gets the same summed loss; its
+    weight gradient is its rows' (no communication), the hidden gradient is summed over the group once."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk: int, compute_dtype, group, v0: int):
+        import torch.distributed as dist
+
+        n, vl = hidden.shape[0], weight.shape[0]
+        h_all = hidden.to(compute_dtype)
+        w = weight.to(compute_dtype)
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        want_w = ctx.needs_input_grad[1]
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk):
+            h = h_all[s:s + chunk]
+            t = targets[s:s + chunk]
+            logits = (h @ w.t()).float()
+            valid = t != IGNORE
+            local = t - v0
+            mine = valid & (local >= 0) & (local < vl)
+            lt = torch.where(mine, local, 0)
+            top = logits.max(dim=-1).values
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            logits.sub_(top[:, None])
+            # [sum of exp, the target's logit (on the rank holding it, 0 elsewhere)]: one all-reduce
+            parts = torch.stack([logits.exp().sum(-1), logits.gather(1, lt[:, None]).squeeze(1) * mine])
+            dist.all_reduce(parts, group=group)
+            lse = parts[0].log()
+            loss += ((lse - parts[1]) * valid).sum()
+            g = logits.sub_(lse[:, None]).exp_()  # softmax over the whole vocabulary, this rank's columns
+            g.scatter_add_(1, lt[:, None], -mine.to(g.dtype)[:, None])
+            g.mul_(valid[:, None])
+            g = g.to(compute_dtype)
+            grad_h[s:s + chunk] = (g @ w).float()
+            if want_w:
+                grad_w += (g.t() @ h).float()
+        dist.all_reduce(grad_h, group=group)  # each rank's columns' share of d loss / d hidden
+        ctx.save_for_backward(grad_h.to(hidden.dtype), grad_w.to(weight.dtype) if want_w else None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return (grad_h * grad_loss, None if grad_w is None else grad_w * grad_loss, None, None, None, None, None)
+
+
+def vocab_parallel_cross_entropy(hidden, weight, targets, chunk: int = 4096, compute_dtype=None):
+    """linear_cross_entropy for a head whose weight is a DTensor sharded by rows (the vocabulary) over a 1-D
+    mesh, and whose input is the full (replicated) hidden states: each rank computes its vocabulary slice of
+    the logits, never all of them. Returns the summed loss, the same plain tensor on every rank of the mesh."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(hidden, DTensor):
+        hidden = hidden.to_local()  # replicated: every rank the same rows
+    mesh = weight.device_mesh
+    rows = -(-weight.shape[0] // mesh.size())  # torch.chunk's split, as Shard(0) lays it
+    v0 = min(mesh.get_local_rank() * rows, weight.shape[0])
+    w = weight.to_local()
+    if compute_dtype is None:
+        compute_dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
+            else w.dtype
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _VocabParallelLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), w, targets.reshape(-1),
+                                                      chunk, compute_dtype, mesh.get_group(), v0)
+
+
+def token_loss_sum(logits, targets) -> torch.Tensor:
+    """Summed token cross-entropy in fp32 (targets are already shifted; IGNORE = no loss). Logits sharded over
+    the vocabulary (a DTensor from a tensor-parallel head) are reduced under torch's `loss_parallel`, which the
+    caller enters (Strategy.loss_parallel), and the loss comes back as a plain tensor."""
+    import torch.nn.functional as F
+
+    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=IGNORE,
+                           reduction="sum")
+    return loss.to_local() if hasattr(loss, "to_local") else loss
+
+
 def linear_cross_entropy(hidden, weight, targets, chunk: int = 4096, compute_dtype=None):
     """Summed token cross-entropy of `hidden @ weight.T` against `targets` (IGNORE = none)."""
     if compute_dtype is None:
@@ -81,6 +168,8 @@ def install_fused_loss(model: nn.Module, chunk: int = 4096) -> bool:
         targets = getattr(self, "loss_targets", None)
         if targets is None:
             return plain_forward(hidden_states)
+        if getattr(self.weight, "placements", (None,))[0] == _ROWS:  # sharded over the vocabulary (tensor parallel)
+            return vocab_parallel_cross_entropy(hidden_states, self.weight, targets, chunk)
         return linear_cross_entropy(hidden_states, self.weight, targets, chunk)
 
     head.forward = types.MethodType(forward, head)

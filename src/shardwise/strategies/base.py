@@ -3,7 +3,7 @@
 The training loop calls only these methods and never branches on the strategy:
 
     model, optimizer = strategy.setup(model)         # the parallelize pipeline, then the optimizer
-    with strategy.sync(model, last_micro), strategy.autocast():
+    with strategy.sync(model, last_micro), strategy.autocast(), strategy.loss_parallel():
         loss = ...
     strategy.backward(loss)
     grad_norm = strategy.step(model, optimizer)       # unscale, clip, step, zero grads
@@ -127,12 +127,23 @@ class Strategy:
             return torch.autocast(self.env.device.type, dtype=self.compute_dtype)
         return contextlib.nullcontext()
 
+    def loss_parallel(self):
+        """Context for the forward pass and backward of one micro-batch: with tensor parallelism the head's
+        logits are sharded over the vocabulary (strategies/parallelize.py), and torch's `loss_parallel`
+        takes their cross-entropy without gathering them; nothing otherwise."""
+        if self.dims.tp == 1:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
     def sync(self, model: torch.nn.Module, enabled: bool):
         """Context for one micro-batch; gradients are synchronised only when enabled."""
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        with self.loss_parallel():
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def clip_grad_norm(self, model: torch.nn.Module, optimizer) -> torch.Tensor:
         """Clip to the global gradient norm; returns the pre-clip norm (a plain tensor).

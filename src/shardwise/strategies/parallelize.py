@@ -24,31 +24,84 @@ from shardwise.strategies.parallel import ParallelDims
 log = logging.getLogger(__name__)
 
 
-# The decoder families whose blocks carry these linears (transformers' Llama-style attention and
-# SwiGLU MLP; the attention reshapes with -1 heads, so it runs on each rank's local heads).
+# The decoder families whose blocks carry these linears and norms (transformers' Llama-style attention and
+# SwiGLU MLP, pre-norm blocks; the attention reshapes with -1 heads, so it runs on each rank's local heads).
 TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
-def tp_plan() -> dict:
-    """The per-block plan (Megatron's): q/k/v and gate/up split by output features (each rank
-    computes its own heads / MLP columns from the replicated input, no communication), o and down
-    split by input features (each rank's partial sum, all-reduced into a replicated output).
-    Forward: one all-reduce after attention and one after the MLP; backward: one each for the
-    input gradients of the column-wise linears. Outputs are plain local tensors, so the
-    attention code sees heads / N heads."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def block_plan(first: bool) -> dict:
+    """One decoder block's plan (Megatron's with sequence parallelism, torchtitan's layout).
 
-    return {**{n: ColwiseParallel() for n in COLWISE}, **{n: RowwiseParallel() for n in ROWWISE}}
+    Between blocks the hidden states are sharded over the sequence (each tp rank holds S / N positions,
+    plain local tensors): the norms (`SequenceParallel`) and the residual adds run on that slice. The
+    attention's and MLP's input is gathered over the sequence (`PrepareModuleInput`: an all-gather);
+    q/k/v and gate/up split by output features compute each rank's heads / MLP columns; o and down split
+    by input features give partial sums, reduce-scattered back over the sequence. Per block: two
+    all-gathers and two reduce-scatters in forward, the same in backward. `first`: the block's input
+    arrives replicated from the embedding (see model_plan) and is cut to this rank's slice (no
+    communication)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    plan = {**{n: SequenceParallel() for n in NORMS},
+            # transformers' blocks call the attention with hidden_states= and the MLP positionally
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            **{n: ColwiseParallel() for n in COLWISE},
+            **{n: RowwiseParallel(output_layouts=Shard(1)) for n in ROWWISE}}
+    if first:
+        plan[""] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                      use_local_output=True)
+    return plan
+
+
+def _vocab_head_style():
+    """The output head split by rows (the vocabulary), its input gathered over the sequence, its logits
+    a DTensor sharded over the vocabulary (never gathered: the loss takes them under `loss_parallel`).
+    With the fused loss (models/speed.py) the head returns the summed loss instead, which passes through."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class VocabParallelHead(ColwiseParallel):
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            if not isinstance(outputs, DTensor):  # the fused head's loss, the same on every tp rank
+                return outputs
+            return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+    return VocabParallelHead(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+
+
+def model_plan(model: nn.Module) -> tuple[dict, str, str]:
+    """The plan outside the blocks: (plan, embedding's name, head's name). The embedding is split by rows
+    (the vocabulary: each rank looks up the tokens it holds, zeros elsewhere) and all-reduced into
+    replicated hidden states; transformers builds the attention mask and rotary tables from the
+    embedding's output, so it stays whole until the first block cuts it over the sequence. The final
+    norm is sequence-parallel; the head is `_vocab_head_style`."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+
+    names = {id(m): n for n, m in model.named_modules()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    norm = getattr(model.get_decoder() if hasattr(model, "get_decoder") else model.base_model, "norm", None)
+    if not isinstance(embed, nn.Embedding) or not isinstance(head, nn.Linear) or head.bias is not None \
+            or not isinstance(norm, nn.Module):
+        return {}, "", ""
+    return ({names[id(embed)]: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+             names[id(norm)]: SequenceParallel(), names[id(head)]: _vocab_head_style()},
+            names[id(embed)], names[id(head)])
 
 
 def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> str:
-    """Split each decoder block's attention and MLP linears over the `tp` mesh dimension
-    (torch's DTensor `parallelize_module`); their weights become DTensors sharded over the tp
-    ranks. Embeddings, norms and the output head stay replicated plain tensors: every tp rank
-    computes the same (full) logits and loss, whose gradients are the same on every tp rank.
-    A parallel loss over a vocabulary-sharded head (`loss_parallel`) is not built yet."""
+    """Split the model over the `tp` mesh dimension (torch's DTensor `parallelize_module`): every decoder
+    block's linears (block_plan), the embedding and the head over the vocabulary, the norms over the
+    sequence (model_plan). Every parameter becomes a DTensor on the tp mesh: sharded (linears, embedding,
+    head) or replicated (norms, whose gradients DTensor sums over the sequence slices). Tied input and
+    output embeddings share one DTensor (both split by vocabulary rows)."""
     if dims.tp == 1:
         return "tensor parallel: off"
     from torch.distributed.tensor.parallel import parallelize_module
@@ -57,18 +110,29 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> str:
     from shardwise.models.speed import decoder_blocks
 
     blocks = decoder_blocks(model)
-    plan = tp_plan()
+    need = (*COLWISE, *ROWWISE, *NORMS, "self_attn", "mlp")
     for block in blocks:
-        missing = [n for n in plan if _find(block, n) is None]
+        missing = [n for n in need if _find(block, n) is None]
         if missing:
             raise ShardwiseError(f"tensor_parallel {dims.tp}: the model's decoder block {type(block).__name__} has "
                                  f"no {', '.join(missing)}; tensor parallelism knows the Llama-style families "
                                  f"({', '.join(TP_FAMILIES)}); use tensor_parallel 1")
+    plan, embed_name, head_name = model_plan(model)
+    if not plan:
+        raise ShardwiseError(f"tensor_parallel {dims.tp}: the model {type(model).__name__} has no embedding, final "
+                             "norm and bias-free linear head where tensor parallelism splits them; use "
+                             "tensor_parallel 1")
+    embed, head = model.get_submodule(embed_name), model.get_submodule(head_name)
+    tied = embed.weight is head.weight
     tp_mesh = dims.mesh["tp"]
-    for block in blocks:
-        parallelize_module(block, tp_mesh, plan)
-    return (f"tensor parallel: {len(blocks)} blocks' q/k/v/gate/up column-wise, o/down row-wise over {dims.tp} "
-            "ranks; embeddings, norms and head replicated")
+    for i, block in enumerate(blocks):
+        parallelize_module(block, tp_mesh, block_plan(first=i == 0))
+    parallelize_module(model, tp_mesh, plan)
+    if tied:  # each style made its own Parameter from the one weight: share the head's (same rows, same DTensor)
+        embed.weight = head.weight
+    return (f"tensor parallel: {len(blocks)} blocks' q/k/v/gate/up column-wise, o/down row-wise, norms "
+            f"sequence-parallel; embedding{' and head (tied)' if tied else ', head'} split over the vocabulary; "
+            f"over {dims.tp} ranks")
 
 
 def _find(module: nn.Module, name: str):

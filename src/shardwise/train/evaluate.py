@@ -19,10 +19,10 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
 
 from shardwise.data.batches import StepSampler
 from shardwise.data.encode import IGNORE, Encoded
+from shardwise.models.speed import token_loss_sum
 from shardwise.train import checkpoint as ckpt
 from shardwise.train import dist as sdist
 
@@ -68,15 +68,13 @@ class Evaluator:
             mb = self.collate(mine or [0])
             targets = mb.targets if mine else torch.full_like(mb.targets, IGNORE)
             ids, pos, tg = (t.to(env.device, non_blocking=True) for t in (mb.input_ids, mb.position_ids, targets))
-            with strategy.autocast():
+            with strategy.autocast(), strategy.loss_parallel():
                 if fused_head is not None:  # the head returns the summed loss (models/speed.py)
                     fused_head.loss_targets = tg
                     summed = model(input_ids=ids, position_ids=pos).logits
                     fused_head.loss_targets = None
                 else:
-                    logits = model(input_ids=ids, position_ids=pos).logits
-                    summed = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tg.view(-1),
-                                             ignore_index=IGNORE, reduction="sum")
+                    summed = token_loss_sum(model(input_ids=ids, position_ids=pos).logits, tg)
             acc[0] += summed.double()
             acc[1] += (tg != IGNORE).sum()
         model.train(was_training)

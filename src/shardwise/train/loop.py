@@ -16,18 +16,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from shardwise import phases, strategies
 from shardwise.config import Config, from_dict
 from shardwise.data.batches import DataPosition, StepBatch, StepSampler
-from shardwise.data.encode import IGNORE, Encoded
+from shardwise.data.encode import Encoded
 from shardwise.data.templates import use_chat_template
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import peak_flops
 from shardwise.models.load import load_model, load_tokenizer
 from shardwise.models.sequence_parallel import DENSE_MASK_LIMIT, apply_sequence_parallel
-from shardwise.models.speed import install_fused_loss
+from shardwise.models.speed import install_fused_loss, token_loss_sum
 from shardwise.rundir import atomic_write_json, record_interrupted
 from shardwise.strategies.base import DTYPES
 from shardwise.train import checkpoint as ckpt
@@ -65,10 +64,7 @@ def lr_at(cfg: Config, step: int, total: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy in fp32 (targets are already shifted; IGNORE = no loss)."""
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
-                           ignore_index=IGNORE, reduction="sum")
+loss_sum = token_loss_sum  # summed token cross-entropy in fp32 (models/speed.py; vocabulary-sharded logits too)
 
 
 def build_model(cfg: Config, model_dir: str, sp_group=None):
@@ -375,7 +371,7 @@ def forward_backward_step(model, strategy, batch: StepBatch, dp_size: int, devic
         ids = mb.input_ids.to(device, non_blocking=True)
         pos = mb.position_ids.to(device, non_blocking=True)
         tg = mb.targets.to(device, non_blocking=True)
-        with strategy.sync(model, i == last), strategy.autocast():
+        with strategy.sync(model, i == last), strategy.autocast(), strategy.loss_parallel():
             if fused_head is not None:  # the head returns the summed loss (models/speed.py)
                 fused_head.loss_targets = tg
                 summed = model(input_ids=ids, position_ids=pos).logits
