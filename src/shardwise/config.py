@@ -635,8 +635,9 @@ def validate(res: Resolved) -> None:
              f"(FSDP x TP), not '{c.strategy}' (DDP and ZeRO do not wrap DTensor weights; auto does not plan TP "
              "yet); use --strategy fsdp")
         need(c.tuner == "full", "tensor_parallel",
-             "tensor_parallel with LoRA is not built yet (adapters on DTensor-sharded linears); use --tuner full "
-             "or --tensor-parallel 1")
+             f"tensor_parallel with {c.tuner} is not built yet: PEFT wraps the attention and MLP linears that tensor "
+             "parallelism splits, and the adapters would have to be split to match (lora_B by output features on "
+             "q/k/v/gate/up, lora_A by input features on o/down); use --tuner full or --tensor-parallel 1")
         need(c.sequence_parallel == 1, "tensor_parallel",
              "tensor_parallel with sequence_parallel > 1 is not built yet; set one of them to 1")
         if c.nproc_per_node:

@@ -13,11 +13,14 @@ same 12 steps, its checkpoint exports to the same model in one process, and resu
 another TP degree is refused before launch.
 
 The 2-D mesh (FSDP 2 x TP 2 on 4 ranks) and pure TP (`--strategy single --tensor-parallel 2`)
-were checked the same way by hand (docs/tensor-parallel.md); 4 CPU ranks cost too much of the
-suite's time to run on every change.
+are compared the same way by the last test, which runs only with SHARDWISE_SLOW_TESTS=1: 4 CPU
+ranks cost too much of the suite's time to run on every change (docs/tensor-parallel.md says
+when it was last run and what it gave).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -25,7 +28,6 @@ import torch
 from tests.dist.shared import MAX_GRAD_NORM, RTOL, STEPS, TWO, Run, train_args
 from tests.dist.test_parity import assert_same_run
 from tests.helpers import ConcurrentRuns, run_cli
-
 
 # SINGLE's global batch (1 rank x 2 x 4) on one data-parallel rank of 2 tensor-parallel ranks
 TP2 = ("--strategy", "fsdp", "--nproc-per-node", "2", "--tensor-parallel", "2", "--micro-batch-size", "2",
@@ -66,6 +68,7 @@ def test_tp2_trains_like_one_process_step_for_step(tp_run, single_ref):
     text = tp_run.stdout + tp_run.stderr
     assert "tensor parallel: attention and MLP linears split over groups of 2 ranks" in text, text[-3000:]
     assert "+ tensor parallel over groups of 2 on 2 rank(s)" in text, text[-3000:]
+    assert "norms sequence-parallel; embedding, head split over the vocabulary" in text, text[-3000:]
     assert_same_run(tp_run.metrics, ref)
 
 
@@ -112,3 +115,19 @@ def test_a_degree_the_heads_do_not_divide_is_refused_before_launch_with_the_mode
     assert ("flag --tensor-parallel: tensor parallelism gives each of the 4 ranks whole attention heads, and 4 does "
             "not divide the model's 4 attention heads and 2 KV heads; use --tensor-parallel 2") in text, text
     assert "Traceback" not in text and not (tmp_path / "tp4").exists()
+
+
+@pytest.mark.skipif(os.environ.get("SHARDWISE_SLOW_TESTS") != "1",
+                    reason="4 gloo ranks cost minutes of the suite's CPU time: run with SHARDWISE_SLOW_TESTS=1")
+@pytest.mark.parametrize("name,flags", [
+    ("fsdp2-x-tp2", ("--strategy", "fsdp", "--nproc-per-node", "4", "--tensor-parallel", "2", "--micro-batch-size",
+                     "2", "--grad-accum", "2")),
+    ("pure-tp2", ("--strategy", "single", "--nproc-per-node", "2", "--tensor-parallel", "2", "--micro-batch-size",
+                  "2", "--grad-accum", "4", "--no-fused-loss"))])
+def test_slow_2d_mesh_and_pure_tp_train_like_one_process(name, flags, single_ref, chat_data, tmp_path):
+    """FSDP 2 x TP 2 on 4 ranks (the 2-D mesh: FSDP over dp_shard around the tp DTensors) and pure TP 2
+    (one replica, no data-parallel wrap, the unfused loss under loss_parallel), same global batch of 8:
+    the one-process run's losses and gradient norms, step for step."""
+    p = run_cli(*train_args(tmp_path / name, chat_data, *flags, "--no-save-final"), timeout=1500)
+    assert "+ tensor parallel over groups of 2" in p.stdout + p.stderr
+    assert_same_run(Run(tmp_path / name).metrics, single_ref.metrics)

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 IGNORE = -100
-_ROWS = torch.distributed.tensor.Shard(0) if torch.distributed.is_available() else None
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -168,7 +167,8 @@ def install_fused_loss(model: nn.Module, chunk: int = 4096) -> bool:
         targets = getattr(self, "loss_targets", None)
         if targets is None:
             return plain_forward(hidden_states)
-        if getattr(self.weight, "placements", (None,))[0] == _ROWS:  # sharded over the vocabulary (tensor parallel)
+        placements = getattr(self.weight, "placements", None)  # a DTensor's
+        if placements and placements[0].is_shard(0):  # sharded over the vocabulary (tensor parallel)
             return vocab_parallel_cross_entropy(hidden_states, self.weight, targets, chunk)
         return linear_cross_entropy(hidden_states, self.weight, targets, chunk)
 
