@@ -50,13 +50,14 @@ def resumes(tmp_path_factory, chat_data, tp_run, single_ref):
     as TP 1 x DP 2 (fsdp on 2 ranks), and the one-process run's step-4 checkpoint resumed as
     TP 2 x DP 1 with gradient checkpointing and the plain (unfused) loss: the vocabulary-sharded
     logits' cross-entropy under torch's loss_parallel (the module's other runs use the fused
-    vocabulary-parallel loss of models/speed.py)."""
+    vocabulary-parallel loss of models/speed.py). Both measure a validation loss at the end."""
     batch, outs = ConcurrentRuns(), {}
     for name, ckpt, extra in (("tp1-from-tp2", tp_run.ckpt(4), ("--strategy", "fsdp", *TWO)),
                               ("tp2-from-tp1", single_ref.ckpt(4), (*TP2, "--gradient-checkpointing",
                                                                          "--no-fused-loss"))):
         outs[name] = tmp_path_factory.mktemp(name)
-        batch.add(name, *train_args(outs[name], chat_data, *extra, "--resume", str(ckpt), "--no-save-final"))
+        batch.add(name, *train_args(outs[name], chat_data, *extra, "--resume", str(ckpt), "--no-save-final",
+                                    "--val-data", str(chat_data)))
 
     def get(name) -> Run:
         p = batch.get(name)
@@ -107,6 +108,14 @@ def test_a_checkpoint_resumes_with_another_tensor_parallel_degree_on_the_same_tr
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close(torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in ref]),
                                    rtol=RTOL, atol=0, msg=lambda m, key=key: f"{name} {key}: {m}")
+
+
+def test_the_validation_loss_under_tp_equals_the_one_without(resumes):
+    """The evaluator's loss (train/evaluate.py) with TP 2's vocabulary-sharded logits under loss_parallel equals
+    the TP 1 run's on the same weights (both resumes end on the one-process trajectory)."""
+    tp1, tp2 = (resumes(n).metrics[-1] for n in ("tp1-from-tp2", "tp2-from-tp1"))
+    assert tp1["step"] == tp2["step"] == STEPS and tp1["val_tokens"] == tp2["val_tokens"] > 0
+    torch.testing.assert_close(torch.tensor(tp2["val_loss"]), torch.tensor(tp1["val_loss"]), rtol=RTOL, atol=0)
 
 
 def test_a_degree_the_heads_do_not_divide_is_refused_before_launch_with_the_models_numbers(chat_data, tmp_path):

@@ -79,6 +79,8 @@ class Evaluator:
             acc[1] += (tg != IGNORE).sum()
         model.train(was_training)
         sdist.all_reduce(acc)
+        if dims is not None:
+            acc /= dims.tp  # the tensor-parallel ranks of a data-parallel rank compute the same loss: count it once
         loss, n = acc[0].item() / max(acc[1].item(), 1), int(acc[1].item())
         self.last = (step, loss)
         return {"val_loss": loss, "val_tokens": n}
