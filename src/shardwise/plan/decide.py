@@ -591,7 +591,7 @@ def choose_parallel(plan: Plan, cfg=None) -> None:
         return
     d, sp = found
     if kind != order[0]:
-        cause += (f"; but no sequence-parallel degree fits (the states stay), so tensor parallelism, which divides "
+        cause += ("; but no sequence-parallel degree fits (the states stay), so tensor parallelism, which divides "
                   "them too" if kind == "tp" else "; but no tensor-parallel degree fits, so sequence parallelism")
         head = (f"data parallelism alone does not fit in {mem:.1f} GiB per rank without offload (the smallest, "
                 f"{lean.strategy}, needs {_gib(m.total / GiB)}); {cause}")
