@@ -120,6 +120,8 @@ def test_auto_picks_the_smallest_sequence_parallel_degree_that_fits(capsys):
     assert "the sequence (1 x 524288 tokens) is what does not fit" in d["reasons"][0]
     assert "sequence parallel 4 (ulysses) fits" in d["reasons"][1] and "no smaller degree fits" in d["reasons"][1]
     assert d["decision_tree"]["parallel"]["path"] == TREE_SP
+    assert plan_cmd.run(parse(*argv[:-1], "--strategy", "fsdp")) == 0  # configured: the advice names the degree
+    assert "Cheapest change that fits: --sequence-parallel 4 " in capsys.readouterr().out
     # at a length that fits, nothing is chosen
     assert plan_cmd.run(parse(*[("65536" if a == "524288" else a) for a in argv])) == 0
     assert not json.loads(capsys.readouterr().out)["parallel"]["chosen"]

@@ -146,6 +146,9 @@ def test_auto_picks_fsdp_with_tp_for_70b_on_one_node_and_says_why(capsys):
     assert f"recommended: {par['strategy']} with --tensor-parallel {par['tensor_parallel']}" in text
     assert "and further down: model > 70B -> Megatron / tensor parallel" in text
     assert "tensor parallel (degrees dividing the 8 GPUs per node, the 64 heads, 8 KV heads" in text
+    # configured fsdp: the advice names the degree
+    assert plan_cmd.run(parse(*AUTO_70B, "--strategy", "fsdp")) == 0
+    assert f"Cheapest change that fits: --tensor-parallel {par['tensor_parallel']} " in capsys.readouterr().out
 
 
 def test_launch_applies_the_degree_auto_chose(monkeypatch):

@@ -116,7 +116,8 @@ def build(args):
     if setup.world > 1:
         from shardwise.plan.decide import sequence_parallel_rows, tensor_parallel_rows
 
-        plan.sp_rows = sequence_parallel_rows(spec, job, setup, configured or plan.recommended, cfg)
+        if job.tp == 1:  # TP with SP is refused before launch
+            plan.sp_rows = sequence_parallel_rows(spec, job, setup, configured or plan.recommended, cfg)
         plan.tp_rows = tensor_parallel_rows(spec, job, setup, cfg)
     plan.lint = lint(plan, res)
     return plan, res

@@ -374,6 +374,20 @@ def assumptions(plan: Plan) -> list[str]:
            + (" (measured matmul rate)" if "doctor" in " ".join(s.notes) and s.accelerator == "cpu" else "")
            + "; communication overlapped with compute where the strategy does it",
            ]
+    if j.tp > 1:
+        out.append(f"tensor parallel {j.tp}: q/k/v/gate/up column-wise, o/down row-wise, norms sequence-parallel, "
+                   "embedding and head vocabulary-sharded with loss_parallel (no fused chunked head: the logits are "
+                   "T x V/tp per rank); per layer 2 all-gathers + 2 reduce-scatters of T x h each way on the "
+                   "intra-node link, not overlapped; FLOPs per rank / tp")
+    if j.sp > 1:
+        from shardwise.plan.comm import sp_split
+
+        u, r = sp_split(plan.spec, j)
+        out.append(f"sequence parallel {j.sp} ({sp_mode_label(plan.spec, j)}): "
+                   + (f"Ulysses over {u} ranks, 4 all-to-alls per layer each way, not overlapped" if u > 1 else "")
+                   + ("; " if u > 1 and r > 1 else "")
+                   + (f"ring attention over {r} ranks, {r - 1} KV exchanges per layer each way (and dK/dV in "
+                      "backward), overlapped with the attention compute" if r > 1 else ""))
     if s.accelerator == "cuda":
         out.append(f"allowance per GPU: CUDA context {hardware_ctx():.2f} GiB + 7% allocator fragmentation")
     else:
@@ -439,26 +453,31 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
         for combo in itertools.combinations(levers, k):
             changes = {key: v for _, ch in combo for key, v in ch.items()}
             add(1, " ".join(t for t, _ in combo), dataclasses.replace(j, **changes))
-    for name in preset_names(plan.setup):
+    for name in preset_names(plan.setup, j.tp):
         if name != strategy_name and "offload" not in name:
             add(0, f"--strategy {name}", name=name)
             if not j.checkpointing:
                 add(0, f"--strategy {name} --gradient-checkpointing", dataclasses.replace(j, checkpointing=True), name)
     for name in ("fsdp-offload", "zero3-offload"):
-        if name != strategy_name:
+        if name != strategy_name and (j.tp == 1 or presets.base_strategy(name) == "fsdp"):
             add(1, f"--strategy {name}", name=name)
     s = plan.setup
+    if j.sp == 1 and j.tp == 1 and s.world > 1:  # split the sequence, or the weights (TP: fsdp, full fine-tune)
+        if sp.base != "single":
+            for d in sp_degrees(plan.spec, j, s.world):
+                add(1, f"--sequence-parallel {d}", dataclasses.replace(j, sp=d))
+        if sp.base == "fsdp" and j.tuner == "full":
+            for d in tp_degrees(plan.spec, s.gpus_per_node):
+                add(1, f"--tensor-parallel {d}", dataclasses.replace(j, tp=d))
     sharded = strategy_name if sp.base in ("fsdp", "deepspeed") else "fsdp"
     for mult in (2, 4, 8):
         if s.accelerator == "cuda":
             more = dataclasses.replace(s, nodes=s.nodes * mult)
             add(2, f"{more.world} GPUs ({more.nodes} nodes) with --strategy {sharded}",
                 dataclasses.replace(j, world=more.world, nodes=more.nodes), sharded, more)
-    if j.tuner == "full":
-        add(3, "--tuner lora", dataclasses.replace(j, tuner="lora"))
-        add(3, "--tuner qlora", dataclasses.replace(j, tuner="qlora"))
-    elif j.tuner == "lora":
-        add(3, "--tuner qlora", dataclasses.replace(j, tuner="qlora"))
+    adapters = {"full": ["lora", "qlora"], "lora": ["qlora"]}.get(j.tuner, []) if j.tp == 1 else []  # TP: full only
+    for tuner in adapters:
+        add(3, f"--tuner {tuner}", dataclasses.replace(j, tuner=tuner))
     ok = [c for c in cands if c[2].fits]
     if not ok:
         return head + "; no change found that fits (alone, or param dtype, checkpointing and micro-batch together): use a smaller model, more or larger GPUs"
