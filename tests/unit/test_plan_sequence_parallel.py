@@ -74,6 +74,10 @@ def test_rows_for_every_degree_the_ranks_and_heads_allow():
     assert [(r["sp"], r["mode"]) for r in auto] == [(1, "-"), (2, "ulysses"), (4, "ulysses"),
                                                      (8, "ulysses 4 x ring 2")]
     assert auto[3]["mem_gib"] < auto[2]["mem_gib"]
+    j8 = replace(job, sp=8)  # all-to-alls over the 4 Ulysses ranks, KV exchanges around the ring of 2
+    assert [c.ranks for c in ulysses_exchanges(spec, j8)] == [4, 4]
+    assert [c.ranks for c in ring_exchanges(spec, j8)] == [2, 2]
+    assert ring_exchanges(spec, j8)[0].bytes == 28 * 2 * (131072 // 8) * 4 * 128 * 2  # 28 layers, 4 KV heads
 
 
 def test_ring_exchanges_follow_the_kv_formula_and_hide_behind_attention():

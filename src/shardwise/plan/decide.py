@@ -118,7 +118,8 @@ class StrategyPlan:
                 "compute_s": round(t.compute_s, 5), "exposed_comm_s": round(t.exposed_comm_s, 5),
                 "other_s": round(t.other_s, 5),
                 "collectives": [{"op": c.op, "gb": round(c.bytes / 1e9, 4), "ranks": c.ranks, "link": c.where,
-                                 "per_step": c.per_step} for c in t.collectives],
+                                 "per_step": c.per_step, **({"kind": c.kind} if c.kind else {})}
+                                for c in t.collectives],
                 "notes": self.notes}
 
 
