@@ -556,8 +556,9 @@ def _fastest_simplest(fitting: list) -> StrategyPlan:
     return min(close, key=lambda s: presets.PRESETS[s.strategy].simplicity)
 
 
-def _first_fit(plan: Plan, kind: str, cfg) -> tuple[int, StrategyPlan] | None:
-    """The smallest degree of `kind` (sp | tp) at which a preset without offload fits, and the preset."""
+def _first_fit(plan: Plan, kind: str, cfg) -> tuple[int, StrategyPlan, bool] | None:
+    """The smallest degree of `kind` (sp | tp) at which a preset without offload fits, the preset, and whether a
+    smaller degree was tried."""
     spec, job, setup = plan.spec, plan.job, plan.setup
     if kind == "tp":
         if job.tuner != "full":  # TP with LoRA is refused before launch
@@ -565,12 +566,12 @@ def _first_fit(plan: Plan, kind: str, cfg) -> tuple[int, StrategyPlan] | None:
         degrees = tp_degrees(spec, setup.gpus_per_node)
     else:
         degrees = sp_degrees(spec, job, setup.world)
-    for d in degrees:
+    for n, d in enumerate(degrees):
         sub = plan_model(spec, dataclasses.replace(job, **{kind: d}), setup, cfg=cfg, escalate=False)
         # TP: the fsdp presets (FSDP over the data-parallel ranks, TP inside the node), as issue 20 asks
         ok = [s for s in sub.strategies if s.fits and not offloads(s.opts) and (kind == "sp" or s.base == "fsdp")]
         if ok:
-            return d, _fastest_simplest(ok)
+            return d, _fastest_simplest(ok), n > 0
     return None
 
 
@@ -609,7 +610,7 @@ def choose_parallel(plan: Plan, cfg=None) -> None:
             plan.reasons.append(head + "; no sequence- or tensor-parallel degree these ranks and this model "
                                        "allow fits either")
         return
-    d, sp = found
+    d, pick, tried_smaller = found
     if kind != order[0]:
         cause += ("; but no sequence-parallel degree fits (the states stay), so tensor parallelism, which divides "
                   "them too" if kind == "tp" else "; but no tensor-parallel degree fits, so sequence parallelism")
@@ -617,19 +618,19 @@ def choose_parallel(plan: Plan, cfg=None) -> None:
                 f"{lean.strategy}, needs {_gib(m.total / GiB)}); {cause}")
     j = dataclasses.replace(job, **{kind: d})
     if kind == "tp":
-        what = f"{sp.strategy} + tensor parallel {d}"
+        what = f"{pick.strategy} + tensor parallel {d}"
         how = (f"tensor parallel {d} splits every weight, its gathered copy and the activations over {d} ranks of a "
                f"node ({spec.num_heads // d} heads and {text.plural(spec.num_kv_heads // d, 'KV head')} per rank); it adds "
-               f"{_exchange_gb(sp, 'tp'):.2f} GB of all-gathers and reduce-scatters per rank per step on the "
+               f"{_exchange_gb(pick, 'tp'):.2f} GB of all-gathers and reduce-scatters per rank per step on the "
                "intra-node link, not hidden behind compute")
         tree = {"path": TREE_TP, "says": "tensor parallel",
                 "why": ["the numbers agree: the model is above 70B" if spec.total_params > 70e9 else
                         f"the tree reaches tensor parallelism above 70B; this model has {text.count(spec.total_params)}"
                         f" params, but data parallelism alone does not fit {mem:.1f} GiB per rank"]}
     else:
-        what = f"{sp.strategy} + sequence parallel {d} ({sp_mode_label(spec, j)})"
+        what = f"{pick.strategy} + sequence parallel {d} ({sp_mode_label(spec, j)})"
         how = (f"sequence parallel {d} gives each rank {job.seq_len // d} of the {job.seq_len} tokens of a sequence; "
-               f"it adds {_exchange_gb(sp, 'sp'):.2f} GB of attention exchanges per rank per step")
+               f"it adds {_exchange_gb(pick, 'sp'):.2f} GB of attention exchanges per rank per step")
         tree = {"path": TREE_SP, "says": "sequence parallel", "why": ["the numbers agree: the sequence is what does "
                                                                       "not fit" if long_seq else
                                                                       "the numbers reach it though the sequence "
@@ -637,22 +638,22 @@ def choose_parallel(plan: Plan, cfg=None) -> None:
     offload = [s for s in plan.strategies if s.fits and offloads(s.opts)]
     if offload:
         o = max(offload, key=lambda s: s.tokens_per_s)
-        if o.tokens_per_s > sp.tokens_per_s:
-            plan.reasons.append(head + f"; {what} fits ({_gib(sp.memory.total / GiB)}) but {o.strategy} is faster "
-                                       f"({o.tokens_per_s:,.0f} vs {sp.tokens_per_s:,.0f} tokens/s)")
+        if o.tokens_per_s > pick.tokens_per_s:
+            plan.reasons.append(head + f"; {what} fits ({_gib(pick.memory.total / GiB)}) but {o.strategy} is faster "
+                                       f"({o.tokens_per_s:,.0f} vs {pick.tokens_per_s:,.0f} tokens/s)")
             return
-    smaller = "" if d == 2 else "; no smaller degree fits"
-    plan.recommended = sp.strategy
+    smaller = "; no smaller degree fits" if tried_smaller else ""
+    plan.recommended = pick.strategy
     plan.reasons = [head,
-                    f"{what} fits: {_gib(sp.memory.total / GiB)} of {mem:.1f} GiB per rank "
-                    f"({_gib(sp.headroom_gib)} headroom; peak at {sp.memory.phase}), "
-                    f"{sp.tokens_per_s:,.0f} tokens/s predicted{smaller}", how]
+                    f"{what} fits: {_gib(pick.memory.total / GiB)} of {mem:.1f} GiB per rank "
+                    f"({_gib(pick.headroom_gib)} headroom; peak at {pick.memory.phase}), "
+                    f"{pick.tokens_per_s:,.0f} tokens/s predicted{smaller}", how]
     if offload:
         o = max(offload, key=lambda s: s.tokens_per_s)
         plan.reasons.append(f"{o.strategy} fits too but is slower ({o.tokens_per_s:,.0f} tokens/s): offload is only "
                             "worth it when nothing else fits")
-    plan.parallel = {"strategy": sp.strategy, "tensor_parallel": j.tp, "sequence_parallel": j.sp,
-                     "sp_mode": j.sp_mode, "chosen": True, "mem_gib": round(sp.memory.total / GiB, 4),
-                     "tokens_per_s": round(sp.tokens_per_s, 1), "step_time_s": round(sp.step_time_s, 5)}
-    plan.tree = {**plan.tree, "planner": sp.strategy, "agree": plan.tree["says"] == sp.strategy,
+    plan.parallel = {"strategy": pick.strategy, "tensor_parallel": j.tp, "sequence_parallel": j.sp,
+                     "sp_mode": j.sp_mode, "chosen": True, "mem_gib": round(pick.memory.total / GiB, 4),
+                     "tokens_per_s": round(pick.tokens_per_s, 1), "step_time_s": round(pick.step_time_s, 5)}
+    plan.tree = {**plan.tree, "planner": pick.strategy, "agree": plan.tree["says"] == pick.strategy,
                  "parallel": {**tree, "planner": what, "agree": True}}
