@@ -179,3 +179,12 @@ def test_the_configured_degree_reaches_the_plan_and_only_tp_presets_are_planned(
     # tokens/s: the 2 ranks of a tp group train the same rows, 2 groups
     assert t.tokens_per_s == pytest.approx(2 * job.micro_batch * job.seq_len * job.grad_accum / t.step_s)
     assert dataclasses.asdict(job)["tp"] == 2
+
+
+def test_simulate_refuses_to_measure_another_job():
+    from shardwise.plan.simulate import simulate_plan
+
+    setup = make_setup(gpus=2, gpu_memory=141.0, gpu_type="H200", use_doctor=False)
+    plan = plan_model(resolve_model("qwen2.5-0.5b"), _job(world=2, tp=2), setup, configured="fsdp")
+    out = simulate_plan(plan)
+    assert out["results"] == [] and "not simulated" in out["errors"][0]
