@@ -3,7 +3,8 @@
 All sizes are bytes per rank. The formulas are written out in docs/planner.md; the names
 here follow it: P parameters (P_t trainable), N ranks that share a shard, c compute-dtype
 bytes, w storage bytes of trainable weights, r bytes of the residual stream, T = B*S tokens
-per micro-batch per rank, V vocab, h hidden, i intermediate.
+per micro-batch per rank, V vocab, h hidden, i intermediate. Tensor parallelism (Job.tp): the "tensor parallelism"
+section below says what one rank of a tp group holds.
 
 The peak is the largest of these moments of a step (gradients are freed by zero_grad and
 activations are freed by backward, so they are not alive in full at the same time):
@@ -97,7 +98,8 @@ class Job:
 
     @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch on one rank (a 1/sp slice of each sequence under sequence parallelism)."""
+        """Tokens of one micro-batch on one rank (a 1/sp slice of each sequence under sequence parallelism); under
+        tensor parallelism the tp ranks share these tokens (the formulas divide what each holds by tp)."""
         return self.micro_batch * self.seq_len // self.sp
 
     @property
