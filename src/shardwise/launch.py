@@ -371,8 +371,14 @@ def choose_strategy(cfg: Config, res: Resolved) -> Config:
         raise ShardwiseError(f"{res.where('strategy')}: --strategy auto needs the planner, which this build lacks")
     world = cfg.nproc_per_node * cfg.nnodes
     plan = plan_run(dataclasses.replace(cfg, strategy="ddp"), None, world)
-    say(f"--strategy auto chose '{plan.recommended}': " + "; ".join(plan.reasons))
-    return dataclasses.replace(cfg, strategy=plan.recommended)
+    par = plan.parallel  # the degrees the planner chose where data parallelism alone does not fit
+    degrees = {}
+    if par.get("chosen"):
+        degrees = {"tensor_parallel": par["tensor_parallel"], "sequence_parallel": par["sequence_parallel"],
+                   "sp_mode": par["sp_mode"]}
+    how = "".join(f" {k} {v}" for k, v in degrees.items() if k != "sp_mode" and v > 1)
+    say(f"--strategy auto chose '{plan.recommended}'{how and ' with' + how}: " + "; ".join(plan.reasons))
+    return dataclasses.replace(cfg, strategy=plan.recommended, **degrees)
 
 
 class Interrupted(Exception):

@@ -10,7 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shardwise.plan.memory import QLORA_BYTES_PER_PARAM, Job, Opts, reshards, unit_params
+from shardwise.plan.memory import (
+    QLORA_BYTES_PER_PARAM,
+    Job,
+    Opts,
+    local_params,
+    local_root_params,
+    reshards,
+    unit_params,
+)
 from shardwise.plan.model_spec import ModelSpec
 
 # The optimizer step on the host, parameters per second per node: torch's foreach AdamW and DeepSpeed's CPUAdam ran
@@ -67,6 +75,7 @@ class Coll:
     where: str  # intra | inter | flat | host
     per_step: float  # how many times per optimizer step
     phase: str  # fwd | bwd | step
+    kind: str = ""  # "" data parallel | tp (tensor parallel, exposed) | sp (sequence parallel)
 
     def wire(self) -> float:
         n = self.ranks
@@ -74,6 +83,8 @@ class Coll:
             return self.bytes
         if n <= 1:
             return 0.0
+        if self.op == "ring":  # `bytes` is one exchange (summed over the layers); n-1 exchanges pass the ring
+            return (n - 1) * self.bytes
         f = 2 * (n - 1) / n if self.op == "all_reduce" else (n - 1) / n
         return f * self.bytes
 
@@ -90,23 +101,86 @@ class Timing:
     overhead_s: float = 0.0  # the strategy's own per-step work (strategy_overhead), included in other_s
 
 
+def sp_split(spec: ModelSpec, job: Job) -> tuple[int, int]:
+    """(Ulysses degree, ring degree) of the sequence-parallel group, their product job.sp: `ulysses` all of it,
+    `ring` none, `auto` Ulysses over gcd(heads, sp) ranks and ring attention over the rest."""
+    if job.sp_mode == "ring":
+        return 1, job.sp
+    if job.sp_mode == "ulysses":
+        return job.sp, 1
+    u = math.gcd(spec.num_heads, job.sp)
+    return u, job.sp // u
+
+
+def _sp_kv_heads(spec: ModelSpec, u: int) -> int:
+    """KV heads after Ulysses over u ranks: replicated up to a multiple of u when fewer or not divisible."""
+    return math.lcm(spec.num_kv_heads, u) if spec.num_kv_heads % u else spec.num_kv_heads
+
+
+def _sp_where(job: Job) -> str:
+    return "intra" if job.sp <= job.gpus_per_node else "flat"
+
+
 def ulysses_exchanges(spec: ModelSpec, job: Job) -> list[Coll]:
     """Sequence parallelism (Ulysses, models/sequence_parallel.py): per layer, all-to-alls of q, k, v (KV heads
-    replicated up to a multiple of sp) and the attention output over the sp ranks of a group, in forward, backward,
-    and the recomputed forward under checkpointing; each rank sends (sp-1)/sp of its slice. On the critical path."""
-    if job.sp <= 1:
+    replicated up to a multiple of the Ulysses degree) and the attention output over the Ulysses ranks of a group,
+    in forward, backward, and the recomputed forward under checkpointing; each rank sends (u-1)/u of its slice.
+    On the critical path."""
+    u, _ = sp_split(spec, job)
+    if u <= 1:
         return []
-    kv_heads = math.lcm(spec.num_kv_heads, job.sp) if spec.num_kv_heads % job.sp else spec.num_kv_heads
-    per_layer = job.tokens * job.c * (2 * spec.q_dim + 2 * kv_heads * spec.head_dim)
+    per_layer = job.tokens * job.c * (2 * spec.q_dim + 2 * _sp_kv_heads(spec, u) * spec.head_dim)
     n = spec.num_layers * per_layer
-    where = "intra" if job.sp <= job.gpus_per_node else "flat"
-    return [Coll("all_to_all", n, job.sp, where, job.grad_accum, "fwd"),
-            Coll("all_to_all", n * (2 if job.checkpointing else 1), job.sp, where, job.grad_accum, "bwd")]
+    where = _sp_where(job)
+    return [Coll("all_to_all", n, u, where, job.grad_accum, "fwd", "sp"),
+            Coll("all_to_all", n * (2 if job.checkpointing else 1), u, where, job.grad_accum, "bwd", "sp")]
+
+
+def ring_kv_bytes(spec: ModelSpec, job: Job) -> float:
+    """Bytes of one ring-attention exchange of one layer: K and V of this rank's tokens,
+    2 x tokens_local x kv_heads x head_dim x c (KV heads as Ulysses left them, under auto's Ulysses x ring)."""
+    u, _ = sp_split(spec, job)
+    return 2 * job.tokens * _sp_kv_heads(spec, u) * spec.head_dim * job.c
+
+
+def ring_exchanges(spec: ModelSpec, job: Job) -> list[Coll]:
+    """Ring attention (--sp-mode ring, or auto's ring part): per layer, r-1 exchanges of K and V around the ring of
+    r ranks in forward; backward passes K and V again and their gradients (dK, dV) the other way, 2(r-1) exchanges;
+    the recomputed forward under checkpointing once more. Each exchange overlaps the attention of the block
+    already received (comm.step_time exposes only what exceeds the attention compute)."""
+    _, r = sp_split(spec, job)
+    if r <= 1:
+        return []
+    n = spec.num_layers * ring_kv_bytes(spec, job)
+    where = _sp_where(job)
+    return [Coll("ring", n, r, where, job.grad_accum, "fwd", "sp"),
+            Coll("ring", n * (3 if job.checkpointing else 2), r, where, job.grad_accum, "bwd", "sp")]
+
+
+def tensor_parallel_exchanges(spec: ModelSpec, job: Job) -> list[Coll]:
+    """Tensor parallelism with sequence-parallel norms (the TP plan in plan/memory.py): per layer in forward an
+    all-gather of the norm output before attention and before the MLP and a reduce-scatter of the row-wise
+    linears' output after each; backward the reverse (2 reduce-scatters + 2 all-gathers per layer), and the
+    recomputed forward's under checkpointing. The embedding's output is reduce-scattered and the head's input
+    all-gathered once per pass (loss_parallel's all-reduces of a few floats per token are left out). Each of
+    tokens x hidden x c bytes (the tp group's tokens), on the intra-node link, not overlapped with compute."""
+    if job.tp <= 1:
+        return []
+    L = spec.num_layers
+    M = job.tokens * spec.hidden_size * job.c
+    fwd = (2 * L + 1) * M
+    bwd = fwd + (2 * L * M if job.checkpointing else 0)
+    where = "intra" if job.tp <= job.gpus_per_node else "flat"
+    ga = job.grad_accum
+    return [Coll("all_gather", fwd, job.tp, where, ga, "fwd", "tp"),
+            Coll("reduce_scatter", fwd, job.tp, where, ga, "fwd", "tp"),
+            Coll("all_gather", bwd, job.tp, where, ga, "bwd", "tp"),
+            Coll("reduce_scatter", bwd, job.tp, where, ga, "bwd", "tp")]
 
 
 def collectives(spec: ModelSpec, job: Job, o: Opts, shard_n: int) -> list[Coll]:
-    """The collectives of one optimizer step for one strategy."""
-    P = spec.total_params
+    """The collectives of one optimizer step for one strategy (under TP, of one rank's tp-local shards)."""
+    P = local_params(spec, job.tp)
     full = job.tuner == "full"
     P_t = P if full else spec.lora_params(job.lora_r, job.lora_targets)
     c, w = job.c, job.w
@@ -114,8 +188,9 @@ def collectives(spec: ModelSpec, job: Job, o: Opts, shard_n: int) -> list[Coll]:
     ga = job.grad_accum
     flat = "flat" if job.nodes > 1 else "intra"
     gb = QLORA_BYTES_PER_PARAM if job.tuner == "qlora" else c
-    blocks = P - spec.root_params
-    gathered = gb * blocks + c * spec.root_params
+    root = local_root_params(spec, job.tp)
+    blocks = P - root
+    gathered = gb * blocks + c * root
     out: list[Coll] = []
     if o.base == "ddp" and job.world > 1:
         out.append(Coll("all_reduce", w * P_t, job.world, flat, 1, "bwd"))
@@ -147,7 +222,7 @@ def collectives(spec: ModelSpec, job: Job, o: Opts, shard_n: int) -> list[Coll]:
             out.append(Coll("h2d", c * P_t / n, 1, "host", 1, "step"))
         if o.offload_params and o.stage == 3:
             out.append(Coll("h2d", 2 * c * P / n, 1, "host", ga, "fwd"))
-    out += ulysses_exchanges(spec, job)
+    out += ulysses_exchanges(spec, job) + ring_exchanges(spec, job) + tensor_parallel_exchanges(spec, job)
     return out
 
 
@@ -168,10 +243,11 @@ def flops_per_microbatch(spec: ModelSpec, job: Job) -> tuple[float, float]:
     convention) and the attention a causal kernel computes: SDPA's flash / memory-efficient kernels skip the masked
     upper triangle, so QK^T and PV cost 2*L*H*S per token forward, half the 12*L*H*S/3 of the MFU convention
     (which counts the full S x S square). At 2k tokens that is 5% of a step; at 32k-64k on an 8B shape, a third
-    to a half (the long-sequence rows of docs/planner.md's measured table)."""
-    T, S = job.tokens, job.seq_len
+    to a half (the long-sequence rows of docs/planner.md's measured table). Tensor parallelism divides every
+    FLOP of a rank by tp (the tp ranks split the matmuls and the heads of the same tokens)."""
+    T = job.tokens
     P = spec.total_params
-    attn_f = 2 * spec.num_layers * spec.q_dim * S * T  # causal: half of 4*L*H*S*T
+    attn_f = attention_flops(spec, job)
     fwd = 2 * P * T + attn_f
     if job.tuner == "full":
         bwd = 4 * P * T + 2 * attn_f
@@ -180,7 +256,13 @@ def flops_per_microbatch(spec: ModelSpec, job: Job) -> tuple[float, float]:
         bwd = 2 * P * T + 6 * P_t * T + 2 * attn_f
     if job.checkpointing:  # blocks run forward again in backward
         bwd += 2 * (P - spec.root_params) * T + attn_f
-    return fwd, bwd
+    return fwd / job.tp, bwd / job.tp
+
+
+def attention_flops(spec: ModelSpec, job: Job) -> float:
+    """Forward FLOPs of the causal attention (QK^T and PV) of one micro-batch, for all the heads of the tp group
+    (one rank runs 1/tp of them): 2*L*q*S per token."""
+    return 2 * spec.num_layers * spec.q_dim * job.seq_len * job.tokens
 
 
 def elementwise_time(spec: ModelSpec, job: Job, comp: Compute) -> float:
@@ -194,7 +276,7 @@ def elementwise_time(spec: ModelSpec, job: Job, comp: Compute) -> float:
       bytes per token per unit of the adapted inputs' and outputs' widths, per block."""
     if job.accelerator != "cuda":
         return 0.0
-    t = LOSS_BYTES_PER_LOGIT * job.tokens * spec.vocab_size / comp.device_mem_bw
+    t = LOSS_BYTES_PER_LOGIT * job.tokens * spec.vocab_size / job.tp / comp.device_mem_bw  # TP: V/tp per rank
     if job.tuner != "full":
         width = spec.lora_params(1, job.lora_targets) / max(spec.num_layers, 1)  # sum of (in + out) per block
         t += LORA_BYTES_PER_WIDTH * job.tokens * width * spec.num_layers / comp.device_mem_bw
@@ -207,12 +289,12 @@ def strategy_overhead(spec: ModelSpec, job: Job, o: Opts, shard_n: int, comp: Co
     Single: 0. On the CPU (no HBM roofline, no measurement) 0."""
     if job.accelerator != "cuda" or o.base == "single":
         return 0.0
-    P_t = spec.total_params if job.tuner == "full" else spec.lora_params(job.lora_r, job.lora_targets)
+    P_t = local_params(spec, job.tp) if job.tuner == "full" else spec.lora_params(job.lora_r, job.lora_targets)
     if o.base == "ddp":
         return STRATEGY_BYTES_PER_PARAM["ddp"] * P_t / comp.device_mem_bw
     if o.base == "fsdp":
         key = "fsdp" if reshards(job, o) else "fsdp-grad-op"
-        return STRATEGY_BYTES_PER_PARAM[key] * spec.total_params / shard_n / comp.device_mem_bw
+        return STRATEGY_BYTES_PER_PARAM[key] * local_params(spec, job.tp) / shard_n / comp.device_mem_bw
     if o.stage == 3:
         L = spec.num_layers
         return ZERO3_S_PER_LAYER2 * L * L + ZERO3_S_PER_PARAM_LAYER * spec.total_params / shard_n * L
@@ -229,9 +311,15 @@ def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, co
     overlap = 1.0 if (o.prefetch or o.base != "fsdp") else 0.5
     exposed = 0.0
     other = 0.0
-    net = [cl for cl in colls if cl.where != "host" and cl.op != "all_to_all"]
-    exchanges = [cl for cl in colls if cl.op == "all_to_all"]  # sequence parallel: nothing hides them
-    exposed += sum(coll_time(cl, links) * cl.per_step for cl in exchanges)
+    net = [cl for cl in colls if cl.where != "host" and not cl.kind]
+    exchanges = [cl for cl in colls if cl.kind]  # sequence and tensor parallel
+    # Ulysses's all-to-alls and TP's all-gathers / reduce-scatters: nothing hides them
+    exposed += sum(coll_time(cl, links) * cl.per_step for cl in exchanges if cl.op != "ring")
+    # ring attention: each phase's exchanges overlap that phase's attention compute; only the excess is exposed
+    attn = attention_flops(spec, job) / job.tp / rate
+    attn_phase = {"fwd": attn, "bwd": attn * (3 if job.checkpointing else 2)}
+    exposed += sum(max(0.0, coll_time(cl, links) - attn_phase[cl.phase]) * cl.per_step
+                   for cl in exchanges if cl.op == "ring")
     if o.base == "ddp":
         for cl in net:  # overlapped with the last micro-batch's backward, except the last bucket
             t = coll_time(cl, links)
@@ -249,7 +337,7 @@ def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, co
     for cl in colls:
         if cl.where == "host":
             other += coll_time(cl, links) * cl.per_step
-    P_t = spec.total_params if job.tuner == "full" else spec.lora_params(job.lora_r, job.lora_targets)
+    P_t = local_params(spec, job.tp) if job.tuner == "full" else spec.lora_params(job.lora_r, job.lora_targets)
     per_rank_params = P_t / (shard_n if o.base in ("fsdp", "deepspeed") else 1)
     cpu_step = (o.base == "fsdp" and o.cpu_offload) or (o.base == "deepspeed" and o.offload_optimizer)
     if cpu_step:
@@ -262,5 +350,5 @@ def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, co
     other += overhead
     step = compute + exposed + other
     comm_bytes = sum(cl.wire() * cl.per_step for cl in net + exchanges)
-    tokens = job.world * job.tokens * ga
+    tokens = job.world // job.tp * job.tokens * ga  # the tp ranks of a group train the same tokens
     return Timing(comm_bytes, compute, exposed, other, step, tokens / step if step > 0 else 0.0, colls, overhead)

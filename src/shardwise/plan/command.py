@@ -19,7 +19,7 @@ SHARED_KEYS = ["model", "strategy", "seq_len", "micro_batch_size", "grad_accum",
                "mixed_precision", "param_dtype", "gradient_checkpointing", "packing", "nproc_per_node",
                "fsdp.reshard_after_forward", "fsdp.keep_gathered_one_rank", "fsdp.hybrid", "fsdp.shard_group_size",
                "fsdp.cpu_offload", "fsdp.wrap", "fsdp.prefetch", "deepspeed.stage", "deepspeed.offload_optimizer",
-               "deepspeed.offload_params", "compile", "fused_loss", "sequence_parallel"]
+               "deepspeed.offload_params", "compile", "fused_loss", "sequence_parallel", "tensor_parallel", "sp_mode"]
 
 
 def add_parser(subparsers) -> None:
@@ -94,17 +94,31 @@ def build(args):
                        ranks_per_node=per_node if gpus is None else None)
     spec = resolve_model(cfg.model)
     job = job_from_config(cfg, setup)
-    if job.sp > 1 and (setup.world % job.sp or spec.num_heads % job.sp):
+    if job.sp > 1 and (setup.world % job.sp or (job.sp_mode == "ulysses" and spec.num_heads % job.sp)):
         raise ShardwiseError(f"{res.where('sequence_parallel')}: sequence_parallel {job.sp} must divide the "
-                             f"{setup.world} ranks and the model's {spec.num_heads} attention heads (Ulysses)")
+                             f"{setup.world} ranks" + (f" and the model's {spec.num_heads} attention heads (Ulysses)"
+                                                       if job.sp_mode == "ulysses" else "")
+                             + "; --sp-mode auto or ring takes any degree that divides the ranks"
+                             * (job.sp_mode == "ulysses"))
+    if job.tp > 1:
+        from shardwise.plan.memory import tp_degrees
+
+        if job.tp not in tp_degrees(spec, setup.gpus_per_node):
+            ok = tp_degrees(spec, setup.gpus_per_node)
+            raise ShardwiseError(f"{res.where('tensor_parallel')}: tensor_parallel {job.tp} must divide the "
+                                 f"{setup.gpus_per_node} GPUs per node, the model's {spec.num_heads} attention heads, "
+                                 f"{spec.num_kv_heads} KV heads and MLP width {spec.intermediate_size}; "
+                                 + (f"degrees that do: {', '.join(map(str, ok))}" if ok else "no degree > 1 does"))
     configured = None
     if getattr(args, "config", None) or res.explicit("strategy"):
         configured = cfg.strategy if cfg.strategy != "auto" else None
     plan = plan_model(spec, job, setup, configured=configured, cfg=cfg)
     if setup.world > 1:
-        from shardwise.plan.decide import sequence_parallel_rows
+        from shardwise.plan.decide import sequence_parallel_rows, tensor_parallel_rows
 
-        plan.sp_rows = sequence_parallel_rows(spec, job, setup, configured or plan.recommended, cfg)
+        if job.tp == 1:  # TP with SP is refused before launch
+            plan.sp_rows = sequence_parallel_rows(spec, job, setup, configured or plan.recommended, cfg)
+        plan.tp_rows = tensor_parallel_rows(spec, job, setup, cfg)
     plan.lint = lint(plan, res)
     return plan, res
 
@@ -142,8 +156,9 @@ def _job_line(plan) -> str:
     dt = {4: "fp32"}.get(j.c, "fp16" if j.compute == "fp16" else "bf16")
     tuner = {"full": "full fine-tune", "lora": f"LoRA r={j.lora_r}", "qlora": f"QLoRA r={j.lora_r} (4-bit base)"}[j.tuner]
     return (f"{tuner}; micro-batch {j.micro_batch} x {j.seq_len} tokens, grad-accum {j.grad_accum} "
-            f"(global {j.micro_batch * j.grad_accum * j.world // j.sp} sequences)"
+            f"(global {j.micro_batch * j.grad_accum * j.dp} sequences)"
             + (f"; sequence parallel {j.sp} ({j.seq_len // j.sp} tokens per rank)" if j.sp > 1 else "")
+            + (f"; tensor parallel {j.tp}" if j.tp > 1 else "")
             + f"; compute {dt}, weights/grads/optimizer "
             f"{j.param_dtype}; checkpointing {'on' if j.checkpointing else 'off'}; packing {'on' if j.packing else 'off'}; "
             f"compile {'on' if j.compile else 'off'}; fused loss {'on' if j.fused_loss else 'off'}")
@@ -190,17 +205,39 @@ def render(plan, sim=None) -> str:
         if sp.notes:
             lines.append(f"  {sp.strategy}: " + "; ".join(sp.notes))
     if plan.sp_rows:
-        lines += ["", f"sequence parallel (Ulysses; degrees dividing the ranks and the {s.num_heads} heads), "
-                      f"{plan.sp_rows[0]['strategy']}:",
-                  f"  {'SP':>3s}{'per rank ' + unit:>16s}  {'fits':5s}{'step s':>9s}{'tokens/s':>11s}{'all-to-all GB':>15s}"]
+        which = (f"degrees dividing the ranks and the {s.num_heads} heads" if plan.job.sp_mode == "ulysses" else
+                 f"--sp-mode {plan.job.sp_mode}: degrees dividing the ranks")
+        lines += ["", f"sequence parallel ({which}), {plan.sp_rows[0]['strategy']}:",
+                  f"  {'SP':>3s} {'mode':18s}{'per rank ' + unit:>14s}  {'fits':5s}{'step s':>9s}{'tokens/s':>11s}"
+                  f"{'exchange GB':>13s}"]
         for r in plan.sp_rows:
             mark = ">" if r["sp"] == plan.job.sp else " "
-            lines.append(f"{mark} {r['sp']:>3d}{r['mem_gib'] * scale:16.2f}  {'yes' if r['fits'] else 'NO':5s}"
-                         f"{r['step_time_s']:9.3f}{r['tokens_per_s']:11,.0f}{r['exchange_gb_per_step']:15.2f}")
-    lines += ["", f"recommended: {plan.recommended}"] + [f"  - {r}" for r in plan.reasons]
+            lines.append(f"{mark} {r['sp']:>3d} {r['mode']:18s}{r['mem_gib'] * scale:14.2f}  "
+                         f"{'yes' if r['fits'] else 'NO':5s}{r['step_time_s']:9.3f}{r['tokens_per_s']:11,.0f}"
+                         f"{r['exchange_gb_per_step']:13.2f}")
+    if plan.tp_rows:
+        lines += ["", f"tensor parallel (degrees dividing the {h.gpus_per_node} GPUs per node, the {s.num_heads} heads, "
+                      f"{s.num_kv_heads} KV heads and MLP width {s.intermediate_size}):",
+                  f"  {'TP':>3s} {'strategy':14s}{'per rank ' + unit:>14s}  {'fits':5s}{'step s':>9s}{'tokens/s':>11s}"
+                  f"{'TP comm GB':>12s}"]
+        for r in plan.tp_rows:
+            mark = ">" if r["tp"] == plan.job.tp and r["strategy"] == (plan.configured or plan.recommended) else " "
+            lines.append(f"{mark} {r['tp']:>3d} {r['strategy']:14s}{r['mem_gib'] * scale:14.2f}  "
+                         f"{'yes' if r['fits'] else 'NO':5s}{r['step_time_s']:9.3f}{r['tokens_per_s']:11,.0f}"
+                         f"{r['tp_comm_gb_per_step']:12.2f}")
+    par = plan.parallel
+    chosen = ""
+    if par.get("chosen"):
+        chosen = (f" with --tensor-parallel {par['tensor_parallel']}" if par["tensor_parallel"] > 1 else
+                  f" with --sequence-parallel {par['sequence_parallel']} (--sp-mode {par['sp_mode']})")
+    lines += ["", f"recommended: {plan.recommended}{chosen}"] + [f"  - {r}" for r in plan.reasons]
     t = plan.tree
     lines += ["", f"article's decision tree: {t['path']} (says {t['says']}); planner: {t['planner']} — "
                   f"{'agree' if t['agree'] else 'differ'}"] + [f"  - {w}" for w in t["why"]]
+    if "parallel" in t:
+        tp_ = t["parallel"]
+        lines += [f"  and further down: {tp_['path']} (says {tp_['says']}); planner: {tp_['planner']}"] + \
+            [f"  - {w}" for w in tp_["why"]]
     lines.append(f"  (the tree comes from {t['source']})")
     if plan.configured:
         from shardwise.plan.decide import fit_advice

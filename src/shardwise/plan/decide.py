@@ -22,6 +22,7 @@ from shardwise.plan.memory import (
     Opts,
     estimate,
     shard_ranks,
+    tp_degrees,
 )
 from shardwise.plan.model_spec import ModelSpec
 
@@ -117,7 +118,8 @@ class StrategyPlan:
                 "compute_s": round(t.compute_s, 5), "exposed_comm_s": round(t.exposed_comm_s, 5),
                 "other_s": round(t.other_s, 5),
                 "collectives": [{"op": c.op, "gb": round(c.bytes / 1e9, 4), "ranks": c.ranks, "link": c.where,
-                                 "per_step": c.per_step} for c in t.collectives],
+                                 "per_step": c.per_step, **({"kind": c.kind} if c.kind else {})}
+                                for c in t.collectives],
                 "notes": self.notes}
 
 
@@ -134,6 +136,10 @@ class Plan:
     lint: list = field(default_factory=list)
     assumptions: list = field(default_factory=list)
     sp_rows: list = field(default_factory=list)  # sequence_parallel_rows(): one per feasible SP degree
+    tp_rows: list = field(default_factory=list)  # tensor_parallel_rows(): per TP degree and fsdp preset
+    # the degrees the recommendation runs with: the job's, or those auto chose when data parallelism alone does not
+    # fit (choose_parallel); `launch` applies them with the recommended strategy
+    parallel: dict = field(default_factory=dict)
 
     def for_strategy(self, name: str) -> StrategyPlan:
         for s in self.strategies:
@@ -166,6 +172,9 @@ class Plan:
             "lint": self.lint,
             "assumptions": self.assumptions,
             "sequence_parallel": self.sp_rows,
+            "tensor_parallel": self.tp_rows,
+            "parallel": self.parallel or {"strategy": self.recommended, "tensor_parallel": j.tp,
+                                          "sequence_parallel": j.sp, "sp_mode": j.sp_mode, "chosen": False},
         }
 
 
@@ -190,8 +199,17 @@ def opts_for(name: str, cfg=None) -> Opts:
                 offload_params=d.offload_params)
 
 
-def preset_names(setup: Setup) -> list[str]:
-    return [name for name, p in presets.PRESETS.items() if p.planned_for(setup.world, setup.nodes)]
+def preset_names(setup: Setup, tp: int = 1) -> list[str]:
+    """The presets `plan` lists; under tensor parallelism only those TP composes with (the fsdp presets, and
+    single when the tp group is the whole world: pure TP)."""
+    names = [name for name, p in presets.PRESETS.items() if p.planned_for(setup.world, setup.nodes)]
+    if tp > 1:
+        names = [n for n in names if presets.base_strategy(n) == "fsdp"] + (["single"] if setup.world == tp else [])
+    return names
+
+
+def offloads(o: Opts) -> bool:
+    return o.cpu_offload or o.offload_optimizer or o.offload_params
 
 
 # ----------------------------------------------------------------------------- core
@@ -199,7 +217,7 @@ def preset_names(setup: Setup) -> list[str]:
 
 def plan_strategy(spec: ModelSpec, job: Job, setup: Setup, name: str, opts: Opts) -> StrategyPlan:
     mem = estimate(spec, job, opts)
-    n = shard_ranks(job, opts)
+    n = max(1, shard_ranks(job, opts) // job.tp)  # data-parallel sharding: over the ranks of one tp position
     timing = step_time(spec, job, opts, n, setup.links(), Compute(setup.peak_flops, setup.mfu_for(job)))
     fits_dev = mem.total / GiB <= setup.device_mem_gib
     host_need = mem.host * setup.gpus_per_node / GiB
@@ -217,17 +235,21 @@ def plan_strategy(spec: ModelSpec, job: Job, setup: Setup, name: str, opts: Opts
                         fits_dev and fits_host, setup.device_mem_gib, notes)
 
 
-def plan_model(spec: ModelSpec, job: Job, setup: Setup, configured: str | None = None, cfg=None) -> Plan:
-    """Plan every preset for a model, a job and a setup; recommend one."""
+def plan_model(spec: ModelSpec, job: Job, setup: Setup, configured: str | None = None, cfg=None,
+               escalate: bool = True) -> Plan:
+    """Plan every preset for a model, a job and a setup; recommend one (with a sequence- or tensor-parallel degree
+    when data parallelism alone does not fit: choose_parallel; `escalate` False plans the job's degrees only)."""
     if setup.world < 1 or setup.gpus_per_node < 1 or setup.nodes < 1:
         raise ShardwiseError(f"a plan needs at least one rank (gpus {setup.gpus_per_node}, nodes {setup.nodes})")
-    names = preset_names(setup)
+    names = preset_names(setup, job.tp)
     if configured and configured in presets.PRESETS and configured not in names:
         names.append(configured)
     plans = [plan_strategy(spec, job, setup, n, opts_for(n, cfg)) for n in names]
     plan = Plan(spec, job, setup, plans, "", [], {}, configured)
     plan.recommended, plan.reasons = recommend(plan)
     plan.tree = decision_tree(plan)
+    if escalate:
+        choose_parallel(plan, cfg)
     plan.assumptions = assumptions(plan)
     return plan
 
@@ -353,6 +375,20 @@ def assumptions(plan: Plan) -> list[str]:
            + (" (measured matmul rate)" if "doctor" in " ".join(s.notes) and s.accelerator == "cpu" else "")
            + "; communication overlapped with compute where the strategy does it",
            ]
+    if j.tp > 1:
+        out.append(f"tensor parallel {j.tp}: q/k/v/gate/up column-wise, o/down row-wise, norms sequence-parallel, "
+                   "embedding and head vocabulary-sharded with loss_parallel (no fused chunked head: the logits are "
+                   "T x V/tp per rank); per layer 2 all-gathers + 2 reduce-scatters of T x h each way on the "
+                   "intra-node link, not overlapped; FLOPs per rank / tp")
+    if j.sp > 1:
+        from shardwise.plan.comm import sp_split
+
+        u, r = sp_split(plan.spec, j)
+        out.append(f"sequence parallel {j.sp} ({sp_mode_label(plan.spec, j)}): "
+                   + (f"Ulysses over {u} ranks, 4 all-to-alls per layer each way, not overlapped" if u > 1 else "")
+                   + ("; " if u > 1 and r > 1 else "")
+                   + (f"ring attention over {r} ranks, {r - 1} KV exchanges per layer each way (and dK/dV in "
+                      "backward), overlapped with the attention compute" if r > 1 else ""))
     if s.accelerator == "cuda":
         out.append(f"allowance per GPU: CUDA context {hardware_ctx():.2f} GiB + 7% allocator fragmentation")
     else:
@@ -418,26 +454,31 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
         for combo in itertools.combinations(levers, k):
             changes = {key: v for _, ch in combo for key, v in ch.items()}
             add(1, " ".join(t for t, _ in combo), dataclasses.replace(j, **changes))
-    for name in preset_names(plan.setup):
+    for name in preset_names(plan.setup, j.tp):
         if name != strategy_name and "offload" not in name:
             add(0, f"--strategy {name}", name=name)
             if not j.checkpointing:
                 add(0, f"--strategy {name} --gradient-checkpointing", dataclasses.replace(j, checkpointing=True), name)
     for name in ("fsdp-offload", "zero3-offload"):
-        if name != strategy_name:
+        if name != strategy_name and (j.tp == 1 or presets.base_strategy(name) == "fsdp"):
             add(1, f"--strategy {name}", name=name)
     s = plan.setup
+    if j.sp == 1 and j.tp == 1 and s.world > 1:  # split the sequence, or the weights (TP: fsdp, full fine-tune)
+        if sp.base != "single":
+            for d in sp_degrees(plan.spec, j, s.world):
+                add(1, f"--sequence-parallel {d}", dataclasses.replace(j, sp=d))
+        if sp.base == "fsdp" and j.tuner == "full":
+            for d in tp_degrees(plan.spec, s.gpus_per_node):
+                add(1, f"--tensor-parallel {d}", dataclasses.replace(j, tp=d))
     sharded = strategy_name if sp.base in ("fsdp", "deepspeed") else "fsdp"
     for mult in (2, 4, 8):
         if s.accelerator == "cuda":
             more = dataclasses.replace(s, nodes=s.nodes * mult)
             add(2, f"{more.world} GPUs ({more.nodes} nodes) with --strategy {sharded}",
                 dataclasses.replace(j, world=more.world, nodes=more.nodes), sharded, more)
-    if j.tuner == "full":
-        add(3, "--tuner lora", dataclasses.replace(j, tuner="lora"))
-        add(3, "--tuner qlora", dataclasses.replace(j, tuner="qlora"))
-    elif j.tuner == "lora":
-        add(3, "--tuner qlora", dataclasses.replace(j, tuner="qlora"))
+    adapters = {"full": ["lora", "qlora"], "lora": ["qlora"]}.get(j.tuner, []) if j.tp == 1 else []  # TP: full only
+    for tuner in adapters:
+        add(3, f"--tuner {tuner}", dataclasses.replace(j, tuner=tuner))
     ok = [c for c in cands if c[2].fits]
     if not ok:
         return head + "; no change found that fits (alone, or param dtype, checkpointing and micro-batch together): use a smaller model, more or larger GPUs"
@@ -447,17 +488,172 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
             f"(~{best.memory.total / GiB:.1f} GiB, ~{best.tokens_per_s:,.0f} tokens/s)")
 
 
+def sp_degrees(spec: ModelSpec, job: Job, world: int) -> list[int]:
+    """Sequence-parallel degrees > 1 for these ranks: dividing them; under --sp-mode ulysses also the heads (ring
+    and auto's Ulysses x ring take any degree)."""
+    return [d for d in range(2, world + 1)
+            if world % d == 0 and (job.sp_mode != "ulysses" or spec.num_heads % d == 0)]
+
+
+def sp_mode_label(spec: ModelSpec, job: Job) -> str:
+    """How a sequence-parallel degree splits attention: 'ulysses', 'ring', or 'ulysses U x ring R'."""
+    from shardwise.plan.comm import sp_split
+
+    if job.sp <= 1:
+        return "-"
+    u, r = sp_split(spec, job)
+    return "ulysses" if r == 1 else "ring" if u == 1 else f"ulysses {u} x ring {r}"
+
+
+def _exchange_gb(sp: StrategyPlan, kind: str) -> float:
+    return round(sum(c.wire() * c.per_step for c in sp.timing.collectives if c.kind == kind) / 1e9, 4)
+
+
 def sequence_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, strategy: str, cfg=None) -> list[dict]:
-    """`strategy` at every sequence-parallel degree this setup allows (dividing the ranks and the attention heads,
-    as Ulysses needs): per-rank memory, fit and speed, so a length that does not fit shows the degree that does."""
+    """`strategy` at every sequence-parallel degree this setup allows (sp_degrees): per-rank memory, fit and speed,
+    so a length that does not fit shows the degree that does."""
     rows = []
-    for d in range(1, setup.world + 1):
-        if setup.world % d or spec.num_heads % d:
-            continue
-        sp = plan_model(spec, dataclasses.replace(job, sp=d), setup, configured=strategy, cfg=cfg).for_strategy(strategy)
-        rows.append({"sp": d, "strategy": strategy, "mem_gib": round(sp.memory.total / GiB, 4), "fits": sp.fits,
+    for d in [1] + sp_degrees(spec, job, setup.world):
+        j = dataclasses.replace(job, sp=d)
+        sp = plan_model(spec, j, setup, configured=strategy, cfg=cfg, escalate=False).for_strategy(strategy)
+        rows.append({"sp": d, "mode": sp_mode_label(spec, j), "strategy": strategy,
+                     "mem_gib": round(sp.memory.total / GiB, 4), "fits": sp.fits,
                      "step_time_s": round(sp.timing.step_s, 5), "tokens_per_s": round(sp.timing.tokens_per_s, 1),
-                     "exchange_gb_per_step": round(sum(c.wire() * c.per_step for c in sp.timing.collectives
-                                                      if c.op == "all_to_all") / 1e9, 4)})
+                     "exchange_gb_per_step": _exchange_gb(sp, "sp")})
     return rows
 
+
+def tensor_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, cfg=None) -> list[dict]:
+    """The fsdp presets (and single as pure TP where the tp group is every rank) at every tensor-parallel degree
+    the node and the model allow (memory.tp_degrees; 1 first, for comparison). None for LoRA/QLoRA or with
+    sequence parallelism (TP with either is refused before launch) or where no degree divides."""
+    degrees = tp_degrees(spec, setup.gpus_per_node)
+    if job.tuner != "full" or job.sp > 1 or not degrees or setup.world < 2:
+        return []
+    rows = []
+    for d in [1] + degrees:
+        sub = plan_model(spec, dataclasses.replace(job, tp=d), setup, cfg=cfg, escalate=False)
+        for sp in sub.strategies:
+            if sp.base == "fsdp" or (sp.base == "single" and d > 1):
+                rows.append({"tp": d, "strategy": sp.strategy, "mem_gib": round(sp.memory.total / GiB, 4),
+                             "fits": sp.fits, "step_time_s": round(sp.timing.step_s, 5),
+                             "tokens_per_s": round(sp.timing.tokens_per_s, 1),
+                             "tp_comm_gb_per_step": _exchange_gb(sp, "tp")})
+    return rows
+
+
+# ----------------------------------------------------------------------------- sequence / tensor parallel when
+# data parallelism alone does not fit (--strategy auto)
+
+TREE_TP = "model > 70B -> Megatron / tensor parallel"
+TREE_SP = "long sequences -> Ulysses / Ring"
+
+
+def _fastest_simplest(fitting: list) -> StrategyPlan:
+    """recommend()'s rule: the fastest, and within TIE of it the simplest."""
+    fastest = max(fitting, key=lambda s: s.tokens_per_s)
+    close = [s for s in fitting if s.tokens_per_s >= (1 - TIE) * fastest.tokens_per_s]
+    return min(close, key=lambda s: presets.PRESETS[s.strategy].simplicity)
+
+
+def _first_fit(plan: Plan, kind: str, cfg) -> tuple[int, StrategyPlan, bool] | None:
+    """The smallest degree of `kind` (sp | tp) at which a preset without offload fits, the preset, and whether a
+    smaller degree was tried."""
+    spec, job, setup = plan.spec, plan.job, plan.setup
+    if kind == "tp":
+        if job.tuner != "full":  # TP with LoRA is refused before launch
+            return None
+        degrees = tp_degrees(spec, setup.gpus_per_node)
+    else:
+        degrees = sp_degrees(spec, job, setup.world)
+    for n, d in enumerate(degrees):
+        sub = plan_model(spec, dataclasses.replace(job, **{kind: d}), setup, cfg=cfg, escalate=False)
+        # TP: the fsdp presets (FSDP over the data-parallel ranks, TP inside the node), as issue 20 asks
+        ok = [s for s in sub.strategies if s.fits and not offloads(s.opts) and (kind == "sp" or s.base == "fsdp")]
+        if ok:
+            return d, _fastest_simplest(ok), n > 0
+    return None
+
+
+def choose_parallel(plan: Plan, cfg=None) -> None:
+    """When no data-parallel preset fits without offload, the smallest sequence- or tensor-parallel degree that
+    does: activations at least half of the smallest preset's peak mean the sequence is what does not fit
+    (sequence parallelism first, the tree's "long sequences -> Ulysses/Ring"); otherwise the model's states and
+    gathered weights (tensor parallelism first: every weight, its gathered copy and the activations divide by tp;
+    the tree's "> 70B -> Megatron/tensor parallel"). Chosen over an offload preset that fits only when faster.
+    Sets plan.recommended, plan.reasons, plan.parallel and the tree's `parallel` entry."""
+    job, spec, setup = plan.job, plan.spec, plan.setup
+    if job.tp > 1 or job.sp > 1 or setup.world < 2:
+        return
+    plain = [s for s in plan.strategies if not offloads(s.opts)]
+    if not plain or any(s.fits for s in plain):
+        return
+    lean = min(plain, key=lambda s: s.memory.total)
+    m = lean.memory
+    long_seq = m.activations >= 0.5 * m.peak_tensors
+    order = ("sp", "tp") if long_seq else ("tp", "sp")
+    found, kind = None, order[0]
+    for kind in order:
+        found = _first_fit(plan, kind, cfg)
+        if found:
+            break
+    mem = setup.device_mem_gib
+    cause = (f"activations are {_gib(m.activations / GiB)} of its {_gib(m.peak_tensors / GiB)} peak: the sequence "
+             f"({job.micro_batch} x {job.seq_len} tokens) is what does not fit" if long_seq else
+             f"weights, gradients and optimizer states are {_gib((m.params + m.grads + m.optimizer) / GiB)} and "
+             f"activations {_gib(m.activations / GiB)} of its {_gib(m.peak_tensors / GiB)} peak: the model is what "
+             "does not fit")
+    head = (f"data parallelism alone does not fit in {mem:.1f} GiB per rank without offload (the smallest, "
+            f"{lean.strategy}, needs {_gib(m.total / GiB)}); {cause}")
+    if found is None:
+        if not any(s.fits for s in plan.strategies):  # (where an offload preset fits, recommend() said why)
+            plan.reasons.append(head + "; no sequence- or tensor-parallel degree these ranks and this model "
+                                       "allow fits either")
+        return
+    d, pick, tried_smaller = found
+    if kind != order[0]:
+        cause += ("; but no sequence-parallel degree fits (the states stay), so tensor parallelism, which divides "
+                  "them too" if kind == "tp" else "; but no tensor-parallel degree fits, so sequence parallelism")
+        head = (f"data parallelism alone does not fit in {mem:.1f} GiB per rank without offload (the smallest, "
+                f"{lean.strategy}, needs {_gib(m.total / GiB)}); {cause}")
+    j = dataclasses.replace(job, **{kind: d})
+    if kind == "tp":
+        what = f"{pick.strategy} + tensor parallel {d}"
+        how = (f"tensor parallel {d} splits every weight, its gathered copy and the activations over {d} ranks of a "
+               f"node ({spec.num_heads // d} heads and {text.plural(spec.num_kv_heads // d, 'KV head')} per rank); it adds "
+               f"{_exchange_gb(pick, 'tp'):.2f} GB of all-gathers and reduce-scatters per rank per step on the "
+               "intra-node link, not hidden behind compute")
+        tree = {"path": TREE_TP, "says": "tensor parallel",
+                "why": ["the numbers agree: the model is above 70B" if spec.total_params > 70e9 else
+                        f"the tree reaches tensor parallelism above 70B; this model has {text.count(spec.total_params)}"
+                        f" params, but data parallelism alone does not fit {mem:.1f} GiB per rank"]}
+    else:
+        what = f"{pick.strategy} + sequence parallel {d} ({sp_mode_label(spec, j)})"
+        how = (f"sequence parallel {d} gives each rank {job.seq_len // d} of the {job.seq_len} tokens of a sequence; "
+               f"it adds {_exchange_gb(pick, 'sp'):.2f} GB of attention exchanges per rank per step")
+        tree = {"path": TREE_SP, "says": "sequence parallel", "why": ["the numbers agree: the sequence is what does "
+                                                                      "not fit" if long_seq else
+                                                                      "the numbers reach it though the sequence "
+                                                                      "is not what takes most of the memory"]}
+    offload = [s for s in plan.strategies if s.fits and offloads(s.opts)]
+    if offload:
+        o = max(offload, key=lambda s: s.tokens_per_s)
+        if o.tokens_per_s > pick.tokens_per_s:
+            plan.reasons.append(head + f"; {what} fits ({_gib(pick.memory.total / GiB)}) but {o.strategy} is faster "
+                                       f"({o.tokens_per_s:,.0f} vs {pick.tokens_per_s:,.0f} tokens/s)")
+            return
+    smaller = "; no smaller degree fits" if tried_smaller else ""
+    plan.recommended = pick.strategy
+    plan.reasons = [head,
+                    f"{what} fits: {_gib(pick.memory.total / GiB)} of {mem:.1f} GiB per rank "
+                    f"({_gib(pick.headroom_gib)} headroom; peak at {pick.memory.phase}), "
+                    f"{pick.tokens_per_s:,.0f} tokens/s predicted{smaller}", how]
+    if offload:
+        o = max(offload, key=lambda s: s.tokens_per_s)
+        plan.reasons.append(f"{o.strategy} fits too but is slower ({o.tokens_per_s:,.0f} tokens/s): offload is only "
+                            "worth it when nothing else fits")
+    plan.parallel = {"strategy": pick.strategy, "tensor_parallel": j.tp, "sequence_parallel": j.sp,
+                     "sp_mode": j.sp_mode, "chosen": True, "mem_gib": round(pick.memory.total / GiB, 4),
+                     "tokens_per_s": round(pick.tokens_per_s, 1), "step_time_s": round(pick.step_time_s, 5)}
+    plan.tree = {**plan.tree, "planner": pick.strategy, "agree": plan.tree["says"] == pick.strategy,
+                 "parallel": {**tree, "planner": what, "agree": True}}

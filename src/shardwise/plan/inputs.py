@@ -29,7 +29,8 @@ def job_from_config(cfg, setup: Setup) -> Job:
                param_dtype=cfg.param_dtype, checkpointing=cfg.gradient_checkpointing, packing=cfg.packing,
                device_mem_gib=setup.device_mem_gib, host_mem_gib=setup.host_mem_gib, accelerator=setup.accelerator,
                fused_loss=cfg.fused_loss, compile=compile_on(cfg.compile, setup.accelerator),
-               sp=getattr(cfg, "sequence_parallel", 1), tp=getattr(cfg, "tensor_parallel", 1))
+               sp=getattr(cfg, "sequence_parallel", 1), tp=getattr(cfg, "tensor_parallel", 1),
+               sp_mode=getattr(cfg, "sp_mode", "auto"))
 
 
 def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, nodes: int = 1,

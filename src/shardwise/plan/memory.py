@@ -3,7 +3,8 @@
 All sizes are bytes per rank. The formulas are written out in docs/planner.md; the names
 here follow it: P parameters (P_t trainable), N ranks that share a shard, c compute-dtype
 bytes, w storage bytes of trainable weights, r bytes of the residual stream, T = B*S tokens
-per micro-batch per rank, V vocab, h hidden, i intermediate.
+per micro-batch per rank, V vocab, h hidden, i intermediate. Tensor parallelism (Job.tp): the "tensor parallelism"
+section below says what one rank of a tp group holds.
 
 The peak is the largest of these moments of a step (gradients are freed by zero_grad and
 activations are freed by backward, so they are not alive in full at the same time):
@@ -19,6 +20,7 @@ activations are freed by backward, so they are not alive in full at the same tim
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -88,6 +90,7 @@ class Job:
     frozen_head_grad: bool = False
     sp: int = 1  # sequence-parallel degree: each rank holds 1/sp of every sequence (config `sequence_parallel`)
     tp: int = 1  # tensor-parallel degree: each rank holds 1/tp of every block linear (config `tensor_parallel`)
+    sp_mode: str = "auto"  # ulysses | ring | auto (Ulysses gcd(heads, sp), ring for the rest; config `sp_mode`)
 
     @property
     def gpus_per_node(self) -> int:
@@ -95,8 +98,14 @@ class Job:
 
     @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch on one rank (a 1/sp slice of each sequence under sequence parallelism)."""
+        """Tokens of one micro-batch on one rank (a 1/sp slice of each sequence under sequence parallelism); under
+        tensor parallelism the tp ranks share these tokens (the formulas divide what each holds by tp)."""
         return self.micro_batch * self.seq_len // self.sp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: the groups that train different rows (world / (sp x tp))."""
+        return max(1, self.world // (self.sp * self.tp))
 
     @property
     def c(self) -> int:
@@ -183,6 +192,40 @@ def unit_params(spec: ModelSpec, o: Opts) -> tuple[float, int]:
     return P_l, spec.num_layers
 
 
+# ----------------------------------------------------------------------------- tensor parallelism
+# The TP plan modelled (issue 20, strategies/parallelize.py): q/k/v/gate/up column-wise, o/down row-wise, the norms
+# SequenceParallel (the residual stream between the linears is sharded over the tp ranks along the sequence), the
+# embedding vocabulary-sharded (RowwiseParallel) and the head column-wise with loss_parallel (logits sharded over the
+# vocabulary, never gathered). Split over tp: every block linear, the embedding and the head; replicated: the norms.
+
+
+def tp_split(spec: ModelSpec) -> float:
+    """Parameters that tensor parallelism splits over the tp ranks (block linears, embedding, untied head)."""
+    return spec.num_layers * spec.layer_linear_params + spec.embed_params + spec.head_params
+
+
+def local_params(spec: ModelSpec, tp: int) -> float:
+    """Parameters one rank of a tp group holds (all of them at tp 1)."""
+    return spec.total_params - tp_split(spec) * (1 - 1 / tp)
+
+
+def local_layer_params(spec: ModelSpec, tp: int) -> float:
+    """One block's parameters on one rank of a tp group."""
+    return spec.layer_params - spec.layer_linear_params * (1 - 1 / tp)
+
+
+def local_root_params(spec: ModelSpec, tp: int) -> float:
+    """The root unit's parameters (embedding, final norm, head) on one rank of a tp group."""
+    return spec.root_params - (spec.embed_params + spec.head_params) * (1 - 1 / tp)
+
+
+def tp_degrees(spec: ModelSpec, gpus_per_node: int) -> list[int]:
+    """Tensor-parallel degrees > 1 a node can take for this model: dividing the GPUs per node (TP stays on the
+    intra-node link), the attention heads, the KV heads and the MLP width (launch.check_tensor_parallel's rule)."""
+    return [d for d in range(2, gpus_per_node + 1)
+            if not (gpus_per_node % d or spec.num_heads % d or spec.num_kv_heads % d or spec.intermediate_size % d)]
+
+
 # ----------------------------------------------------------------------------- activations
 
 
@@ -199,8 +242,11 @@ def residual_bytes(job: Job, o: Opts) -> int:
 
 
 def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
-    """Saved-for-backward bytes of one decoder block, without checkpointing (HF Llama, SDPA)."""
-    T, h, i, c = job.tokens, spec.hidden_size, spec.intermediate_size, job.c
+    """Saved-for-backward bytes of one decoder block, without checkpointing (HF Llama, SDPA).
+    Tensor parallelism (job.tp > 1) divides every term by tp: the attention and MLP interiors by heads and columns,
+    the norms (SequenceParallel) by sequence; only the inputs of the column-wise linears stay whole, because each
+    is the all-gathered (full-sequence) norm output, saved once by the q/k/v (gate/up) matmuls."""
+    T, h, i, c, tp = job.tokens, spec.hidden_size, spec.intermediate_size, job.c, job.tp
     r = residual_bytes(job, o)
     # inputs of linears are cast per consumer under autocast (nothing shares them), unless DeepSpeed's linear saves
     # the uncast input, once for the projections that share it
@@ -211,17 +257,17 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     full = job.tuner == "full"
     d = {}
     # RMSNorm: fp32 copy of the input (saved by pow/mul) + normalised value (saved by weight*x when the weight trains)
-    d["norms"] = nrm * T * h * (4 + (r if full else 0))
+    d["norms"] = nrm * T * h * (4 + (r if full else 0)) / tp
     # inputs of the projections: q/k/v share the first norm's output, gate/up the second's (3+2 casts under autocast)
-    lin_in = {"qkv": T * h * (3 * c if autocast else r), "o": T * spec.q_dim * c,
-              "gate_up": T * h * (2 * c if autocast else r), "down": T * i * c}
+    lin_in = {"qkv": T * h * (3 * c if autocast else r), "o": T * spec.q_dim * c / tp,
+              "gate_up": T * h * (2 * c if autocast else r), "down": T * i * c / tp}
     # attention: rotated q, k, v (repeated to all heads when a mask is used), SDPA output, its contiguous copy
     # (the o_proj input, counted above) and the fp32 log-sum-exp
-    d["attention"] = T * c * (spec.q_dim + 2 * kv + spec.q_dim) + 4 * spec.num_heads * job.tokens
+    d["attention"] = (T * c * (spec.q_dim + 2 * kv + spec.q_dim) + 4 * spec.num_heads * job.tokens) / tp
     # gated MLP: gate (silu input), up, silu(gate) (mul inputs); the product is the down_proj input
-    d["mlp"] = 3 * T * i * c
+    d["mlp"] = 3 * T * i * c / tp
     if spec.family == "gemma2":  # eager attention for softcapping: scores through tanh and softmax, O(S^2)
-        d["attention"] += 2 * c * job.micro_batch * spec.num_heads * job.seq_len ** 2
+        d["attention"] += 2 * c * job.micro_batch * spec.num_heads * job.seq_len ** 2 / tp
     if full:
         d["linear_inputs"] = sum(lin_in.values())
     else:
@@ -251,16 +297,18 @@ def head_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     T, h, V, c = job.tokens, spec.hidden_size, spec.vocab_size, job.c
     r = residual_bytes(job, o)
     full = job.tuner == "full"
+    tp = job.tp
+    # under TP the final norm runs on a sequence shard (SequenceParallel) and the head's input is all-gathered
     d = {"inputs": 16 * T + 2 * r * T * spec.head_dim,  # ids + labels (int64), rotary cos/sin
-         "final_norm": T * h * (4 + (r if full else 0) + (c if full else 0))}
+         "final_norm": T * h * (4 + (r if full else 0)) / tp + T * h * (c if full else 0)}
     if fused_head(spec, job):
         d.update(fused_loss_terms(spec, job, o))
     else:
         # logits in compute dtype (kept by the model output), log_softmax output in fp32 (saved), and during the
         # loss backward its incoming gradient and its result, both fp32: c*T*V + 3 * 4*T*V at the peak
         # (the c-dtype logits are freed after forward unless the caller keeps the output: log_softmax saves its own
-        # fp32 result, and .float() keeps nothing)
-        d["logits"] = (c * T * V if job.hold_outputs else 0) + 12 * T * V
+        # fp32 result, and .float() keeps nothing). Under TP, loss_parallel: each rank holds V/tp of every row.
+        d["logits"] = ((c * T * V if job.hold_outputs else 0) + 12 * T * V) / tp
         if spec.family == "gemma2":  # final logit softcapping keeps two more T*V tensors
             d["logits"] += 2 * c * T * V
     if job.packing and not long_packed(job):  # block-diagonal attention mask, bool, shared by the layers
@@ -269,8 +317,9 @@ def head_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
 
 
 def fused_head(spec: ModelSpec, job: Job) -> bool:
-    """Whether the engine's fused loss head runs (install_fused_loss skips heads whose logits are post-processed)."""
-    return job.fused_loss and spec.family != "gemma2"
+    """Whether the engine's fused loss head runs (install_fused_loss skips heads whose logits are post-processed;
+    under tensor parallelism the vocabulary-sharded head's loss_parallel replaces it)."""
+    return job.fused_loss and spec.family != "gemma2" and job.tp == 1
 
 
 def head_weight_bytes(job: Job, o: Opts) -> int:
@@ -384,7 +433,7 @@ def activations(spec: ModelSpec, job: Job, o: Opts) -> tuple[float, float, dict]
     per_layer = block_activations(spec, job, o)
     head = head_activations(spec, job, o)
     if job.checkpointing:  # only each block's input is kept; one block is recomputed at a time in backward
-        kept = spec.num_layers * job.tokens * spec.hidden_size * residual_bytes(job, o)
+        kept = spec.num_layers * job.tokens * spec.hidden_size * residual_bytes(job, o) / job.tp
     else:
         kept = spec.num_layers * per_layer
     detail = {"per_layer": per_layer, "layers_kept": kept, **{f"head.{k}": v for k, v in head.items()}}
@@ -418,8 +467,8 @@ class States:
 def trainable(spec: ModelSpec, job: Job) -> tuple[float, float, int]:
     """(trainable parameters, bytes of the frozen base, bytes per trainable weight)."""
     P, c, w = spec.total_params, job.c, job.w
-    if job.tuner == "full":
-        return P, 0.0, w
+    if job.tuner == "full":  # under TP, what one rank of the tp group holds
+        return local_params(spec, job.tp), 0.0, w
     base_linear = spec.num_layers * spec.layer_linear_params
     if job.tuner == "qlora":
         frozen = base_linear * QLORA_BYTES_PER_PARAM + (P - base_linear) * c
@@ -442,21 +491,24 @@ def replica_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> No
         # not; the fused head runs with autocast off and casts its weight itself: counted in its terms). Under
         # LoRA the frozen base is already in the compute dtype: only the adapters' weights are cast.
         head = spec.vocab_size * spec.hidden_size if fused_head(spec, job) else 0
-        st.extraA["autocast_weights"] = c * (spec.linear_params - head if job.tuner == "full" else P_t)
+        st.extraA["autocast_weights"] = c * ((spec.linear_params - head) / job.tp if job.tuner == "full" else P_t)
 
 
 def fsdp_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> None:
-    """FSDP2: states sharded over N ranks; units gathered around their forward and backward."""
-    P, c, P_t, tw = spec.total_params, job.c, st.P_t, st.tw
+    """FSDP2: states sharded over N ranks; units gathered around their forward and backward. Under tensor
+    parallelism every count is one tp rank's share (local_*): FSDP gathers the tp-local shards."""
+    c, P_t, tw = job.c, st.P_t, st.tw
+    P, root_params = local_params(spec, job.tp), local_root_params(spec, job.tp)
     U, _ = unit_params(spec, o)
+    U *= local_layer_params(spec, job.tp) / spec.layer_params
     rd = 4  # FSDP2 MixedPrecisionPolicy(reduce_dtype=fp32), as strategies/fsdp.py sets it
     st.params, st.grads, st.opt = (st.frozen + tw * P_t) / N, tw * P_t / N, 2 * tw * P_t / N
     gb = QLORA_BYTES_PER_PARAM if job.tuner == "qlora" else c  # gathered bytes per block parameter
-    root = spec.root_params * c  # embeddings, final norm, head: the root unit
+    root = root_params * c  # embeddings, final norm, head: the root unit
     if reshards(job, o):  # the root is resharded after forward too and gathered again for the head's backward
         st.extraA["gathered_units"] = 2 * gb * U  # the last unit (kept) + a prefetched one
     else:  # every unit stays gathered from its forward to its backward
-        st.extraA["gathered_all"] = root + gb * (P - spec.root_params)
+        st.extraA["gathered_all"] = root + gb * (P - root_params)
     # backward of a block: the root and the block's unit gathered, its unsharded grads (c) and their fp32
     # reduce-scatter input; the root's own backward comes last, when the block activations are gone (moment B)
     full = job.tuner == "full"
@@ -465,7 +517,7 @@ def fsdp_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> None:
     # the embedding's gradient, at its end: it is gathered beside every block's backward
     st.extraB["gathered"] = (root if reshards(job, o) else gb * U) + gb * U
     st.extraB["unsharded_grads+reduce_scatter"] = (c + rd) * g_unit
-    st.root_bwd = root + (c + rd) * (spec.root_params if full else 0)
+    st.root_bwd = root + (c + rd) * (root_params if full else 0)
     if job.grad_accum > 1:  # no-sync micro-batches keep unsharded gradients, accumulated in the reduce dtype
         st.extraA["unsharded_accumulated_grads"] = rd * P_t  # (freed unit by unit in the last backward)
     if o.cpu_offload and job.accelerator != "cpu":  # on CPU ranks "offloaded" state stays in the same memory
@@ -554,18 +606,6 @@ def zero3_reduce_moment(spec: ModelSpec, job: Job, o: Opts, N: int, st: States, 
     return moment_c, reduce_end, extraC
 
 
-def tensor_parallel_states(spec: ModelSpec, job: Job, st: States) -> None:
-    """Tensor parallelism (strategies/parallelize.py): every block linear is split over the tp ranks,
-    embeddings, norms and head replicated; the parameters, gradients and optimizer states of the
-    linears are divided by tp (a full fine-tune; LoRA with TP is refused before launch). The
-    gathered-unit buffers and the activations are not divided yet (an over-estimate: docs/tensor-parallel.md)."""
-    if job.tp == 1 or job.tuner != "full" or not spec.total_params:
-        return
-    linear = spec.num_layers * spec.layer_linear_params / spec.total_params  # the split share of the weights
-    keep = 1 - linear + linear / job.tp
-    st.params, st.grads, st.opt, st.host = st.params * keep, st.grads * keep, st.opt * keep, st.host * keep
-
-
 def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     """Per-rank memory of one steady-state step (optimizer states exist; grads set to None by zero_grad)."""
     if o.base not in FAMILY_STATES:
@@ -573,7 +613,6 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     N = max(1, shard_ranks(job, o) // job.tp)  # FSDP shards over the data-parallel ranks, not the tp ones
     st = States(*trainable(spec, job))
     FAMILY_STATES[o.base](spec, job, o, N, st)
-    tensor_parallel_states(spec, job, st)
     P_t, tw, grads, extraA, extraB, persist = st.P_t, st.tw, st.grads, st.extraA, st.extraB, st.persist
     offload_moves = job.accelerator != "cpu"
 
@@ -588,7 +627,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     moment_a = states + act_end + sum(extraA.values()) + accum_grads
     # end of backward: all grads, the first block's activations and their gradients (or the recomputed block)
     # a block's backward: its saved activations (recomputed under checkpointing) plus the gradients in flight
-    workspace = per_layer + job.tokens * (3 * spec.intermediate_size * job.c + 8 * spec.hidden_size)
+    workspace = per_layer + job.tokens * (3 * spec.intermediate_size * job.c + 8 * spec.hidden_size) / job.tp
     step_tmp = 0.0
     if o.base in ("single", "ddp", "fsdp") and not (o.base == "fsdp" and o.cpu_offload and offload_moves):
         # torch AdamW: fused on GPU needs no full-size temporaries; foreach (CPU) makes one sqrt(v) list
@@ -624,6 +663,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
               **{f"buffer_reduce.{k}": v for k, v in extraC.items()},
               **{f"act.{k}": v for k, v in act_detail.items()},
               "moment_a": moment_a, "moment_b": moment_b, "moment_b0": moment_b0, "moment_c": moment_c,
-              "trainable_params": P_t, "shard_ranks": N}
+              "trainable_params": P_t if job.tp == 1 else trainable(spec, dataclasses.replace(job, tp=1))[0],
+              "shard_ranks": N, **({"tp_local_params": P_t} if job.tp > 1 else {})}
     return Memory(params=st.params, grads=grads, optimizer=st.opt, activations=act_end, buffers=buffers,
                   peak_tensors=peak, allowance=allowance, host=st.host, phase=phase, detail=detail)

@@ -313,6 +313,9 @@ def simulate_plan(plan) -> dict:
     job = replace(plan.job, compile=False)  # blocks run eager here: compared with the eager analytic peak
     if job.tuner == "qlora":
         return {"results": [], "errors": [QLORA_NOT_SIMULATED]}
+    if job.tp > 1 or job.sp > 1:  # the fake run has no tp/sp mesh: it would measure another job
+        return {"results": [], "errors": ["tensor and sequence parallelism are not simulated (the fake process "
+                                          "group runs data parallelism only); the analytic plan stands"]}
     for name in names:
         sp = plan.for_strategy(name)
         from shardwise.plan.memory import shard_ranks
