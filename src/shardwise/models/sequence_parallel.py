@@ -184,7 +184,6 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
     if dropout:
         raise ShardwiseError("attention dropout is not supported with sequence parallelism; "
                              "set the model's attention_dropout to 0")
-    group, n = _state.group, _state.degree
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         raise ShardwiseError("sequence-parallel attention needs position_ids (the loop always passes them)")
