@@ -124,6 +124,7 @@ def sp_runs(tmp_path_factory, chat_data, single_ref):
         "ddp": (*SP2, "--strategy", "ddp", "--save-every", "6", "--no-save-final"),
         "single-packed": (*SINGLE, *PACKED, "--no-save-final"),
         "fsdp-packed": (*SP2, *PACKED, "--strategy", "fsdp", "--gradient-checkpointing", "--no-save-final"),
+        "ring-packed": (*SP2, *PACKED, "--strategy", "ddp", "--sp-mode", "ring", "--no-save-final"),
         # SP = 1 (one process) -> SP = 2 under ZeRO-3
         "zero3-from-single": (*SP2, "--strategy", "zero3", "--resume", str(single_ref.ckpt(4)), "--no-save-final"),
     }
@@ -153,6 +154,14 @@ def test_sp2_fsdp_packed_trains_like_one_process_packed(sp_runs):
     ref = sp_runs("single-packed").metrics
     assert max(r["grad_norm"] for r in ref) > MAX_GRAD_NORM
     assert_same_run(sp_runs("fsdp-packed").metrics, ref)
+
+
+def test_sp2_ring_packed_trains_like_one_process_packed(sp_runs):
+    """Ring attention (P2P key/value exchange, its own backward ring pass) with documents that
+    straddle the two ranks' halves: same losses and gradient norms as one process."""
+    run = sp_runs("ring-packed")
+    assert "ring attention (by --sp-mode ring" in run.stdout and "ring sequence parallel over groups of 2" in run.stdout
+    assert_same_run(run.metrics, sp_runs("single-packed").metrics)
 
 
 def test_checkpoints_cross_sequence_parallel_degrees(sp_runs, single_ref):
