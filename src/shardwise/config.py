@@ -93,7 +93,7 @@ class Config:
     max_restarts: int = _f(0, "Restart the worker group this many times after a failure; the run resumes from its newest checkpoint.")
     sequence_parallel: int = _f(1, "Ranks that split each sequence (Ulysses sequence parallelism; 1 = off); the data-parallel degree is the world size / (sequence_parallel x tensor_parallel). Needs the attention heads divisible by it.")
     tensor_parallel: int = _f(1, "Ranks that split each weight matrix (tensor parallelism, DTensor; 1 = off): attention and MLP linears split over N ranks, with strategy single (pure TP: N processes) or the fsdp presets (FSDP over the other ranks). Needs the attention and KV heads divisible by N (docs/tensor-parallel.md).")
-    sp_mode: str = _f("auto", "How sequence parallelism splits attention: ulysses (all-to-all to head shards; heads divisible by N), ring (not yet), or auto (Ulysses for the largest degree the heads allow; the choice is printed).", ("auto", "ulysses", "ring"))
+    sp_mode: str = _f("auto", "How sequence parallelism splits attention: ulysses (all-to-all to head shards; heads divisible by N), ring (ring attention over the group; any degree, packing kept), or auto (Ulysses for gcd(heads, N), ring for the rest; the choice is printed).", ("auto", "ulysses", "ring"))
     # optimisation
     max_steps: int = _f(-1, "Optimizer steps to run; -1 means as many as `epochs` take.")
     epochs: int = _f(1, "Passes over the data (used when max_steps is -1).")
@@ -648,8 +648,6 @@ def validate(res: Resolved) -> None:
     if c.sequence_parallel > 1:
         need(base != "single", "sequence_parallel",
              "sequence parallelism splits sequences over several ranks; use --strategy ddp, fsdp or zero*, not single")
-        need(c.sp_mode != "ring", "sp_mode",
-             "ring attention is not implemented yet; use --sp-mode ulysses (heads divisible by the degree) or auto")
         if c.nproc_per_node:
             world = c.nproc_per_node * c.nnodes
             need(world % c.sequence_parallel == 0, "sequence_parallel",

@@ -305,15 +305,24 @@ def check_sequence_parallel(cfg: Config, res: Resolved, world: int, model_dir: s
         raise ShardwiseError(f"{res.where('sequence_parallel')}: sequence_parallel {n} must divide the {world} "
                              "ranks (nnodes x nproc_per_node); the data-parallel degree is ranks / N")
     _, heads, kv = _attention_heads(model_dir, res.where("sequence_parallel"), "Ulysses", "sequence_parallel")
-    if heads % n:
+    if heads % n and cfg.sp_mode == "ulysses":
         fits = [d for d in range(2, heads + 1) if heads % d == 0 and world % d == 0]
         hint = f"use --sequence-parallel {fits[-1]}" if fits else "use --sequence-parallel 1"
         raise ShardwiseError(f"{res.where('sequence_parallel')}: Ulysses splits the model's {heads} attention heads "
                              f"over the {n} ranks of a sequence-parallel group, and {n} does not divide {heads}; "
-                             f"{hint} (ring attention, for degrees beyond the heads, is not implemented yet)")
-    how = "KV heads replicated to " + str(math.lcm(kv, n)) if kv % n else f"{kv // n} KV head(s) per rank"
-    say(f"sequence parallel: Ulysses ({'chosen by --sp-mode auto: ' if cfg.sp_mode == 'auto' else ''}"
-        f"{heads} heads divide by {n}) over groups of {n} ranks, {heads // n} query heads per rank ({how}); "
+                             f"{hint}, or --sp-mode ring / auto (ring attention for degrees beyond the heads)")
+    from shardwise.models.sequence_parallel import split_degree
+
+    u, r = split_degree(n, heads, cfg.sp_mode)
+    why = f"chosen by --sp-mode auto: gcd({heads} heads, {n}) = {u}; " if cfg.sp_mode == "auto" else ""
+    if r == 1:
+        how = "KV heads replicated to " + str(math.lcm(kv, n)) if kv % n else f"{kv // n} KV head(s) per rank"
+        mode = f"Ulysses ({why}{heads} heads divide by {n}), {heads // n} query heads per rank ({how})"
+    elif u == 1:
+        mode = f"ring attention ({why or 'by --sp-mode ring; '}{n - 1} KV exchanges per layer)"
+    else:
+        mode = f"Ulysses {u} x ring {r} ({why}{heads // u} query heads per rank, rings of {r})"
+    say(f"sequence parallel: {mode} over groups of {n} ranks; "
         f"data-parallel degree {world // n}; each rank holds {cfg.seq_len // n} of {cfg.seq_len} tokens")
 
 

@@ -109,9 +109,10 @@ def _train(out, model, data, *extra):
 
 
 @two_gpus
-@pytest.mark.parametrize("packing", [False, True], ids=["plain", "packed"])
-def test_sp2_on_two_gpus_trains_like_one_gpu(packing, long_model, long_data, tmp_path):
-    seq = ("--seq-len", str(LONG), *(("--packing",) if packing else ()))
+@pytest.mark.parametrize("packing,mode", [(False, "ulysses"), (True, "ulysses"), (True, "ring")],
+                         ids=["plain", "packed", "ring-packed"])
+def test_sp2_on_two_gpus_trains_like_one_gpu(packing, mode, long_model, long_data, tmp_path):
+    seq = ("--seq-len", str(LONG), *(("--packing",) if packing else ()), "--sp-mode", mode)
     one = _train(tmp_path / "one", long_model, long_data, "--strategy", "single", "--grad-accum", "2",
                  "--gradient-checkpointing", *seq)
     two = _train(tmp_path / "sp2", long_model, long_data, "--strategy", "fsdp", "--nproc-per-node", "2",

@@ -16,6 +16,13 @@ keeps its document boundaries. The model builds no mask of its own for this atte
 function (one for the local slice would be useless here).
 Long packed sequences use FlexAttention's block mask instead of a dense (B, 1, S, S) one
 (`doc_attention`), on one rank or many.
+
+Ring attention (models/ring_attention.py) takes over where the heads run out: the SP group of
+N = U x R ranks is split into Ulysses groups of U consecutive ranks (together a contiguous
+1/R chunk of the sequence) and rings of R ranks (one per head shard). Ulysses exchanges
+within its group, to (B, H/U, S/R, D); the ring then attends that chunk's queries to the
+whole sequence's keys, chunk by chunk; Ulysses brings the output back. `split_degree` says
+how N splits: ulysses = (N, 1), ring = (1, N), auto = (gcd(heads, N), N / gcd).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise.errors import ShardwiseError
+from shardwise.models.ring_attention import Ring, ring_attention
 from shardwise.plan.memory import DENSE_MASK_MAX_SEQ
 
 NAME = "shardwise_ulysses"
@@ -38,6 +46,9 @@ DENSE_MASK_LIMIT = DENSE_MASK_MAX_SEQ ** 2
 class _State:
     group: dist.ProcessGroup | None = None  # the SP group of this process (one model per process)
     degree: int = 1
+    ulysses: int = 1  # degree x = ulysses x ring
+    ulysses_group: dist.ProcessGroup | None = None
+    ring: Ring | None = None  # None: no ring (ring degree 1)
     # per forward: the local position ids the entries below belong to, the documents of the
     # whole sequence, and (long packed sequences on CUDA) their block mask
     cached_local: torch.Tensor | None = None
@@ -173,19 +184,22 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
     if dropout:
         raise ShardwiseError("attention dropout is not supported with sequence parallelism; "
                              "set the model's attention_dropout to 0")
-    group, n = _state.group, _state.degree
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         raise ShardwiseError("sequence-parallel attention needs position_ids (the loop always passes them)")
     docs = documents(position_ids)
-    if n > 1:
-        if key.shape[1] % n:
-            key, value = replicate_kv(key, n), replicate_kv(value, n)
-        query, key, value = (seq_to_heads(t, group, n) for t in (query, key, value))
-    out = doc_attention(query, key, value, docs, scaling, gqa=key.shape[1] != query.shape[1])
-    out = out.transpose(1, 2)  # (B, S, H/N, D)
-    if n > 1:
-        out = heads_to_seq(out, group, n)
+    u, ug = _state.ulysses, _state.ulysses_group
+    if u > 1:
+        if key.shape[1] % u:
+            key, value = replicate_kv(key, u), replicate_kv(value, u)
+        query, key, value = (seq_to_heads(t, ug, u) for t in (query, key, value))
+    if _state.ring is not None:  # this chunk's queries against the whole sequence, round the ring
+        out = ring_attention(query, key, value, docs, _state.ring, scaling)
+    else:
+        out = doc_attention(query, key, value, docs, scaling, gqa=key.shape[1] != query.shape[1])
+    out = out.transpose(1, 2)  # (B, S/R, H/U, D)
+    if u > 1:
+        out = heads_to_seq(out, ug, u)
     return out.contiguous(), None
 
 
@@ -216,19 +230,65 @@ def check_degree(degree: int, heads: int | None, where: str = "sequence_parallel
                              f"({', '.join(map(str, ok[:8]))})")
 
 
-def apply_sequence_parallel(model, group, degree: int) -> str:
-    """Route the model's attention through `ulysses_attention` over `group` (degree ranks).
-    Returns a line saying what was done. Degree 1 with packing still helps: long packed
-    sequences get a block mask instead of a dense one."""
-    heads, _kv = heads_of(model.config)
+def split_degree(degree: int, heads: int | None, mode: str = "ulysses") -> tuple[int, int]:
+    """(Ulysses degree, ring degree) of a sequence-parallel degree: ulysses all Ulysses (the
+    heads must divide by it), ring all ring, auto Ulysses for the largest degree the query
+    heads allow (KV heads fewer are replicated, as in plain Ulysses) and ring for the rest."""
+    if mode == "ring":
+        return 1, degree
+    if mode == "auto":
+        u = math.gcd(heads, degree) if heads else degree
+        return u, degree // u
     check_degree(degree, heads)
-    _state.group, _state.degree = group, degree
+    return degree, 1
+
+
+def configure(group, degree: int, heads: int | None, mode: str = "ulysses") -> tuple[int, int]:
+    """Set this process's sequence-parallel attention over `group` (degree ranks): the Ulysses
+    group and the ring for the split `split_degree` gives. A collective over the whole world
+    when both degrees are above 1 (every rank creates every subgroup, as new_group needs).
+    Returns (Ulysses degree, ring degree)."""
+    u, r = split_degree(degree, heads, mode) if degree > 1 else (1, 1)
+    _state.group, _state.degree, _state.ulysses = group, degree, u
+    _state.ulysses_group, _state.ring = (group if u == degree else None), (Ring(group) if r == degree > 1 else None)
+    if u > 1 and r > 1:
+        mine = dist.get_process_group_ranks(group)
+        stride, world, me = mine[1] - mine[0], dist.get_world_size(), dist.get_rank()
+        # every SP group of the world (ranks kN*stride + t + i*stride, strategies/parallel.py's layout)
+        groups = [[b + i * stride for i in range(degree)] for b in range(world) if b % (degree * stride) < stride]
+        for ranks in groups:
+            for ring_index in range(r):  # U consecutive SP ranks: one contiguous chunk of the sequence
+                g = dist.new_group(ranks[ring_index * u:(ring_index + 1) * u])
+                if me in ranks[ring_index * u:(ring_index + 1) * u]:
+                    _state.ulysses_group = g
+            for head_shard in range(u):  # every U-th SP rank: the same heads, all the chunks
+                g = dist.new_group(ranks[head_shard::u])
+                if me in ranks[head_shard::u]:
+                    _state.ring = Ring(g)
     _state.cached_local = _state.cached_docs = _state.cached_block_mask = None
+    return u, r
+
+
+def describe_split(u: int, r: int, heads: int | None) -> str:
+    if r == 1:
+        return f"Ulysses over {u} ranks ({heads} heads -> {heads // u} per rank)"
+    if u == 1:
+        return f"ring attention over {r} ranks"
+    return f"Ulysses over {u} ranks ({heads} heads -> {heads // u} per rank) x ring attention over {r}"
+
+
+def apply_sequence_parallel(model, group, degree: int, mode: str = "ulysses") -> str:
+    """Route the model's attention through `ulysses_attention` over `group` (degree ranks),
+    split into Ulysses and ring as `mode` says (split_degree). Returns a line saying what was
+    done. Degree 1 with packing still helps: long packed sequences get a block mask instead of
+    a dense one."""
+    heads, _kv = heads_of(model.config)
+    u, r = configure(group, degree, heads, mode)
     register()
     model.set_attn_implementation(NAME)
     dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0
     if dropout and model.training:
         raise ShardwiseError(f"the model's attention_dropout is {dropout}; sequence-parallel attention runs "
                              "without dropout: set attention_dropout 0 in its config.json")
-    return (f"sequence parallel: Ulysses over {degree} ranks ({heads} heads -> {heads // degree} per rank)"
+    return ("sequence parallel: " + describe_split(u, r, heads)
             if degree > 1 else "attention: document-masked (packed sequences)")

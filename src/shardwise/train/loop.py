@@ -25,7 +25,7 @@ from shardwise.data.templates import use_chat_template
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import peak_flops
 from shardwise.models.load import load_model, load_tokenizer
-from shardwise.models.sequence_parallel import DENSE_MASK_LIMIT, apply_sequence_parallel
+from shardwise.models.sequence_parallel import DENSE_MASK_LIMIT, apply_sequence_parallel, heads_of, split_degree
 from shardwise.models.speed import install_fused_loss, token_loss_sum
 from shardwise.rundir import atomic_write_json, record_interrupted
 from shardwise.strategies.base import DTYPES
@@ -75,7 +75,7 @@ def build_model(cfg: Config, model_dir: str, sp_group=None):
     model = load_model(model_dir, DTYPES[cfg.param_dtype], cfg.trust_remote_code)
     # long packed sequences on one rank too: a block mask instead of transformers' dense (B, 1, S, S) one
     if cfg.sequence_parallel > 1 or (cfg.packing and cfg.seq_len ** 2 > DENSE_MASK_LIMIT and torch.cuda.is_available()):
-        apply_sequence_parallel(model, sp_group, cfg.sequence_parallel)
+        apply_sequence_parallel(model, sp_group, cfg.sequence_parallel, cfg.sp_mode)
     if cfg.tuner != "full":
         from shardwise.models.lora import apply_lora
 
@@ -195,7 +195,11 @@ class Trainer:
         env = self.env
         self.rep = Reporter(self.out, env.is_main, self.total, self.step, append=self.resume_from is not None,
                             report_to=self.cfg.report_to, config=dataclasses.asdict(self.cfg))
-        sp = f" + Ulysses sequence parallel over groups of {self.dims.sp}" if self.dims.sp > 1 else ""
+        sp = ""
+        if self.dims.sp > 1:
+            u, r = split_degree(self.dims.sp, heads_of(self.hf_config)[0], self.cfg.sp_mode)
+            how = "Ulysses" if r == 1 else "ring" if u == 1 else f"Ulysses {u} x ring {r}"
+            sp = f" + {how} sequence parallel over groups of {self.dims.sp}"
         sp += f" + tensor parallel over groups of {self.dims.tp}" if self.dims.tp > 1 else ""
         self.rep.say(f"shardwise: {self.strategy.describe()}{sp} on {env.world_size} rank(s) ({env.backend}, "
                      f"{env.device.type}), {self.n_params / 1e6:.2f}M params ({self.n_trainable / 1e6:.2f}M "
