@@ -170,7 +170,7 @@ def flops_per_microbatch(spec: ModelSpec, job: Job) -> tuple[float, float]:
     (which counts the full S x S square). At 2k tokens that is 5% of a step; at 32k-64k on an 8B shape, a third
     to a half (the long-sequence rows of docs/planner.md's measured table)."""
     T, S = job.tokens, job.seq_len
-    P = spec.total_params
+    P = spec.active_params  # MoE: the experts a token runs through (model_spec.py); dense: total_params
     attn_f = 2 * spec.num_layers * spec.q_dim * S * T  # causal: half of 4*L*H*S*T
     fwd = 2 * P * T + attn_f
     if job.tuner == "full":
