@@ -104,3 +104,36 @@ def write_tiny(path: str, seed: int) -> None:
     torch.random.set_rng_state(devnull_state)
     model.save_pretrained(path)
     tok.save_pretrained(path)
+
+
+# Mixture-of-experts variants of the tiny model (the same attention, vocab and tokenizer; 4 experts, top-2), built
+# from transformers' own config classes, for tests and docs/moe.md. Expert widths keep the active MLP near the dense
+# tiny model's; Qwen-MoE adds its always-on shared expert (with its sigmoid gate).
+_ATTN = {k: v for k, v in TINY_CONFIG.items() if k != "intermediate_size"}
+TINY_MOE_CONFIGS = {
+    "mixtral": dict(_ATTN, intermediate_size=176, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(_ATTN, intermediate_size=352, moe_intermediate_size=96, shared_expert_intermediate_size=160,
+                      num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True),
+    "qwen3_moe": dict(_ATTN, intermediate_size=352, moe_intermediate_size=176, head_dim=32, num_experts=4,
+                      num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True),
+}
+
+
+def write_tiny_moe(path: str, seed: int, model_type: str = "mixtral", **overrides) -> None:
+    """A tiny random-init MoE model directory of `model_type` (a TINY_MOE_CONFIGS key); `overrides`
+    are config fields (e.g. output_router_logits=True)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_type not in TINY_MOE_CONFIGS:
+        raise ShardwiseError(f"tiny MoE model_type '{model_type}': choose one of {', '.join(TINY_MOE_CONFIGS)}")
+    tok = build_tokenizer()
+    config = AutoConfig.for_model(model_type, **{**TINY_MOE_CONFIGS[model_type], **overrides},
+                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id)
+    rng = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    torch.random.set_rng_state(rng)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)

@@ -246,7 +246,7 @@ def flops_per_microbatch(spec: ModelSpec, job: Job) -> tuple[float, float]:
     to a half (the long-sequence rows of docs/planner.md's measured table). Tensor parallelism divides every
     FLOP of a rank by tp (the tp ranks split the matmuls and the heads of the same tokens)."""
     T = job.tokens
-    P = spec.total_params
+    P = spec.active_params  # MoE: the experts a token runs through (model_spec.py); dense: total_params
     attn_f = attention_flops(spec, job)
     fwd = 2 * P * T + attn_f
     if job.tuner == "full":

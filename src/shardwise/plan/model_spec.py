@@ -1,5 +1,9 @@
 """The shape of a decoder-only model, as far as the planner needs it.
 
+Mixture-of-experts models (Mixtral, Qwen-MoE) add routed experts: memory counts every expert
+(`total_params`), FLOPs only the ones a token runs through (`active_params`: the top-k routed
+experts, the shared expert, attention, router, embeddings and head).
+
 A shape comes from a Hugging Face config.json (only read, with json), the project's `tiny`
 model, or a bare parameter count ("7B", "350M"); plan/model_presets.py adds the published
 presets and `resolve_model`, which picks one of them for --model. No torch, no transformers.
@@ -37,6 +41,14 @@ class ModelSpec:
     norms_per_layer: int = 2  # Gemma 2 has 4 (pre/post attention and MLP)
     family: str = "llama"  # llama | qwen2 | qwen3 | mistral | gemma2
     model_type: str = "llama"  # the HF model_type, used by --simulate
+    # mixture of experts (0 experts: a dense model): routed experts per MoE layer, how many each token runs
+    # through, each one's gated-MLP width, the always-on shared expert's width (Qwen-MoE; 0: none, and no
+    # sigmoid gate for it), and how many of the layers have a dense MLP (intermediate_size) instead
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    dense_layers: int = 0
 
     # ------------------------------------------------------------ parameter counts
     @property
@@ -48,14 +60,47 @@ class ModelSpec:
         return self.num_kv_heads * self.head_dim
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear projection of one block."""
+        """(in, out) of each linear projection of one block (nn.Linear modules: of an MoE block, the
+        shared expert's; the routed experts are 3-D tensors, `expert_params`)."""
         h, i = self.hidden_size, self.intermediate_size
+        if self.num_experts:
+            i = self.shared_expert_intermediate_size
+        mlp = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)} if i else {}
         return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+                "o_proj": (self.q_dim, h), **mlp}
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert: a gated MLP of moe_intermediate_size."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def _per_layer(self, moe: int, dense: int) -> int:
+        """A per-layer count averaged over the MoE layers and the dense ones (all MoE: `moe`)."""
+        d = self.dense_layers if self.num_experts else self.num_layers
+        return round(((self.num_layers - d) * moe + d * dense) / max(self.num_layers, 1))
+
+    def _layer_linear(self, experts: int) -> int:
+        attn_mlp = sum(a * b for a, b in self.linear_shapes().values())
+        if not self.num_experts:
+            return attn_mlp
+        h = self.hidden_size
+        router = self.num_experts * h + (h if self.shared_expert_intermediate_size else 0)  # + shared expert's gate
+        dense_mlp = 3 * h * self.intermediate_size - 3 * h * self.shared_expert_intermediate_size
+        return self._per_layer(attn_mlp + experts * self.expert_params + router, attn_mlp + dense_mlp)
 
     @property
     def layer_linear_params(self) -> int:
-        return sum(a * b for a, b in self.linear_shapes().values())
+        """Weights of one block that go through a matmul (an MoE block: every expert)."""
+        return self._layer_linear(self.num_experts)
+
+    @property
+    def mlp_width(self) -> int:
+        """Gated-MLP width a token runs through in one block: intermediate_size, or of an MoE block the
+        top-k routed experts' and the shared expert's."""
+        if not self.num_experts:
+            return self.intermediate_size
+        moe = self.experts_per_token * self.moe_intermediate_size + self.shared_expert_intermediate_size
+        return self._per_layer(moe, self.intermediate_size)
 
     @property
     def layer_params(self) -> int:
@@ -82,7 +127,15 @@ class ModelSpec:
 
     @property
     def total_params(self) -> int:
+        """Every parameter (all experts): what memory holds."""
         return self.num_layers * self.layer_params + self.root_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token computes with (the top-k routed experts of each MoE block, not all): what the
+        FLOPs count. A dense model's are its total_params."""
+        idle = self.num_layers * (self.layer_linear_params - self._layer_linear(self.experts_per_token))
+        return self.total_params - idle
 
     @property
     def linear_params(self) -> int:
@@ -110,6 +163,14 @@ class ModelSpec:
              "max_position_embeddings": self.max_positions}
         if self.model_type == "llama":
             d["attention_bias"] = self.attention_bias
+        if self.num_experts:
+            experts = "num_local_experts" if self.model_type == "mixtral" else "num_experts"
+            d.update({experts: self.num_experts, "num_experts_per_tok": self.experts_per_token})
+            if self.model_type != "mixtral":
+                d.update(moe_intermediate_size=self.moe_intermediate_size,
+                         mlp_only_layers=list(range(self.dense_layers)))
+            if self.shared_expert_intermediate_size:
+                d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return d
 
 
@@ -127,7 +188,8 @@ def from_hf_config(cfg: dict, name: str, source: str) -> ModelSpec:
                              f"model config (Llama, Qwen, Mistral, Gemma style)")
     mt = str(cfg.get("model_type", "llama"))
     heads = cfg["num_attention_heads"]
-    family = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma2": "gemma2"}.get(mt, "llama")
+    base = MOE_BASE.get(mt, mt)  # an MoE model's attention is that of its dense family
+    family = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma2": "gemma2"}.get(base, "llama")
     return ModelSpec(
         name=name, source=source,
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
@@ -136,11 +198,35 @@ def from_hf_config(cfg: dict, name: str, source: str) -> ModelSpec:
         head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_positions=int(cfg.get("max_position_embeddings") or 4096),
-        attention_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
-        qk_norm=mt == "qwen3",
+        attention_bias=bool(cfg.get("attention_bias", base == "qwen2")),
+        qk_norm=base == "qwen3",
         norms_per_layer=4 if mt == "gemma2" else 2,
         family=family, model_type=mt,
+        **moe_fields(cfg),
     )
+
+
+# MoE model types whose attention is that of a dense family (biases, q/k norms)
+MOE_BASE = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+
+
+def moe_fields(cfg: dict) -> dict:
+    """The mixture-of-experts fields of ModelSpec from a config.json (none for a dense model): experts from
+    num_local_experts (Mixtral) or num_experts (Qwen-MoE), each expert's width from moe_intermediate_size
+    (Mixtral's experts are intermediate_size wide), and the dense layers from decoder_sparse_step and
+    mlp_only_layers, as transformers' Qwen-MoE decoder layer decides."""
+    n = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    k = int(cfg.get("num_experts_per_tok") or 0)
+    if n <= 0 or k <= 0:
+        return {}
+    L = cfg["num_hidden_layers"]
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only = set(cfg.get("mlp_only_layers") or [])
+    dense = sum(1 for i in range(L) if i in only or (i + 1) % step)
+    return dict(num_experts=n, experts_per_token=min(k, n),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                dense_layers=dense)
 
 
 PARAM_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMbBtT])\s*$")

@@ -96,12 +96,27 @@ class DeepSpeedStrategy(Strategy):
             # DeepSpeed would JIT-compile (minutes) a shared-memory all-reduce used only for
             # inference; training on CPU uses gloo. An empty table means "no prebuilt ops".
             deepspeed.ops.__compatible_ops__ = {}
+        if self.cfg.deepspeed.stage == 3:
+            self.apply_moe_leaves(model)
         opt = self.build_optimizer(model)
         self.groups = [list(g["params"]) for g in opt.param_groups]  # before DeepSpeed flattens them
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=self.config,
                                                        dist_init_required=False)
         self.engine = engine
         return engine, optimizer
+
+    def apply_moe_leaves(self, model: torch.nn.Module) -> None:
+        """ZeRO-3 on a mixture-of-experts model: each sparse MoE block is a DeepSpeed leaf module, its
+        parameters (router, every expert) fetched together at the block's forward, so the gathers
+        do not depend on which experts this rank's tokens chose (models/moe.py)."""
+        from deepspeed.utils import set_z3_leaf_modules
+
+        from shardwise.models.moe import moe_leaf_classes
+
+        classes = moe_leaf_classes(model)
+        if classes:
+            set_z3_leaf_modules(model, classes)
+            self.moe_leaves = [c.__name__ for c in classes]
 
     def optimizer_kernel(self) -> dict:
         # offloaded: the step runs on CPU partitions; else DeepSpeed moves them to the GPU
@@ -143,4 +158,6 @@ class DeepSpeedStrategy(Strategy):
     def describe(self) -> str:
         ds = self.cfg.deepspeed
         off = [n for n, on in (("optimizer", ds.offload_optimizer), ("params", ds.offload_params)) if on]
-        return f"deepspeed ZeRO-{ds.stage}" + (f" (offload {', '.join(off)})" if off else "")
+        leaves = getattr(self, "moe_leaves", None)
+        return (f"deepspeed ZeRO-{ds.stage}" + (f" (offload {', '.join(off)})" if off else "")
+                + (f", MoE blocks fetched whole ({', '.join(leaves)})" if leaves else ""))

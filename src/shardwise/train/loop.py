@@ -25,6 +25,7 @@ from shardwise.data.templates import use_chat_template
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import peak_flops
 from shardwise.models.load import load_model, load_tokenizer
+from shardwise.models.moe import aux_loss_weight
 from shardwise.models.sequence_parallel import DENSE_MASK_LIMIT, apply_sequence_parallel, heads_of, split_degree
 from shardwise.models.speed import install_fused_loss, token_loss_sum
 from shardwise.rundir import atomic_write_json, record_interrupted
@@ -122,6 +123,7 @@ class Trainer:
         self.hf_config = model.config
         head = model.get_output_embeddings()
         self.fused_head = head if getattr(head, "loss_targets", "absent") is None else None
+        self.aux_weight = aux_loss_weight(model)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         broadcasted = sdist.ensure_same_weights(model, env)
@@ -220,7 +222,8 @@ class Trainer:
             g["lr"] = lr_at(cfg, step, self.total)
         with self.profiler.step(step + 1):  # a null context unless this step is profiled
             step_loss = forward_backward_step(self.model, self.strategy, batch, self.dims.grad_size, self.env.device,
-                                              self.faults, step + 1, self.fused_head, loss_replicas=self.dims.tp)
+                                              self.faults, step + 1, self.fused_head, loss_replicas=self.dims.tp,
+                                              aux_weight=self.aux_weight)
             self.settle()  # the previous step's flag
             self.phase = f"step {step + 1}: optimizer step (gradient-norm reduction)"
             grad_norm = self.strategy.step(self.model, self.optimizer)
@@ -358,7 +361,7 @@ def is_collective_timeout(e: BaseException) -> bool:
 
 
 def forward_backward_step(model, strategy, batch: StepBatch, dp_size: int, device, faults: Faults, step: int,
-                          fused_head=None, loss_replicas: int = 1) -> torch.Tensor:
+                          fused_head=None, loss_replicas: int = 1, aux_weight: float = 0.0) -> torch.Tensor:
     """Forward/backward over the rank's micro-batches; returns this rank's share of the
     global mean loss (a tensor, so no host sync). Each micro-batch's summed loss is divided
     by the global batch's loss-token count and scaled by `dp_size`, the ranks gradients are
@@ -367,7 +370,10 @@ def forward_backward_step(model, strategy, batch: StepBatch, dp_size: int, devic
     one process on the whole global batch. `loss_replicas`: the ranks that compute the same loss
     (the tensor-parallel ranks, dims.tp), so the returned shares still sum to the global mean
     over the world (the gradients are not scaled by it: each tp rank's backward is one part of
-    one computation)."""
+    one computation). `aux_weight`: a mixture-of-experts model's router load-balancing loss
+    weight (models/moe.py aux_loss_weight; 0: none): each micro-batch adds weight x aux_loss /
+    micro-batches to what it back-propagates, so after the strategy's mean over ranks the
+    gradient is that of the weighted mean aux loss; the returned (logged) loss is the LM loss."""
     scale = dp_size / batch.loss_tokens
     total = torch.zeros((), device=device)
     last = len(batch.micro) - 1
@@ -378,13 +384,17 @@ def forward_backward_step(model, strategy, batch: StepBatch, dp_size: int, devic
         with strategy.sync(model, i == last), strategy.autocast(), strategy.loss_parallel():
             if fused_head is not None:  # the head returns the summed loss (models/speed.py)
                 fused_head.loss_targets = tg
-                summed = model(input_ids=ids, position_ids=pos).logits
+                out = model(input_ids=ids, position_ids=pos)
+                summed = out.logits
                 fused_head.loss_targets = None
             else:
-                summed = loss_sum(model(input_ids=ids, position_ids=pos).logits, tg)
+                out = model(input_ids=ids, position_ids=pos)
+                summed = loss_sum(out.logits, tg)
             loss = faults.poison_loss(step, summed * scale)
-        strategy.backward(loss)
         total += loss.detach() / (dp_size * loss_replicas)
+        if aux_weight:  # MoE router balance (models/moe.py): the mean over every rank's micro-batches, not logged
+            loss = loss + out.aux_loss * (aux_weight / len(batch.micro))
+        strategy.backward(loss)
     return total
 
 
