@@ -68,6 +68,8 @@ def predict(model_dir: str, length: int, sp: int, gpus: int, extra: list[str]) -
            "--seq-len", str(length), "--micro-batch-size", "1", "--gradient-checkpointing",
            "--mixed-precision", "bf16", "--sequence-parallel", str(sp), "--json",
            *[x for x in extra if x in ("--tuner", "lora", "--packing")]]
+    if "--tensor-parallel" in extra:  # the TP degree reaches the plan too (issue 20's TP 2 vs fsdp rows)
+        cmd += ["--tensor-parallel", extra[extra.index("--tensor-parallel") + 1]]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if p.returncode != 0:
         return {"plan_error": (p.stderr or p.stdout).strip()[-300:]}
