@@ -632,8 +632,8 @@ def validate(res: Resolved) -> None:
     if c.tensor_parallel > 1:
         need(base in ("single", "fsdp"), "tensor_parallel",
              f"tensor_parallel {c.tensor_parallel} composes with strategy single (pure TP) or the fsdp presets "
-             f"(FSDP x TP), not '{c.strategy}' (DDP and ZeRO do not wrap DTensor weights; auto does not plan TP "
-             "yet); use --strategy fsdp")
+             f"(FSDP x TP), not '{c.strategy}' (DDP and ZeRO do not wrap DTensor weights; auto chooses its own TP "
+             "degree: leave tensor_parallel at 1 with it); use --strategy fsdp")
         need(c.tuner == "full", "tensor_parallel",
              f"tensor_parallel with {c.tuner} is not built yet: PEFT wraps the attention and MLP linears that tensor "
              "parallelism splits, and the adapters would have to be split to match (lora_B by output features on "
