@@ -119,8 +119,7 @@ def test_sequence_parallel_is_accepted_and_checked():
         cfg_of(strategy="fsdp", sequence_parallel=0)
     with pytest.raises(ShardwiseError, match="sequence_parallel 3 must divide the 2 ranks"):
         cfg_of(strategy="fsdp", sequence_parallel=3, nproc_per_node=2)
-    with pytest.raises(ShardwiseError, match="ring attention is not implemented yet"):
-        cfg_of(strategy="fsdp", sequence_parallel=2, sp_mode="ring")
+    assert cfg_of(strategy="fsdp", sequence_parallel=2, nproc_per_node=2, sp_mode="ring").sp_mode == "ring"
     with pytest.raises(ShardwiseError, match="not single"):
         cfg_of(strategy="single", sequence_parallel=2)
 
