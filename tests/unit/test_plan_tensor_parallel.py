@@ -72,9 +72,13 @@ def test_tp2_activations_divide_except_the_gathered_linear_inputs():
     # logits sharded over the vocabulary (loss_parallel): the head's fp32 loss tensors halve
     h1, h2 = head_activations(spec, job, o), head_activations(spec, replace(job, tp=2), o)
     assert h2["logits"] == pytest.approx(h1["logits"] / 2, rel=1e-12)
-    # loss_parallel replaces the fused chunked head under TP: no chunk terms, the sharded logits instead
-    fused = head_activations(spec, replace(job, tp=2, fused_loss=True), o)
-    assert "loss_transient" not in fused and fused["logits"] == h2["logits"]
+    # the fused chunked head runs vocabulary-parallel under TP (models/speed.py): no T x V logits, its chunk and
+    # head-gradient terms over V/tp rows, the gathered hidden states' gradient whole
+    f1 = head_activations(spec, replace(job, fused_loss=True), o)
+    f2 = head_activations(spec, replace(job, tp=2, fused_loss=True), o)
+    assert "logits" not in f2 and f2["loss_grad_hidden"] == f1["loss_grad_hidden"]
+    assert f2["loss_grad_head"] == pytest.approx(f1["loss_grad_head"] / 2, rel=1e-12)
+    assert f2["loss_transient"] < f1["loss_transient"]
     # checkpointed: each block's (sequence-sharded) input
     ck1 = estimate(spec, replace(job, checkpointing=True), o).detail["act.layers_kept"]
     ck2 = estimate(spec, replace(job, checkpointing=True, tp=2), o).detail["act.layers_kept"]

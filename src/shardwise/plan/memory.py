@@ -317,9 +317,10 @@ def head_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
 
 
 def fused_head(spec: ModelSpec, job: Job) -> bool:
-    """Whether the engine's fused loss head runs (install_fused_loss skips heads whose logits are post-processed;
-    under tensor parallelism the vocabulary-sharded head's loss_parallel replaces it)."""
-    return job.fused_loss and spec.family != "gemma2" and job.tp == 1
+    """Whether the engine's fused loss head runs (install_fused_loss skips heads whose logits are post-processed).
+    Under tensor parallelism it runs on the vocabulary-sharded head (models/speed.py: a vocabulary-parallel chunked
+    cross-entropy); without it, the sharded logits go through loss_parallel."""
+    return job.fused_loss and spec.family != "gemma2"
 
 
 def head_weight_bytes(job: Job, o: Opts) -> int:
@@ -335,7 +336,9 @@ def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     (plus a copy in the weight's dtype when that is not fp32); compute-dtype casts of the hidden states and the
     weight while the head runs. No T*V tensor exists. A frozen head (LoRA, QLoRA) gets no weight gradient: neither
     the fp32 V*h buffer nor the per-chunk gradient matmul exists (_LinearCrossEntropy checks needs_input_grad)."""
-    T, h, V, c = job.tokens, spec.hidden_size, spec.vocab_size, job.c
+    # under TP each rank's head holds V/tp rows (vocabulary-parallel chunks); its input, the hidden states, is the
+    # all-gathered whole sequence, so the hidden-state terms stay T*h
+    T, h, V, c = job.tokens, spec.hidden_size, spec.vocab_size / job.tp, job.c
     r = residual_bytes(job, o)
     hw = head_weight_bytes(job, o)
     chunk = min(FUSED_LOSS_CHUNK, T)
@@ -350,7 +353,7 @@ def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
          "loss_grad_head": V * h * (4 + (hw if hw != 4 else 0)) if trains else 0.0,
          "loss_transient": max(forward, backward)}
     if o.base == "fsdp":  # the root unit (embeddings, norm, head) is gathered while the head runs, both ways
-        d["loss_root_gathered"] = c * spec.root_params
+        d["loss_root_gathered"] = c * local_root_params(spec, job.tp)
     return d
 
 
