@@ -129,6 +129,13 @@ def test_auto_picks_the_smallest_sequence_parallel_degree_that_fits(capsys):
     # at a length that fits, nothing is chosen
     assert plan_cmd.run(parse(*[("65536" if a == "524288" else a) for a in argv])) == 0
     assert not json.loads(capsys.readouterr().out)["parallel"]["chosen"]
+    # several sequences per micro-batch: a smaller micro-batch is the lever, and splitting each sequence would
+    # shrink the data-parallel degree and so the global batch; auto keeps to the presets (here the offload one)
+    argv = ["--model", "7B", "--gpus", "8", "--gpu-memory", "40", "--seq-len", "2048", "--micro-batch-size", "4",
+            "--json"]
+    assert plan_cmd.run(parse(*argv)) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert not d["parallel"]["chosen"] and d["recommended"] == "fsdp-offload"
 
 
 def test_plan_command_shows_the_rows_and_takes_the_flag(capsys):

@@ -591,6 +591,10 @@ def choose_parallel(plan: Plan, cfg=None) -> None:
     lean = min(plain, key=lambda s: s.memory.total)
     m = lean.memory
     long_seq = m.activations >= 0.5 * m.peak_tensors
+    if long_seq and job.micro_batch > 1:
+        # several sequences per micro-batch: a smaller --micro-batch-size (fit advice) is the lever, not splitting
+        # each sequence, which would also shrink the data-parallel degree and so the global batch
+        return
     order = ("sp", "tp") if long_seq else ("tp", "sp")
     found, kind = None, order[0]
     for kind in order:
