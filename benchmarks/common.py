@@ -39,6 +39,9 @@ def build_model_dir(path: str, shape: dict = ANCHOR, seed: int = 0, disk_dtype: 
         model = LlamaForCausalLM(config).to(getattr(torch, disk_dtype))
     model.save_pretrained(path)
     fast.save_pretrained(path)
+    del model
+    if torch.cuda.is_available():  # the runs that follow need the card: an 8B model held here was 31.5 GiB of it
+        torch.cuda.empty_cache()
     return path
 
 
