@@ -94,9 +94,9 @@ vshf5() {
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN} SHARDWISE_DEBUG=${SHARDWISE_DEBUG:-1}
 gpytest() { local t=$1; shift; timeout -k 10 $((t + 20)) python3 -m pytest -n 0 -x -s -p no:logging --timeout "$t" "$@"; }
 sptest() { gpytest 400 -q -rs tests/gpu/test_sequence_parallel.py; }
-spflex() { gpytest 90 -q -rs tests/gpu/test_sequence_parallel.py -k never_attends; }
+spflex() { gpytest 300 -q -rs tests/gpu/test_sequence_parallel.py -k never_attends; }
 spplain() { gpytest 240 -q -rs tests/gpu/test_sequence_parallel.py -k plain; }   # compile off (see the test)
-sppacked() { gpytest 240 -q -rs tests/gpu/test_sequence_parallel.py -k packed; }
+sppacked() { gpytest 560 -q -rs tests/gpu/test_sequence_parallel.py -k packed; }
 # the two-GPU case outside pytest with the CUDA default compile on, output streamed, every process's
 # Python stacks after 110 s (a hang shows where each rank waits; a hung collective errors after 130 s)
 spprobe() { SW_STACKS_AFTER=110 timeout -k 10 170 python3 benchmarks/sp_probe.py --timeout 150 -- --collective-timeout 130; }
