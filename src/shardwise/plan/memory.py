@@ -246,7 +246,8 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     Tensor parallelism (job.tp > 1) divides every term by tp: the attention and MLP interiors by heads and columns,
     the norms (SequenceParallel) by sequence; only the inputs of the column-wise linears stay whole, because each
     is the all-gathered (full-sequence) norm output, saved once by the q/k/v (gate/up) matmuls."""
-    T, h, i, c, tp = job.tokens, spec.hidden_size, spec.intermediate_size, job.c, job.tp
+    # an MoE block's MLP interior is the width a token runs through (top-k experts + shared expert), not all experts
+    T, h, i, c, tp = job.tokens, spec.hidden_size, spec.mlp_width, job.c, job.tp
     r = residual_bytes(job, o)
     # inputs of linears are cast per consumer under autocast (nothing shares them), unless DeepSpeed's linear saves
     # the uncast input, once for the projections that share it
@@ -266,6 +267,11 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     d["attention"] = (T * c * (spec.q_dim + 2 * kv + spec.q_dim) + 4 * spec.num_heads * job.tokens) / tp
     # gated MLP: gate (silu input), up, silu(gate) (mul inputs); the product is the down_proj input
     d["mlp"] = 3 * T * i * c / tp
+    if spec.num_experts:  # routing: each token's copy for each of its k experts (the experts' gate/up input) and
+        # each expert's output before it is weighted and summed back (the weighting multiply saves it), plus the
+        # router's fp32 logits and softmax; measured on transformers' Mixtral block (tests/unit/test_moe.py)
+        routed = 2 * spec.experts_per_token * T * h * c + 8 * T * spec.num_experts
+        d["moe_routing"] = spec.moe_layer_fraction * routed / tp
     if spec.family == "gemma2":  # eager attention for softcapping: scores through tanh and softmax, O(S^2)
         d["attention"] += 2 * c * job.micro_batch * spec.num_heads * job.seq_len ** 2 / tp
     if full:
@@ -630,7 +636,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     moment_a = states + act_end + sum(extraA.values()) + accum_grads
     # end of backward: all grads, the first block's activations and their gradients (or the recomputed block)
     # a block's backward: its saved activations (recomputed under checkpointing) plus the gradients in flight
-    workspace = per_layer + job.tokens * (3 * spec.intermediate_size * job.c + 8 * spec.hidden_size) / job.tp
+    workspace = per_layer + job.tokens * (3 * spec.mlp_width * job.c + 8 * spec.hidden_size) / job.tp
     step_tmp = 0.0
     if o.base in ("single", "ddp", "fsdp") and not (o.base == "fsdp" and o.cpu_offload and offload_moves):
         # torch AdamW: fused on GPU needs no full-size temporaries; foreach (CPU) makes one sqrt(v) list

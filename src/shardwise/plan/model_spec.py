@@ -94,6 +94,13 @@ class ModelSpec:
         return self._layer_linear(self.num_experts)
 
     @property
+    def moe_layer_fraction(self) -> float:
+        """The share of the blocks that route tokens to experts (0 for a dense model)."""
+        if not self.num_experts:
+            return 0.0
+        return (self.num_layers - self.dense_layers) / max(self.num_layers, 1)
+
+    @property
     def mlp_width(self) -> int:
         """Gated-MLP width a token runs through in one block: intermediate_size, or of an MoE block the
         top-k routed experts' and the shared expert's."""
