@@ -31,7 +31,7 @@ def setup(tmp_path_factory, tiny_dir):
     mix = f"{d / 'chat.parquet'}:0.5,{d / 'alpaca.jsonl'}:0.5"
     runs = ConcurrentRuns()
     runs.add("ok", *common, "--data", mix, "--chat-template", "chatml", "--last-turn-only", "--system", "Be brief.",
-             "--max-steps", "2", "--output-dir", str(d / "ok"))
+             "--max-steps", "2", "--save-every", "2", "--output-dir", str(d / "ok"))
     runs.add("no_template", *common, "--data", mix, "--output-dir", str(d / "nt"), check=False)
     runs.add("dev_zero", *common, "--data", "/dev/zero", "--output-dir", str(d / "dz"), check=False)
     return runs, d
@@ -47,6 +47,9 @@ def test_mixed_parquet_sharegpt_and_alpaca_with_a_shipped_template(setup):
     saved = (final / "chat_template.jinja").read_text() if (final / "chat_template.jinja").exists() else \
         json.loads((final / "tokenizer_config.json").read_text())["chat_template"]
     assert saved == template_text("chatml")  # the trained model carries the template it was trained with
+    ckpts = sorted((d / "ok" / "checkpoints").glob("step_*"))
+    assert ckpts, "--save-every 2 saves the last step"
+    assert (ckpts[-1] / "hf" / "chat_template.jinja").read_text() == template_text("chatml")  # so does its export
 
 
 def test_refusals_are_one_line(setup):

@@ -87,10 +87,13 @@ def read_meta(path: str) -> dict:
                              "give a checkpoints/step_N directory or use --resume auto")
 
 
-def save(output_dir: str, step: int, state: dict, meta: dict, rank: int, keep: int, model_dir: str = "") -> str:
+def save(output_dir: str, step: int, state: dict, meta: dict, rank: int, keep: int, model_dir: str = "",
+         chat_template: str = "") -> str:
     """Collective: every rank calls it with its own (sharded) state. The model's config
     and tokenizer files travel with the checkpoint (hf/), so `shardwise export` needs
-    nothing else. A failed save (disk full, ...) leaves the previous checkpoint intact."""
+    nothing else; `chat_template` (the run's own, when --chat-template replaced the
+    tokenizer's) is written as hf/chat_template.jinja, which the tokenizer loads in place of
+    its files' template. A failed save (disk full, ...) leaves the previous checkpoint intact."""
     root = ckpt_root(output_dir)
     final = os.path.join(root, f"step_{step:08d}")
     tmp = final + ".tmp"
@@ -109,6 +112,9 @@ def save(output_dir: str, step: int, state: dict, meta: dict, rank: int, keep: i
         torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
         if rank == 0 and model_dir:
             copy_hf_files(model_dir, os.path.join(tmp, "hf"))
+            if chat_template:
+                with open(os.path.join(tmp, "hf", "chat_template.jinja"), "w") as fh:
+                    fh.write(chat_template)
         Faults(rank).during_save(step)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's exception is a BaseException
         if rank == 0:

@@ -451,7 +451,8 @@ def save_checkpoint(cfg, env, strategy, model, optimizer, out, step, pos, tokens
             "world_size": env.world_size, "strategy": cfg.strategy, "config": dataclasses.asdict(cfg),
             "first_loss": first_loss, "wall_time_s": wall_time_s}
     return ckpt.save(out, step, strategy.state_dict(model, optimizer), meta, env.rank, cfg.keep_checkpoints,
-                     model_dir=model_dir)
+                     model_dir=model_dir,
+                     chat_template=(tokenizer.chat_template or "") if cfg.chat_template and tokenizer else "")
 
 
 def save_final(cfg, env, strategy, model, tokenizer, out) -> str:
