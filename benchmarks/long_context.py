@@ -77,10 +77,13 @@ def predict(model_dir: str, length: int, sp: int, gpus: int, extra: list[str]) -
     row = next((s for s in plan.get("strategies", []) if s.get("strategy") == "fsdp"), None)
     if row is None:
         return {"plan_error": "no fsdp row in the plan"}
-    tps, mem = row.get("tokens_per_s"), row.get("mem_gib")
-    mem = mem.get("total") if isinstance(mem, dict) else mem
-    return {"pred_mem_gib": round(mem, 2) if mem else None, "pred_tokens_per_s_gpu": tps / gpus if tps else None,
-            "pred_fits": row.get("fits")}
+    tps, mem = row.get("tokens_per_s"), row.get("mem_gib") or {}
+    # like with like: the run logs torch.cuda.max_memory_allocated (tensors), so the prediction beside it is the
+    # plan's tensor peak; the plan's total adds the CUDA context and fragmentation allowance (kept as _total)
+    tensors, total = mem.get("peak_tensors"), mem.get("total")
+    return {"pred_mem_gib": round(tensors, 2) if tensors else None,
+            "pred_mem_total_gib": round(total, 2) if total else None,
+            "pred_tokens_per_s_gpu": tps / gpus if tps else None, "pred_fits": row.get("fits")}
 
 
 def run_one(model_dir: str, data: str, length: int, sp: int, a, work: str) -> dict:
@@ -133,7 +136,9 @@ def write_report(base: str, meta: dict, results: list[dict]) -> None:
              f"bf16 compute, fp32 master weights, AdamW, one sequence per data-parallel rank, {c['steps']} steps"
              f"{', packed documents of 2k-16k tokens' if c['packing'] else ''}"
              f"{' + ' + ' '.join(c['extra_flags']) if c['extra_flags'] else ''}. Tokens/s per GPU: median of the "
-             "steps after the first. Predicted: `shardwise plan` for the same run.", "",
+             "steps after the first. Predicted: `shardwise plan` for the same run. Peak GiB: the largest "
+             "`torch.cuda.max_memory_allocated` over ranks, beside the plan's tensor peak (its total, which adds the "
+             "CUDA context and fragmentation allowance, in brackets).", "",
              "| tokens | SP | tokens/s/GPU | predicted | step s | peak GiB | predicted GiB | status |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -141,7 +146,8 @@ def write_report(base: str, meta: dict, results: list[dict]) -> None:
         pt = r.get("pred_tokens_per_s_gpu")
         lines.append(f"| {r['length']:,} | {r['sp']} | {r.get('tokens_per_s_gpu', '—')} | "
                      f"{round(pt) if pt else r.get('plan_error', '—')[:60]} | {r.get('step_time_s', '—')} | "
-                     f"{r.get('peak_mem_gib', '—')} | {r.get('pred_mem_gib', '—')} | {status} |")
+                     f"{r.get('peak_mem_gib', '—')} | {r.get('pred_mem_gib', '—')} "
+                     f"({r.get('pred_mem_total_gib', '—')}) | {status} |")
     lines += ["", "Commands (from the repository root):", ""]
     lines += [f"- {r['length']} SP {r['sp']}: `python {r['command']}`" for r in results]
     for r in results:
