@@ -94,22 +94,50 @@ def plan_of(c: tuple, model_dir: str, gpus: int, extra: list[str]) -> dict:
     if code != 0:
         return {"error": out[-1500:]}
     d = json.loads(out)
+    par = d.get("parallel") or {}
     return {"recommended": d["recommended"], "reasons": d["reasons"],
+            "degrees": {"tensor_parallel": par.get("tensor_parallel", 1),
+                        "sequence_parallel": par.get("sequence_parallel", 1), "sp_mode": par.get("sp_mode", "auto")},
             "strategies": {s["strategy"]: {"fits": s["fits"], "tokens_per_s": s["tokens_per_s"],
                                            "step_time_s": s["step_time_s"],
                                            "peak_tensors_gib": s["mem_gib"]["peak_tensors"]}
                            for s in d["strategies"]}}
 
 
-def measure(c: tuple, strategy: str, model_dir: str, data: str, work: str, a) -> dict:
-    out = os.path.join(work, "runs", c[0], strategy)
+def pick_name(plan: dict) -> str | None:
+    """auto's whole pick: the preset, plus its tensor/sequence-parallel degrees when it adds any
+    (e.g. 'fsdp+tp2', 'fsdp+sp2'), so it is measured and compared as what auto would launch."""
+    pick = plan.get("recommended")
+    deg = plan.get("degrees") or {}
+    if pick is None:
+        return None
+    tp, sp = deg.get("tensor_parallel", 1), deg.get("sequence_parallel", 1)
+    return pick + (f"+tp{tp}" if tp > 1 else "") + (f"+sp{sp}" if sp > 1 else "")
+
+
+def degree_flags(name: str, plan: dict) -> tuple[str, list[str]]:
+    """(preset, train flags) for a measured name: a plain preset, or auto's pick with its degrees."""
+    if "+" not in name:
+        return name, []
+    deg = plan.get("degrees") or {}
+    flags = []
+    if deg.get("tensor_parallel", 1) > 1:
+        flags += ["--tensor-parallel", str(deg["tensor_parallel"])]
+    if deg.get("sequence_parallel", 1) > 1:
+        flags += ["--sequence-parallel", str(deg["sequence_parallel"]), "--sp-mode", deg.get("sp_mode", "auto")]
+    return name.split("+")[0], flags
+
+
+def measure(c: tuple, name: str, model_dir: str, data: str, work: str, a, plan: dict | None = None) -> dict:
+    strategy, flags = degree_flags(name, plan or {})
+    out = os.path.join(work, "runs", c[0], name)
     cmd = [sys.executable, "-m", "shardwise", "train", "--model", model_dir, "--data", data, "--data-format", "text",
-           "--strategy", strategy, "--nproc-per-node", str(a.gpus), *job_flags(c), "--grad-accum", "1",
+           "--strategy", strategy, "--nproc-per-node", str(a.gpus), *job_flags(c), *flags, "--grad-accum", "1",
            "--max-steps", str(a.steps), "--log-every", str(a.log_every), "--lr", "1e-5", "--warmup-steps", "0",
            "--no-save-final", "--output-dir", out, "--overwrite", "--force", *a.extra]
     t0 = time.time()
     code, output = run(cmd, a.timeout)
-    rec = {"strategy": strategy, "exit_code": code, "wall_s": round(time.time() - t0, 1)}
+    rec = {"strategy": name, "exit_code": code, "wall_s": round(time.time() - t0, 1)}
     oom = "out of memory" in output.lower() or "OutOfMemoryError" in output
     metrics = os.path.join(out, "metrics.jsonl")
     rows = [json.loads(x) for x in open(metrics)] if os.path.isfile(metrics) else []
@@ -127,7 +155,7 @@ def measure(c: tuple, strategy: str, model_dir: str, data: str, work: str, a) ->
 def verdict(entry: dict) -> dict:
     """Fastest measured preset, auto's pick and how far behind it is; whether the pick ran out of memory."""
     ok = {r["strategy"]: r["tokens_per_s"] for r in entry["measured"] if r["status"] == "ok"}
-    pick = entry["plan"].get("recommended")
+    pick = pick_name(entry["plan"])
     out = {"auto": pick, "fastest": max(ok, key=ok.get) if ok else None}
     status = {r["strategy"]: r["status"] for r in entry["measured"]}
     out["auto_oom"] = status.get(pick) == "oom"
@@ -238,6 +266,12 @@ def main() -> int:
                       f"{r.get('peak_mem_gib')} GiB, {r['wall_s']} s", flush=True)
                 entry["verdict"] = verdict(entry)
                 write(base, meta, entries + [entry])
+            whole = pick_name(plan)
+            if whole and whole != plan["recommended"]:  # auto adds TP/SP degrees: measure what it would launch
+                r = measure(c, whole, model_dir, data, a.work, a, plan)
+                entry["measured"].append(r)
+                print(f"auto_sweep: {name}: {whole} (auto's pick): {r['status']}, {r.get('tokens_per_s')} tok/s",
+                      flush=True)
         entry["verdict"] = verdict(entry)
         entries.append(entry)
         write(base, meta, entries)

@@ -71,3 +71,20 @@ def test_hybrid_cases_run_on_four_ranks_in_shard_groups_of_two():
     del fsdp2["shard_group_size"], fsdp2["nproc"]
     assert pa.predicted_bytes(c, 4, "cpu") == pa.predicted_bytes(fsdp2, 2, "cpu")
     assert pa.predicted_bytes(c, 4, "cpu") > pa.predicted_bytes({**fsdp2}, 4, "cpu")
+
+
+def test_auto_sweep_measures_and_judges_autos_whole_pick_with_its_degrees():
+    """When auto adds tensor/sequence parallelism, the sweep launches that (preset + degrees) and compares it,
+    not the bare preset of the same name."""
+    import auto_sweep as sw
+
+    plan = {"recommended": "fsdp", "degrees": {"tensor_parallel": 1, "sequence_parallel": 2, "sp_mode": "ulysses"}}
+    assert sw.pick_name(plan) == "fsdp+sp2"
+    assert sw.degree_flags("fsdp+sp2", plan) == ("fsdp", ["--sequence-parallel", "2", "--sp-mode", "ulysses"])
+    assert sw.degree_flags("zero2", plan) == ("zero2", [])
+    assert sw.pick_name({"recommended": "ddp", "degrees": {"tensor_parallel": 1, "sequence_parallel": 1}}) == "ddp"
+    entry = {"plan": plan, "measured": [{"strategy": "fsdp", "status": "ok", "tokens_per_s": 1000},
+                                        {"strategy": "fsdp+sp2", "status": "ok", "tokens_per_s": 900}]}
+    v = sw.verdict(entry)
+    assert v["auto"] == "fsdp+sp2" and v["fastest"] == "fsdp"
+    assert abs(v["auto_vs_fastest"] + 0.10) < 1e-9 and v["auto_within_5pct"] is False
