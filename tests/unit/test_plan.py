@@ -726,3 +726,18 @@ def test_offloaded_checkpointed_fsdp_peaks_at_the_start_of_backward():
     # gradients on the device (no offload, 2 ranks): the end of backward decides, the start is not counted
     on = estimate(a, replace(job, world=2), Opts("fsdp"))
     assert on.detail["moment_b0"] == 0.0 and on.grads > 0
+
+
+def test_hybrid_replicas_meet_inside_the_node_when_there_is_one_node():
+    """hybrid with shard groups of 4 on one node of 8: the shards gather and the 2 replicas all-reduce over NVLink
+    (the replica all-reduce was counted on the inter-node network though no network is used); on 2 nodes the
+    replicas meet across them."""
+    from shardwise.plan.comm import collectives
+
+    spec = resolve_model("llama-3.1-8b")
+    o = Opts(base="fsdp", hybrid=True, shard_group_size=4)
+    one = collectives(spec, Job(seq_len=2048, world=8, nodes=1), o, 4)
+    assert {c.where for c in one} == {"intra"}
+    two = collectives(spec, Job(seq_len=2048, world=16, nodes=2), o, 4)
+    assert [c.where for c in two if c.op == "all_reduce"] == ["inter"]
+    assert {c.where for c in two if c.op != "all_reduce"} == {"intra"}

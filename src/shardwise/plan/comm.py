@@ -195,7 +195,9 @@ def collectives(spec: ModelSpec, job: Job, o: Opts, shard_n: int) -> list[Coll]:
     if o.base == "ddp" and job.world > 1:
         out.append(Coll("all_reduce", w * P_t, job.world, flat, 1, "bwd"))
     elif o.base == "fsdp" and job.world > 1:
-        where = "intra" if o.hybrid else flat
+        # a hybrid shard group that fits in a node gathers over NVLink; its replicas meet across nodes, or inside
+        # the one node when there is only one
+        where = "intra" if o.hybrid and shard_n <= job.gpus_per_node else flat
         # forward gathers every unit; backward gathers the blocks again unless kept (reshard_after_forward off);
         # the root stays gathered between forward and backward
         out.append(Coll("all_gather", gathered, shard_n, where, ga, "fwd"))
@@ -204,7 +206,8 @@ def collectives(spec: ModelSpec, job: Job, o: Opts, shard_n: int) -> list[Coll]:
         # gradients are reduced on the last micro-batch only (set_requires_gradient_sync(False) before it)
         out.append(Coll("reduce_scatter", rd * P_t, shard_n, where, 1, "bwd"))
         if o.hybrid and job.world > shard_n:
-            out.append(Coll("all_reduce", rd * P_t / shard_n, job.world // shard_n, "inter", 1, "bwd"))
+            out.append(Coll("all_reduce", rd * P_t / shard_n, job.world // shard_n, "inter" if job.nodes > 1 else "intra",
+                            1, "bwd"))
         if o.cpu_offload:
             out.append(Coll("h2d", w * P / shard_n * (2 if reshards(job, o) else 1), 1, "host", ga, "fwd"))
             out.append(Coll("d2h", rd * P_t / shard_n, 1, "host", 1, "bwd"))
