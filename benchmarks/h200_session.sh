@@ -17,6 +17,7 @@
 #                                                    sptest long1 long2 long3 long4 longqwen (issue 15, x2 kind)
 #                                                    spflex spplain sppacked spprobe longmin (sixth session, x2;
 #                                                    not run: the device budget was spent)
+#                                                    scale2 (x2) scale8a scale8b long8 (x8; issue 21, not run yet)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
 set -u
@@ -116,6 +117,13 @@ longqwen() {
   python3 benchmarks/long_context.py --shape qwen2.5-7b --lengths 131072 --sp 2 --steps 4 --packing --tag qwen-lora \
     --out "$OUT" -- --tuner lora --lora-r 16
 }
+# prepared for issue 21 (not run yet): benchmarks/scaling.py on the x2 kind (the script's GPU check: the anchor
+# job on 1 and 2 GPUs), then on the x8 kind (weak scaling 1-8 GPUs; each part fits one 10-minute call) and the
+# long-context rows at 8 GPUs (SP 8: Ulysses 8 for the 32 heads)
+scale2() { python3 benchmarks/scaling.py --gpus 1,2 --jobs anchor --strategies single,ddp,fsdp,zero3 --timeout 150 --tag x2 --out "$OUT"; }
+scale8a() { python3 benchmarks/scaling.py --gpus 1,2,4,8 --jobs anchor --timeout 150 --tag x8-anchor --out "$OUT"; }
+scale8b() { python3 benchmarks/scaling.py --gpus 2,4,8 --jobs llama8b --strategies fsdp,hybrid2,hybrid4,zero3 --timeout 200 --tag x8-8b --out "$OUT"; }
+long8() { python3 benchmarks/long_context.py --gpus 8 --lengths 131072,262144 --sp 8 --steps 3 --tag x8 --out "$OUT"; }
 setup
 LOGF="$OUT/logs-$(date +%H%M%S).txt"
 for part in "$@"; do

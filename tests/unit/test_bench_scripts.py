@@ -88,3 +88,26 @@ def test_auto_sweep_measures_and_judges_autos_whole_pick_with_its_degrees():
     v = sw.verdict(entry)
     assert v["auto"] == "fsdp+sp2" and v["fastest"] == "fsdp"
     assert abs(v["auto_vs_fastest"] + 0.10) < 1e-9 and v["auto_within_5pct"] is False
+
+
+def test_scaling_rows_efficiency_and_autos_verdict():
+    """benchmarks/scaling.py (issue 21): which strategy runs at which GPU count, efficiency against the smallest
+    count the strategy ran at, auto's pick against the fastest measured row. (The whole script ran on 1 and 2
+    gloo ranks by hand: `--device cpu --gpus 1,2 --jobs tiny`.)"""
+    import scaling as sc
+
+    assert sc.preset_flags("hybrid4") == ("hybrid", ["--fsdp-shard-group-size", "4"])
+    assert sc.preset_flags("zero3") == ("zero3", [])
+    assert [n for n in (1, 2, 4, 8) if sc.applies("hybrid4", n)] == [8]
+    assert [n for n in (1, 2, 4, 8) if sc.applies("hybrid2", n)] == [4, 8]
+    assert [n for n in (1, 2, 4, 8) if sc.applies("single", n)] == [1]
+    rows = [{"job": "j", "gpus": 2, "strategy": "fsdp", "tokens_per_s_gpu": 1000, "plan": {"auto": "fsdp"}},
+            {"job": "j", "gpus": 8, "strategy": "fsdp", "tokens_per_s_gpu": 920, "plan": {"auto": "hybrid"}},
+            {"job": "j", "gpus": 8, "strategy": "ddp", "plan": {"auto": "hybrid"}, "status": "OOM"},
+            {"job": "j", "gpus": 8, "strategy": "hybrid", "tokens_per_s_gpu": 950, "plan": {"auto": "hybrid"}}]
+    sc.efficiencies(rows)
+    assert rows[1]["efficiency"] == 0.92 and rows[1]["baseline_gpus"] == 2  # no 1-GPU row: the smallest that ran
+    assert "efficiency" not in rows[2]
+    v = {(x["job"], x["gpus"]): x for x in sc.auto_verdicts(rows)}
+    assert v[("j", 8)]["fastest"] == "hybrid" and v[("j", 8)]["auto_vs_fastest"] == 0.0
+    assert v[("j", 2)]["auto_vs_fastest"] == 0.0
