@@ -59,3 +59,14 @@ def test_run_names_stay_inside_the_runs_dir(tmp_path):
             runs.resolve(str(tmp_path), bad)
     with pytest.raises(ShardwiseError, match="inside the runs directory"):
         runs.launch(str(tmp_path), {"output_dir": "/tmp/elsewhere", "argv": []})
+
+
+def test_tensor_and_sequence_parallel_fields_reach_the_run_and_refuse_next_to_their_field(tmp_path):
+    """The page's TP degree and SP mode are the CLI's flags: they resolve into the run's config, and the CLI's
+    refusal (a degree that does not divide the heads) comes back beside the TP field."""
+    t = forms.train({"strategy": "fsdp", "tensor_parallel": "2", "sp_mode": "ring"}, str(tmp_path))
+    cfg = _resolved(t["argv"])
+    assert cfg.tensor_parallel == 2 and cfg.sp_mode == "ring"
+    with pytest.raises(forms.FormError) as e:
+        forms.plan({"strategy": "fsdp", "tensor_parallel": "3"})
+    assert e.value.field == "tensor_parallel" and "4 attention heads" in str(e.value)

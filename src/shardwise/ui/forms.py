@@ -71,6 +71,10 @@ def fields() -> list[Field]:
               help=_help("fsdp.shard_group_size") + " Empty: not set."),
         Field("sequence_parallel", "sequence parallel degree", "--sequence-parallel", "--sequence-parallel",
               default="1", help=_help("sequence_parallel")),
+        Field("sp_mode", "sequence parallel mode", "--sp-mode", "--sp-mode", "choice", "auto", _help("sp_mode"),
+              _choices("sp_mode")),
+        Field("tensor_parallel", "tensor parallel degree", "--tensor-parallel", "--tensor-parallel", default="1",
+              help=_help("tensor_parallel")),
         # what only a launch needs
         Field("data", "data", None, "--data", default="demo", help=_help("data"), launch_only=True),
         Field("max_steps", "max steps", None, "--max-steps", default="30", help=_help("max_steps"), launch_only=True),
