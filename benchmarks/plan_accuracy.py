@@ -52,6 +52,7 @@ import contextlib
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -77,20 +78,32 @@ MODELS = {  # name: (vocab, hidden, intermediate, layers, heads, kv heads)
     "cpu-b": (1024, 128, 384, 2, 4, 2),
     "cpu-c": (1024, 192, 512, 3, 6, 2),
 }
-GPU_TO_CPU = {"llama-0.3B": "cpu-a", "llama-1.1B": "cpu-b", "llama-3B": "cpu-c"}
+# shapes from the planner's published presets (plan/model_presets.py), built from `ModelSpec.to_hf_config()`
+# (Qwen2: q/k/v biases, tied embeddings); "cpu-q" is the tied Qwen2 shape shrunk for --gpu --device cpu
+PRESET_MODELS = {"qwen2.5-1.5B": "qwen2.5-1.5b", "cpu-q": "qwen2.5-1.5b"}
+CPU_PRESET_SHAPE = dict(vocab_size=2048, hidden_size=128, intermediate_size=352, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=32, max_positions=4096)
+GPU_TO_CPU = {"llama-0.3B": "cpu-a", "llama-1.1B": "cpu-b", "llama-3B": "cpu-c", "qwen2.5-1.5B": "cpu-q"}
 # (hybrid needs two shard groups: one node of 2 ranks is refused by the config's validation)
 CPU_STRATEGIES = ("ddp", "fsdp", "fsdp-grad-op", "fsdp-offload", "zero1", "zero2", "zero3",
                   "zero2-offload", "zero3-offload")
 HYBRID = {"shard_group_size": 2, "nproc": 4}  # hybrid's cases: their own launch of 4 ranks
 GiB, MiB = 2**30, 2**20
+WARMUP_STEPS = 2  # steps not counted in the measured step time (the first builds optimizer states; ZeRO-3 traces)
 
 
 # ----------------------------------------------------------------------------- case lists
 
 
-def case(model, strategy, mb, seq, ckpt, compute="fp32", accum=1, compile_=False, fused=False) -> dict:
-    return dict(model=model, strategy=strategy, micro_batch=mb, seq_len=seq, ckpt=ckpt, compute=compute,
-                grad_accum=accum, compile=compile_, fused_loss=fused)
+def case(model, strategy, mb, seq, ckpt, compute="fp32", accum=1, compile_=False, fused=False, tuner="full") -> dict:
+    c = dict(model=model, strategy=strategy, micro_batch=mb, seq_len=seq, ckpt=ckpt, compute=compute,
+             grad_accum=accum, compile=compile_, fused_loss=fused)
+    if tuner != "full":  # LoRA / QLoRA: r 16 on every block linear (the config's defaults otherwise)
+        c.update(tuner=tuner, lora_r=LORA_R)
+    return c
+
+
+LORA_R = 16
 
 
 def cpu_cases(quick: bool) -> list[dict]:
@@ -148,6 +161,31 @@ def gpu_cases(quick: bool = False) -> list[dict]:
     return out
 
 
+def issue16_cases() -> list[dict]:
+    """Issue 16 item 1, the one-H200 half: every one-GPU preset x {full, LoRA, QLoRA} x checkpointing {off, on} on two
+    shapes, at micro-batches and lengths no earlier table used: Qwen2.5-1.5B's shape (152k vocabulary, tied) at
+    3 x 3072 and the 1.14B Llama anchor shape (32k, untied) at 6 x 1536. bf16 autocast over fp32 weights, the fused
+    head, eager blocks (`--compile off`: a compiled case costs 15-25 s of compile on a cold machine); then the
+    compiled engine default on a subset (full and LoRA, single/fsdp/zero3, no checkpointing), as the budget allows.
+    ddp on one rank runs single's step plus its buckets (measured in the earlier tables), so it is not repeated;
+    QLoRA runs under single only: the config refuses it with fsdp/zero* (config.py: the 4-bit base is not sharded)."""
+    shapes = {"qwen2.5-1.5B": (3, 3072), "llama-1.1B": (6, 1536)}
+    out = []
+    for m, (mb, seq) in shapes.items():
+        for tuner in ("full", "lora", "qlora"):
+            for strategy in (("single",) if tuner == "qlora" else ("single", "fsdp", "zero2", "zero3")):
+                for ck in (False, True):
+                    out.append(case(m, strategy, mb, seq, ck, "bf16", 1, False, True, tuner))
+    for m, (mb, seq) in shapes.items():  # compiled blocks (the engine's CUDA default)
+        for tuner in ("full", "lora"):
+            for strategy in ("single", "fsdp", "zero3"):
+                out.append(case(m, strategy, mb, seq, False, "bf16", 1, True, True, tuner))
+    return out
+
+
+CASE_SETS = {"default": lambda quick: gpu_cases(quick), "issue16": lambda quick: issue16_cases()}
+
+
 def shrink(c: dict) -> dict:
     """A GPU case at CPU size (for --gpu --device cpu)."""
     mb, seq = c["micro_batch"], c["seq_len"]
@@ -159,10 +197,20 @@ def shrink(c: dict) -> dict:
 
 
 def spec_for(name: str):
+    from dataclasses import replace
+
+    from shardwise.plan.model_presets import find_preset
     from shardwise.plan.model_spec import ModelSpec
 
+    if name in PRESET_MODELS:
+        spec = replace(find_preset(PRESET_MODELS[name]), name=name)
+        return replace(spec, **CPU_PRESET_SHAPE) if name.startswith("cpu-") else spec
     v, h, i, L, a, k = MODELS[name]
     return ModelSpec(name, "benchmark", v, h, i, L, a, k, h // a, False)
+
+
+def vocab_of(name: str) -> int:
+    return spec_for(name).vocab_size
 
 
 def config_for(c: dict, world: int):
@@ -176,6 +224,9 @@ def config_for(c: dict, world: int):
              "lr": 1e-4, "collective_timeout": 600.0}
     if c.get("shard_group_size"):
         flags["fsdp.shard_group_size"] = c["shard_group_size"]
+    if c.get("tuner", "full") != "full":
+        flags["tuner"] = c["tuner"]
+        flags["lora.r"] = c.get("lora_r", LORA_R)
     if c.get("keep_gathered_one_rank") is not None:  # rows measured under another one-rank fsdp rule
         flags["fsdp.keep_gathered_one_rank"] = c["keep_gathered_one_rank"]
     return load_config(None, {k: (v, "plan_accuracy") for k, v in flags.items()}).cfg
@@ -184,14 +235,23 @@ def config_for(c: dict, world: int):
 def predict(c: dict, world: int, accelerator: str, ds_linear: bool = False) -> "object":
     """The planner's Memory for this case (job_from_config's mapping, the preset's Opts). `ds_linear`: the case ran
     with DeepSpeed's linear installed by an earlier ZeRO-3 case of the same process (see `ran_with_ds_linear`)."""
-    from shardwise.plan.decide import opts_for
-    from shardwise.plan.memory import Job, estimate
+    return plan_case(c, world, accelerator, ds_linear).memory
+
+
+def plan_case(c: dict, world: int, accelerator: str, ds_linear: bool = False) -> "object":
+    """The planner's StrategyPlan for this case, as `shardwise plan --gpu-type H200` makes it: the Job from the
+    case's Config (plan.inputs.job_from_config: tuner, LoRA rank, dtypes, checkpointing, compile), the preset's
+    Opts, one H200 per rank (peak FLOP/s, links; no doctor.json) for the step time."""
+    import dataclasses
+
+    from shardwise.plan.decide import opts_for, plan_strategy
+    from shardwise.plan.inputs import job_from_config, make_setup
 
     cfg = config_for(c, world)
-    job = Job(world=world, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
-              compute=c["compute"], param_dtype=cfg.param_dtype, checkpointing=cfg.gradient_checkpointing,
-              accelerator=accelerator, fused_loss=cfg.fused_loss, compile=c["compile"], ds_linear=ds_linear)
-    return estimate(spec_for(c["model"]), job, opts_for(c["strategy"], cfg))
+    setup = make_setup(gpus=world, gpu_memory=139.8, gpu_type="H200", use_doctor=False)
+    job = dataclasses.replace(job_from_config(cfg, setup), compute=c["compute"], compile=c["compile"],
+                              accelerator=accelerator, ds_linear=ds_linear)
+    return plan_strategy(spec_for(c["model"]), job, setup, c["strategy"], opts_for(c["strategy"], cfg))
 
 
 def predicted_bytes(c: dict, world: int, accelerator: str, ds_linear: bool = False) -> float:
@@ -209,15 +269,20 @@ def random_init_loader(c: dict, device):
     """Make the loop's build_model get a random-init model of the case's shape (on `device`)."""
     from shardwise.train import loop
 
-    v, h, i, L, a, k = MODELS[c["model"]]
-
     def load(model_dir, dtype, trust_remote_code=False):
         import torch
-        from transformers import AutoModelForCausalLM, LlamaConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-        cfg = LlamaConfig(vocab_size=v, hidden_size=h, intermediate_size=i, num_hidden_layers=L,
-                          num_attention_heads=a, num_key_value_heads=k, max_position_embeddings=max(4096, c["seq_len"]),
-                          tie_word_embeddings=False, bos_token_id=2, eos_token_id=3, pad_token_id=1)
+        if c["model"] in PRESET_MODELS:  # the preset's config.json values (Qwen2: biases, tied head)
+            d = spec_for(c["model"]).to_hf_config()
+            d["max_position_embeddings"] = max(4096, c["seq_len"])
+            cfg = AutoConfig.for_model(d.pop("model_type"), bos_token_id=2, eos_token_id=3, pad_token_id=1, **d)
+        else:
+            v, h, i, L, a, k = MODELS[c["model"]]
+            cfg = LlamaConfig(vocab_size=v, hidden_size=h, intermediate_size=i, num_hidden_layers=L,
+                              num_attention_heads=a, num_key_value_heads=k,
+                              max_position_embeddings=max(4096, c["seq_len"]), tie_word_embeddings=False,
+                              bos_token_id=2, eos_token_id=3, pad_token_id=1)
         torch.manual_seed(0)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
@@ -361,10 +426,10 @@ def _steps(c: dict, env, tracker, out: dict, holder: dict) -> dict:
         strategy = holder["strategy"] = strategies.get(cfg.strategy)(cfg, env)
         model, optimizer = strategy.setup(model)
         out["setup_s"] = round(time.time() - t0, 2)
-        batch = make_batch(c, env.world_size, env.rank, MODELS[c["model"]][0])
+        batch = make_batch(c, env.world_size, env.rank, vocab_of(c["model"]))
         faults = Faults(env.rank)
         model.train()
-        step_times, step_peaks = [], []
+        step_times, step_peaks, event_times = [], [], []
         n_steps = max(2, int(c.get("steps", 2)))
         for step in range(n_steps):
             if tracker is not None:
@@ -377,13 +442,19 @@ def _steps(c: dict, env, tracker, out: dict, holder: dict) -> dict:
                     if holder.get("snapshot"):
                         _window_mark()
             ts = time.time()
+            if cuda:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
             for g in optimizer.param_groups:
                 g["lr"] = loop.lr_at(cfg, step, n_steps)
             loss = loop.forward_backward_step(model, strategy, batch, env.world_size, env.device, faults, step + 1, fused_head)
             strategy.step(model, optimizer)
+            if cuda:
+                ev[1].record()
             out["loss"] = float(loss)  # a host sync: the step has finished
             if cuda:
                 torch.cuda.synchronize()
+                event_times.append(ev[0].elapsed_time(ev[1]) / 1e3)
             step_times.append(time.time() - ts)
             step_peaks.append(tracker.peak if tracker is not None else torch.cuda.max_memory_allocated())
         # the steady state: the largest peak after the first step (the first also builds optimizer states)
@@ -393,8 +464,16 @@ def _steps(c: dict, env, tracker, out: dict, holder: dict) -> dict:
             out["live_end"] = tracker.current
         if cuda:
             out["reserved_peak"] = torch.cuda.max_memory_reserved()
-    out["step_s"] = [round(t, 3) for t in step_times]
-    out["tokens_per_s"] = round(c["micro_batch"] * c["seq_len"] * c["grad_accum"] * env.world_size / step_times[-1])
+    out["step_s"] = [round(t, 4) for t in step_times]
+    # the step time: CUDA events around each step (the GPU's time from the step's first launch to the optimizer step's
+    # last), the median of the steps after the warm-up (WARMUP_STEPS: optimizer states, ZeRO-3's trace, compiles)
+    times = event_times or step_times
+    if event_times:
+        out["step_s_cuda"] = [round(t, 4) for t in event_times]
+    counted = times[WARMUP_STEPS:] if len(times) > WARMUP_STEPS else times[-1:]
+    out["measured_step_s"] = round(statistics.median(counted), 4)
+    out["tokens_per_s"] = round(c["micro_batch"] * c["seq_len"] * c["grad_accum"] * env.world_size
+                                / out["measured_step_s"])
     if cuda:
         out["peak_bytes"] -= out["allocated_at_start"]
         out["step_peaks"] = [p - out["allocated_at_start"] for p in out["step_peaks"]]
@@ -556,7 +635,7 @@ def run_gpu(a) -> list[dict]:
     import torch
     import torch.utils.checkpoint
 
-    sel = gpu_cases(a.gpu_quick)
+    sel = CASE_SETS[a.cases](a.gpu_quick)
     cpu = a.device == "cpu"
     if cpu:
         sel = [shrink(c) for c in sel]
@@ -564,9 +643,10 @@ def run_gpu(a) -> list[dict]:
     sel = select(sel, a)
     if a.dry_run:
         for i, c in enumerate(sel):
-            m = predict(c, 1, "cpu" if cpu else "cuda")
+            sp = plan_case(c, 1, "cpu" if cpu else "cuda")
+            m = sp.memory
             print(f"[{i + 1}/{len(sel)}] {label(c)}: predicted {m.peak_tensors / GiB:.2f} GiB tensors, "
-                  f"{m.total / GiB:.2f} GiB total", flush=True)
+                  f"{m.total / GiB:.2f} GiB total, {sp.timing.step_s:.3f} s a step on an H200", flush=True)
         return []
     if not cpu and not torch.cuda.is_available():
         raise SystemExit("--gpu needs CUDA (or pass --device cpu for the smoke test)")
@@ -584,7 +664,13 @@ def run_gpu(a) -> list[dict]:
         ds_error = f"deepspeed not importable: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     quiet()
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if not cpu else "cpu",
-            "date": time.strftime("%Y-%m-%d %H:%M")}
+            "date": time.strftime("%Y-%m-%d %H:%M"), "cases": a.cases, "steps": a.steps,
+            "warmup_steps": WARMUP_STEPS, "commit": os.environ.get("PLAN_ACCURACY_COMMIT", "")}
+    for mod in ("peft", "bitsandbytes"):
+        try:
+            meta[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001
+            meta[mod] = f"not importable: {type(e).__name__}"
     try:
         import transformers
 
@@ -604,6 +690,8 @@ def run_gpu(a) -> list[dict]:
             row["error"] = f"skipped: budget of {a.budget_s:g} s spent"
         elif c["strategy"].startswith("zero") and ds_error:
             row["error"] = "skipped: " + ds_error
+        elif c.get("tuner") == "qlora" and not cpu and not str(meta.get("bitsandbytes", "")[:1]).isdigit():
+            row["error"] = "skipped: bitsandbytes " + str(meta.get("bitsandbytes"))
         else:
             t = time.time()
             snap = a.snapshot and not cpu
@@ -639,13 +727,21 @@ def run_gpu(a) -> list[dict]:
             if not cpu:  # what this case left behind (the next case subtracts it as its allocated_at_start)
                 row["allocated_after"] = torch.cuda.memory_allocated()
             row["seconds"] = round(time.time() - t, 1)
-        m = predict(c, 1, "cpu" if cpu else "cuda")
-        row["predicted"] = m.peak_tensors + (m.host if cpu else 0.0)
-        row["predicted_total"] = m.total
+        try:
+            sp = plan_case(c, 1, "cpu" if cpu else "cuda")
+            m = sp.memory
+            row["predicted"] = m.peak_tensors + (m.host if cpu else 0.0)
+            row["predicted_total"] = m.total
+            row["predicted_phase"] = m.phase
+            row["predicted_step_s"] = round(sp.timing.step_s, 5)
+        except Exception as e:  # a planner error must not lose the measured row
+            row["predict_error"] = f"{type(e).__name__}: {e}"[:300]
+            traceback.print_exc()
         rows.append(row)
         msg = (f"measured {row['measured'] / GiB:.2f} GiB, predicted {row['predicted'] / GiB:.2f} GiB "
-               f"({100 * (row['predicted'] / row['measured'] - 1):+.1f}%), {row.get('tokens_per_s', 0)} tok/s"
-               if row["error"] is None else row["error"])
+               f"({100 * (row['predicted'] / row['measured'] - 1):+.1f}%); step {row['measured_step_s']:.3f} s, "
+               f"predicted {row['predicted_step_s']:.3f} s ({100 * (row['predicted_step_s'] / row['measured_step_s'] - 1):+.1f}%)"
+               if row["error"] is None and "predicted" in row else str(row["error"]))
         print(f"[{i + 1}/{len(sel)} {time.time() - t_start:.0f}s] {label(c)}: {msg} ({row.get('seconds', 0)} s)",
               flush=True)
         if a.json:
@@ -685,7 +781,8 @@ def free_port() -> int:
 def label(c: dict) -> str:
     return (f"{c['model']} {c['strategy']} {c['micro_batch']}x{c['seq_len']} ckpt={'on' if c['ckpt'] else 'off'} "
             f"{c['compute']}{' accum=' + str(c['grad_accum']) if c['grad_accum'] > 1 else ''}"
-            f"{' fused' if c['fused_loss'] else ''}{' compile' if c['compile'] else ''}")
+            f"{' fused' if c['fused_loss'] else ''}{' compile' if c['compile'] else ''}"
+            f"{' ' + c['tuner'] + ' r' + str(c.get('lora_r', LORA_R)) if c.get('tuner', 'full') != 'full' else ''}")
 
 
 def write_json(path: str, rows) -> None:
@@ -734,6 +831,8 @@ def table(rows: list[dict]) -> str:
     """Markdown rows, with predictions from the planner as it is now. ᵈ: the case ran with DeepSpeed's linear
     (installed by an earlier ZeRO-3 case of the same process; predicted with Job.ds_linear). ᶠ: measured corrected
     for an earlier case's leak that was freed during this case (`freed_leak`)."""
+    if any(r.get("measured_step_s") is not None or r.get("tuner") for r in rows):
+        return table_steps(rows)
     lines = []
     gpu = any(r.get("device") == "cuda" for r in rows)
     unit, div = ("GiB", GiB) if gpu else ("MiB", MiB)
@@ -771,12 +870,59 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+MEM_GOAL, STEP_GOAL = 10.0, 20.0  # issue 16: peak memory within 10%, step time within 20% on every row
+
+
+def table_steps(rows: list[dict]) -> str:
+    """Markdown rows with the tuner and the step time (rows measured with `measured_step_s`), predicted by the planner
+    as it is now: the tensor peak against the measured peak, the step time against the CUDA-event median after the
+    warm-up. Error = predicted / measured - 1; a row is within goal when both are (memory 10%, step time 20%)."""
+    gpu = any(r.get("device") == "cuda" for r in rows)
+    unit, div = ("GiB", GiB) if gpu else ("MiB", MiB)
+    lines = [f"| model | strategy | tuner | micro-batch × seq | ckpt | compile | predicted {unit} | measured {unit} | "
+             f"error | predicted step s | measured step s | error | tokens/s | goal |",
+             "|---" * 14 + "|"]
+    mem_errs, step_errs, ok = [], [], 0
+    for r in rows:
+        tuner = r.get("tuner", "full") + (f" r{r.get('lora_r', LORA_R)}" if r.get("tuner", "full") != "full" else "")
+        head = (f"| {r['model']} | {r['strategy']} | {tuner} | {r['micro_batch']} × {r['seq_len']} | "
+                f"{'on' if r['ckpt'] else 'off'} | {'on' if r['compile'] else 'off'} | ")
+        try:
+            sp = plan_case(r, r["world"], "cuda" if r.get("device") == "cuda" else "cpu")
+        except Exception as e:  # a case the config refuses
+            lines.append(head + f"— | — | {type(e).__name__}: {str(e)[:80]} | — | — | — | — | — |")
+            continue
+        pred = sp.memory.peak_tensors + (sp.memory.host if r.get("device") == "cpu" else 0.0)
+        pstep = sp.timing.step_s
+        if r.get("error"):
+            lines.append(head + f"{pred / div:.2f} | — | {r['error'][:70]} | {pstep:.3f} | — | — | — | — |")
+            continue
+        me = 100 * (pred / r["measured"] - 1)
+        mstep = r.get("measured_step_s") or r["step_s"][-1]
+        se = 100 * (pstep / mstep - 1)
+        good = abs(me) <= MEM_GOAL and abs(se) <= STEP_GOAL
+        ok += good
+        mem_errs.append(abs(me))
+        step_errs.append(abs(se))
+        lines.append(head + f"{pred / div:.2f} | {r['measured'] / div:.2f} | {me:+.1f}% | {pstep:.3f} | {mstep:.3f} | "
+                     f"{se:+.1f}% | {r.get('tokens_per_s', 0) / 1e3:.1f}k | {'yes' if good else 'NO'} |")
+    if mem_errs:
+        lines.append(f"\n{len(mem_errs)} rows measured ({len(rows) - len(mem_errs)} not): memory mean |error| "
+                     f"{statistics.mean(mem_errs):.1f}%, max {max(mem_errs):.1f}%, within 10%: "
+                     f"{sum(e <= MEM_GOAL for e in mem_errs)}/{len(mem_errs)}; step time mean |error| "
+                     f"{statistics.mean(step_errs):.1f}%, max {max(step_errs):.1f}%, within 20%: "
+                     f"{sum(e <= STEP_GOAL for e in step_errs)}/{len(step_errs)}; both: {ok}/{len(mem_errs)}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU: a few cases only.")
     ap.add_argument("--nproc", type=int, default=2, help="CPU: ranks.")
     ap.add_argument("--gpu", action="store_true", help="The GPU case list, one rank in this process.")
     ap.add_argument("--gpu-quick", action="store_true", help="--gpu: the anchor's strategies + 3 other rows.")
+    ap.add_argument("--cases", choices=sorted(CASE_SETS), default="default", help="--gpu: which case list (issue16: "
+                    "presets x full/LoRA/QLoRA x checkpointing on two new shapes, with step time).")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="--gpu: cpu runs the GPU list at tiny sizes on the CPU (smoke test).")
     ap.add_argument("--dry-run", action="store_true", help="--gpu: list the cases and predictions, run nothing.")
