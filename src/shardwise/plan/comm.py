@@ -44,7 +44,19 @@ ZERO3_S_PER_PARAM_LAYER = 5e-13
 # Memory-bound passes the FLOP count misses, bytes at HBM_BYTES_PER_S (elementwise_time): the loss's passes over the
 # fp32 logits (per token per vocabulary entry), and LoRA's adapters (per token per unit of adapted width, per block)
 LOSS_BYTES_PER_LOGIT = 42.0
-LORA_BYTES_PER_WIDTH = 13.0
+LORA_BYTES_PER_WIDTH = 13.0  # compiled blocks, or eager under FSDP2 (its bf16 parameters: no fp32 adapter casts)
+# eager blocks with fp32 adapters under autocast (single, ddp, DeepSpeed): peft casts each adapted input to fp32, the
+# dropout and the two skinny matmuls' casts run as separate kernels; fitted on the eager LoRA single rows of one H200
+# (2026-12-01: Qwen2.5-1.5B shape 3 x 3072 and 1.14B Llama 6 x 1536 both give 24.5)
+LORA_BYTES_PER_WIDTH_EAGER = 24.5
+# the adapters' forward passes, as a share of their bytes, run again under gradient checkpointing (same rows)
+LORA_FORWARD_SHARE = 0.5
+# ZeRO-3 with eager blocks: DeepSpeed's fetch/release hooks run on the host for every submodule that holds
+# parameters, in forward, backward and (checkpointing) the recomputed forward; the GPU work hides them until the
+# host's share is the longer (max(GPU step, hooks)). Seconds per parameterized submodule per pass, fitted on one
+# H200 (2026-12-01, eight eager zero3 rows: full and LoRA, checkpointing on and off, Qwen2.5-1.5B and 1.14B Llama
+# shapes; within 25%, docs/planner.md). Compiled blocks keep the two-term form above, scaled by the same count.
+ZERO3_EAGER_S_PER_MODULE_PASS = 8e-4
 
 
 @dataclass(frozen=True)
@@ -268,7 +280,7 @@ def attention_flops(spec: ModelSpec, job: Job) -> float:
     return 2 * spec.num_layers * spec.q_dim * job.seq_len * job.tokens
 
 
-def elementwise_time(spec: ModelSpec, job: Job, comp: Compute) -> float:
+def elementwise_time(spec: ModelSpec, job: Job, comp: Compute, o_base: str = "single") -> float:
     """Seconds per micro-batch of memory-bound work the FLOP count misses (GPU only; both terms from
     docs/planner.md, "Where the constants come from"):
     - the loss over the vocabulary: the fp32 logits are written, reduced (log-sum-exp), exponentiated, masked
@@ -282,8 +294,22 @@ def elementwise_time(spec: ModelSpec, job: Job, comp: Compute) -> float:
     t = LOSS_BYTES_PER_LOGIT * job.tokens * spec.vocab_size / job.tp / comp.device_mem_bw  # TP: V/tp per rank
     if job.tuner != "full":
         width = spec.lora_params(1, job.lora_targets) / max(spec.num_layers, 1)  # sum of (in + out) per block
-        t += LORA_BYTES_PER_WIDTH * job.tokens * width * spec.num_layers / comp.device_mem_bw
+        per = LORA_BYTES_PER_WIDTH if job.compile or o_base == "fsdp" else LORA_BYTES_PER_WIDTH_EAGER
+        if job.checkpointing:  # the recomputed forward runs the adapters' forward passes again
+            per *= 1 + LORA_FORWARD_SHARE
+        t += per * job.tokens * width * spec.num_layers / comp.device_mem_bw
     return t
+
+
+def zero3_hooked_modules(spec: ModelSpec, job: Job) -> int:
+    """Submodules of one block that hold parameters, each fetched and released by ZeRO-3's hooks: the projections
+    and the norms; LoRA adds each adapted projection's lora_A and lora_B."""
+    n = len(spec.linear_shapes()) + spec.norms_per_layer
+    if job.tuner != "full":
+        targets = job.lora_targets
+        names = spec.linear_shapes() if targets in ("all-linear", "") else [t for t in targets.split(",") if t.strip()]
+        n += 2 * len(names)
+    return n
 
 
 def strategy_overhead(spec: ModelSpec, job: Job, o: Opts, shard_n: int, comp: Compute) -> float:
@@ -298,9 +324,10 @@ def strategy_overhead(spec: ModelSpec, job: Job, o: Opts, shard_n: int, comp: Co
     if o.base == "fsdp":
         key = "fsdp" if reshards(job, o) else "fsdp-grad-op"
         return STRATEGY_BYTES_PER_PARAM[key] * local_params(spec, job.tp) / shard_n / comp.device_mem_bw
-    if o.stage == 3:
+    if o.stage == 3:  # compiled blocks (eager: zero3_eager_hooks, in step_time)
         L = spec.num_layers
-        return ZERO3_S_PER_LAYER2 * L * L + ZERO3_S_PER_PARAM_LAYER * spec.total_params / shard_n * L
+        more = zero3_hooked_modules(spec, job) / zero3_hooked_modules(spec, Job(tuner="full"))  # LoRA's adapters
+        return more * (ZERO3_S_PER_LAYER2 * L * L + ZERO3_S_PER_PARAM_LAYER * spec.total_params / shard_n * L)
     return STRATEGY_BYTES_PER_PARAM["zero12"] * P_t / shard_n / comp.device_mem_bw
 
 
@@ -348,8 +375,14 @@ def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, co
         other += per_rank_params / (node_rate / job.gpus_per_node)
     else:  # AdamW reads p, g, m, v and writes p, m, v in the state dtype
         other += 7 * job.w * per_rank_params / comp.device_mem_bw
-    other += ga * elementwise_time(spec, job, comp)  # memory-bound passes beside the FLOPs, each micro-batch
-    overhead = strategy_overhead(spec, job, o, shard_n, comp)
+    other += ga * elementwise_time(spec, job, comp, o.base)  # memory-bound passes beside the FLOPs, per micro-batch
+    if o.base == "deepspeed" and o.stage == 3 and not job.compile and job.accelerator == "cuda":
+        # eager ZeRO-3: the host runs the hooks while the GPU runs the step; whichever is longer sets the step
+        passes = 3 if job.checkpointing else 2
+        hooks = ZERO3_EAGER_S_PER_MODULE_PASS * zero3_hooked_modules(spec, job) * spec.num_layers * passes * ga
+        overhead = max(0.0, hooks - (compute + exposed + other))
+    else:
+        overhead = strategy_overhead(spec, job, o, shard_n, comp)
     other += overhead
     step = compute + exposed + other
     comm_bytes = sum(cl.wire() * cl.per_step for cl in net + exchanges)

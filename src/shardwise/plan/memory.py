@@ -286,6 +286,10 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
         else:
             d["lora_inputs"] = sum(lin_in.values())
         d["lora_inputs"] += 7 * T * job.lora_r * c  # lora_A outputs, saved by lora_B
+        if uses_ds_linear(job, o):  # DeepSpeed's linear saves its input whether or not the weight trains: the
+            # frozen base projections' inputs too (q/k/v's and gate/up's shared ones once); H200 2026-12-01, zero3
+            # LoRA without checkpointing: 9.4 / 4.0 GiB under (Qwen2.5-1.5B / 1.14B shapes) before this and the head
+            d["lora_inputs"] += T * c * (2 * h + spec.q_dim / tp + i / tp)
     return d
 
 
@@ -351,8 +355,14 @@ def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     # a chunk: fp32 logits -> softmax gradient in place, its compute-dtype copy, the head-gradient matmul result
     # and its fp32 upcast; the compute-dtype casts of the hidden states and the weight
     trains = job.tuner == "full" or job.frozen_head_grad
-    forward = chunk * V * (4 + c) + (V * h * (c + 4 if c != 4 else 4) if trains else 0) \
-        + (T * h * c if r != c else 0) + (V * h * c if hw != c else 0)
+    casts = (T * h * c if r != c else 0) + (V * h * c if hw != c else 0)
+    forward = chunk * V * (4 + c) + (V * h * (c + 4 if c != 4 else 4) if trains else 0) + casts
+    # from the second chunk on, the previous chunk's fp32 logits (the softmax gradient, in place) and its
+    # compute-dtype copy are still bound to the loop's names while the next chunk's matmul result and its fp32
+    # upcast are made: two chunks of (4 + c) per logit at once (H200, 2026-12-01: every Qwen2.5-1.5B row was
+    # 1.8-3.5 GiB under, one chunk of 4096 x 151936 x 6 B = 3.48 GiB, benchmarks/results/plan_accuracy_h200_2026-12-01)
+    if T > chunk:
+        forward = max(forward, (chunk + min(chunk, T - chunk)) * V * (4 + c) + casts)
     # its backward instead: the returned gradients (hidden states, head weight)
     backward = T * h * r + (V * h * hw if trains else 0)
     d = {"loss_grad_hidden": T * h * r,
