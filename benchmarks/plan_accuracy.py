@@ -904,7 +904,9 @@ def table_steps(rows: list[dict]) -> str:
         ok += good
         mem_errs.append(abs(me))
         step_errs.append(abs(se))
-        lines.append(head + f"{pred / div:.2f} | {r['measured'] / div:.2f} | {me:+.1f}% | {pstep:.3f} | {mstep:.3f} | "
+        again = "".join(f" (again: {o['measured_step_s']:.3f}, {100 * (pstep / o['measured_step_s'] - 1):+.0f}%)"
+                        for o in r.get("other_runs", []) if o.get("measured_step_s") and (o.get("steps") or 0) > 3)
+        lines.append(head + f"{pred / div:.2f} | {r['measured'] / div:.2f} | {me:+.1f}% | {pstep:.3f} | {mstep:.3f}{again} | "
                      f"{se:+.1f}% | {r.get('tokens_per_s', 0) / 1e3:.1f}k | {'yes' if good else 'NO'} |")
     if mem_errs:
         lines.append(f"\n{len(mem_errs)} rows measured ({len(rows) - len(mem_errs)} not): memory mean |error| "

@@ -35,12 +35,6 @@ HBM_BYTES_PER_S = 2.0e12  # effective device memory bandwidth for the optimizer 
 #             (fsdp-grad-op: one all-gather fewer)
 #   zero1/2   the gradients into the bucket and the fp32 partition, norm and overflow checks, master -> bf16 copy
 STRATEGY_BYTES_PER_PARAM = {"ddp": 4.0, "fsdp": 16.0, "fsdp-grad-op": 10.0, "zero12": 42.0}
-# ZeRO-3: DeepSpeed's per-submodule fetch/release hooks (a backend overhead, not the model's FLOPs). Two terms, fitted
-# on four measured rows (docs/planner.md, "Where the constants come from"): seconds per layer^2 (every submodule's
-# fetch walks the traced submodule order, so the number of hooks times the trace length) and seconds per local
-# parameter per layer (what each fetch touches, per parameter it holds).
-ZERO3_S_PER_LAYER2 = 5.5e-4
-ZERO3_S_PER_PARAM_LAYER = 5e-13
 # Memory-bound passes the FLOP count misses, bytes at HBM_BYTES_PER_S (elementwise_time): the loss's passes over the
 # fp32 logits (per token per vocabulary entry), and LoRA's adapters (per token per unit of adapted width, per block)
 LOSS_BYTES_PER_LOGIT = 42.0
@@ -51,12 +45,13 @@ LORA_BYTES_PER_WIDTH = 13.0  # compiled blocks, or eager under FSDP2 (its bf16 p
 LORA_BYTES_PER_WIDTH_EAGER = 24.5
 # the adapters' forward passes, as a share of their bytes, run again under gradient checkpointing (same rows)
 LORA_FORWARD_SHARE = 0.5
-# ZeRO-3 with eager blocks: DeepSpeed's fetch/release hooks run on the host for every submodule that holds
-# parameters, in forward, backward and (checkpointing) the recomputed forward; the GPU work hides them until the
-# host's share is the longer (max(GPU step, hooks)). Seconds per parameterized submodule per pass, fitted on one
-# H200 (2026-12-01, eight eager zero3 rows: full and LoRA, checkpointing on and off, Qwen2.5-1.5B and 1.14B Llama
-# shapes; within 25%, docs/planner.md). Compiled blocks keep the two-term form above, scaled by the same count.
-ZERO3_EAGER_S_PER_MODULE_PASS = 8e-4
+# ZeRO-3: DeepSpeed's fetch/release hooks run on the host for every submodule that holds parameters, in forward,
+# backward and (checkpointing) the recomputed forward; the GPU's work hides them until the host's share is the longer:
+# the step is max(GPU step, hooks) (zero3_hook_time). Seconds per parameterized submodule per pass, eager and with
+# compiled blocks (dynamo's guards and graph breaks around every hook cost more), fitted on one H200 (2026-12-01:
+# twelve zero3 rows, full and LoRA, checkpointing on and off, Qwen2.5-1.5B and 1.14B Llama shapes; docs/planner.md).
+ZERO3_EAGER_S_PER_MODULE_PASS = 8.5e-4
+ZERO3_COMPILED_S_PER_MODULE_PASS = 1.35e-3
 
 
 @dataclass(frozen=True)
@@ -312,9 +307,17 @@ def zero3_hooked_modules(spec: ModelSpec, job: Job) -> int:
     return n
 
 
-def strategy_overhead(spec: ModelSpec, job: Job, o: Opts, shard_n: int, comp: Compute) -> float:
-    """Seconds per optimizer step of the strategy's own work (STRATEGY_BYTES_PER_PARAM; ZeRO-3: ZERO3_S_PER_LAYER2 and
-    ZERO3_S_PER_PARAM_LAYER).
+def zero3_hook_time(spec: ModelSpec, job: Job) -> float:
+    """Seconds a step's ZeRO-3 hooks keep the host busy: per parameterized submodule (zero3_hooked_modules), per pass
+    (forward, backward, the recomputed forward under checkpointing), per micro-batch."""
+    passes = 3 if job.checkpointing else 2
+    k = ZERO3_COMPILED_S_PER_MODULE_PASS if job.compile else ZERO3_EAGER_S_PER_MODULE_PASS
+    return k * zero3_hooked_modules(spec, job) * spec.num_layers * passes * job.grad_accum
+
+
+def strategy_overhead(spec: ModelSpec, job: Job, o: Opts, shard_n: int, comp: Compute, gpu_s: float = 0.0) -> float:
+    """Seconds per optimizer step of the strategy's own work (STRATEGY_BYTES_PER_PARAM; ZeRO-3: what its host-bound
+    hooks add to a step whose GPU work takes `gpu_s`, max(0, zero3_hook_time - gpu_s)).
     Single: 0. On the CPU (no HBM roofline, no measurement) 0."""
     if job.accelerator != "cuda" or o.base == "single":
         return 0.0
@@ -324,10 +327,8 @@ def strategy_overhead(spec: ModelSpec, job: Job, o: Opts, shard_n: int, comp: Co
     if o.base == "fsdp":
         key = "fsdp" if reshards(job, o) else "fsdp-grad-op"
         return STRATEGY_BYTES_PER_PARAM[key] * local_params(spec, job.tp) / shard_n / comp.device_mem_bw
-    if o.stage == 3:  # compiled blocks (eager: zero3_eager_hooks, in step_time)
-        L = spec.num_layers
-        more = zero3_hooked_modules(spec, job) / zero3_hooked_modules(spec, Job(tuner="full"))  # LoRA's adapters
-        return more * (ZERO3_S_PER_LAYER2 * L * L + ZERO3_S_PER_PARAM_LAYER * spec.total_params / shard_n * L)
+    if o.stage == 3:
+        return max(0.0, zero3_hook_time(spec, job) - gpu_s)
     return STRATEGY_BYTES_PER_PARAM["zero12"] * P_t / shard_n / comp.device_mem_bw
 
 
@@ -376,13 +377,7 @@ def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, co
     else:  # AdamW reads p, g, m, v and writes p, m, v in the state dtype
         other += 7 * job.w * per_rank_params / comp.device_mem_bw
     other += ga * elementwise_time(spec, job, comp, o.base)  # memory-bound passes beside the FLOPs, per micro-batch
-    if o.base == "deepspeed" and o.stage == 3 and not job.compile and job.accelerator == "cuda":
-        # eager ZeRO-3: the host runs the hooks while the GPU runs the step; whichever is longer sets the step
-        passes = 3 if job.checkpointing else 2
-        hooks = ZERO3_EAGER_S_PER_MODULE_PASS * zero3_hooked_modules(spec, job) * spec.num_layers * passes * ga
-        overhead = max(0.0, hooks - (compute + exposed + other))
-    else:
-        overhead = strategy_overhead(spec, job, o, shard_n, comp)
+    overhead = strategy_overhead(spec, job, o, shard_n, comp, compute + exposed + other)
     other += overhead
     step = compute + exposed + other
     comm_bytes = sum(cl.wire() * cl.per_step for cl in net + exchanges)

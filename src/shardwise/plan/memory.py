@@ -658,7 +658,9 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     # Where the gradients stay on the device, the end of backward holds them in place of the boundaries; without
     # checkpointing moment A holds more than this.
     moment_b0 = 0.0
-    if job.checkpointing and spec.num_layers and g == 0 and not st.grads_persist:
+    # (LoRA/QLoRA too: only the adapters' gradients are made, so the end of backward holds little; H200 2026-12-01,
+    # 1.14B Llama LoRA/QLoRA with checkpointing peaked in the last block's recompute beside 15 boundaries)
+    if job.checkpointing and spec.num_layers and ((g == 0 and not st.grads_persist) or job.tuner != "full"):
         bwd = sum(v for k, v in extraB.items() if k != "fp32_grad_partition")
         accumulated = extraA.get("unsharded_accumulated_grads", 0.0) + accum_grads  # earlier micro-batches'
         moment_b0 = (states + act_detail["layers_kept"] * (spec.num_layers - 1) / spec.num_layers + workspace + bwd
