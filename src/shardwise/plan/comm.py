@@ -371,13 +371,16 @@ def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, co
     P_t = local_params(spec, job.tp) if job.tuner == "full" else spec.lora_params(job.lora_r, job.lora_targets)
     per_rank_params = P_t / (shard_n if o.base in ("fsdp", "deepspeed") else 1)
     cpu_step = (o.base == "fsdp" and o.cpu_offload) or (o.base == "deepspeed" and o.offload_optimizer)
+    host_s = 0.0  # the host's own share of the step (the offloaded optimizer step)
     if cpu_step:
         node_rate = DS_CPU_ADAM_PARAMS_PER_S if o.base == "deepspeed" else TORCH_CPU_ADAM_PARAMS_PER_S
-        other += per_rank_params / (node_rate / job.gpus_per_node)
+        host_s = per_rank_params / (node_rate / job.gpus_per_node)
+        other += host_s
     else:  # AdamW reads p, g, m, v and writes p, m, v in the state dtype
         other += 7 * job.w * per_rank_params / comp.device_mem_bw
     other += ga * elementwise_time(spec, job, comp, o.base)  # memory-bound passes beside the FLOPs, per micro-batch
-    overhead = strategy_overhead(spec, job, o, shard_n, comp, compute + exposed + other)
+    # ZeRO-3's hooks run on the host beside the GPU's work, not beside the host's own optimizer step
+    overhead = strategy_overhead(spec, job, o, shard_n, comp, compute + exposed + other - host_s)
     other += overhead
     step = compute + exposed + other
     comm_bytes = sum(cl.wire() * cl.per_step for cl in net + exchanges)
