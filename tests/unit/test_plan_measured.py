@@ -104,6 +104,86 @@ def test_measured_row_within_bounds(row, tmp_path):
     assert abs(p_peak / peak - 1) <= MEM_TOL, f"{label} {strategy}: peak {p_peak:.2f} GiB vs measured {peak:.2f}"
 
 
+# ----------------------------------------------------------------------------- one H200, 2026-12-01 (issue 16)
+# Source: benchmarks/results/plan_accuracy_h200_2026-12-01.json (`plan_accuracy.py --gpu --cases issue16`, two calls:
+# docs/planner.md, "H200: presets x full/LoRA/QLoRA x checkpointing"): every one-GPU preset x tuner x checkpointing on
+# the Qwen2.5-1.5B shape (3 x 3072) and the 1.14B Llama shape (6 x 1536), measured through the engine's own code
+# (peak max_memory_allocated, step time by CUDA events, median after 2 warm-up steps). Each row is predicted through
+# the harness's own case -> Config -> Job mapping (plan_accuracy.plan_case), as the table was.
+H200_RUN = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "plan_accuracy_h200_2026-12-01.json"
+# step time outside 20% where two runs of the same row disagree by up to 30% (eager ZeRO-3's host-bound hooks):
+# (model, strategy, tuner, ckpt, compile) -> the bound these rows are held to
+ZERO3_NOISY = {("qwen2.5-1.5B", "zero3", "lora", False, False): 0.35,
+               ("llama-1.1B", "zero3", "full", True, False): 0.30}
+
+
+def _h200_rows() -> list[dict]:
+    with open(H200_RUN) as fh:
+        return [r for r in json.load(fh) if not r.get("error")]
+
+
+def _plan_case():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_accuracy", H200_RUN.parents[1] / "plan_accuracy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.plan_case
+
+
+def test_h200_preset_tuner_checkpointing_table_within_goals():
+    """Issue 16 item 1 on one H200: peak memory within 10% on all 48 rows; step time within 20% except the two eager
+    ZeRO-3 rows whose repeat runs disagree (ZERO3_NOISY, held to their own bound). The planner terms these rows fixed:
+    the fused head's two chunks (every Qwen row was 1.8-3.5 GiB under), ZeRO-3's linear saving the frozen base inputs
+    under LoRA (-19% / -14%), the checkpointed LoRA/QLoRA peak at the start of backward (-11% / -13%), LoRA's eager
+    adapter bytes (-19..-30% step time), ZeRO-3's host-bound hooks (+63% / -70% step time)."""
+    plan_case = _plan_case()
+    rows = _h200_rows()
+    assert len(rows) == 48
+    worst_mem, misses = 0.0, []
+    for r in rows:
+        sp = plan_case(r, 1, "cuda")
+        mem = sp.memory.peak_tensors / r["measured"] - 1
+        step = sp.timing.step_s / r["measured_step_s"] - 1
+        worst_mem = max(worst_mem, abs(mem))
+        key = (r["model"], r["strategy"], r.get("tuner", "full"), r["ckpt"], r["compile"])
+        assert abs(mem) <= MEM_TOL, f"{key}: peak {mem:+.1%}"
+        assert abs(step) <= ZERO3_NOISY.get(key, SPEED_TOL), f"{key}: step time {step:+.1%}"
+        if abs(step) > SPEED_TOL:
+            misses.append(key)
+    assert sorted(misses) == sorted(ZERO3_NOISY)  # a bound that no longer binds is removed from ZERO3_NOISY
+
+
+def test_h200_fixes_one_row_each():
+    """One measured row per planner fix (same source), with the number that was wrong before it."""
+    plan_case = _plan_case()
+    rows = {(r["model"], r["strategy"], r.get("tuner", "full"), r["ckpt"], r["compile"]): r for r in _h200_rows()}
+
+    def pred(key):
+        return plan_case(rows[key], 1, "cuda")
+
+    GiB = 2 ** 30
+    # the fused head: from its second chunk on, two chunks of fp32 logits + bf16 copies (Qwen 152k vocabulary,
+    # full fine-tune, checkpointing: 29.70 GiB measured, 27.47 predicted before)
+    r = rows[("qwen2.5-1.5B", "single", "full", True, False)]
+    assert r["measured"] / GiB == pytest.approx(29.70, abs=0.01)
+    assert pred(("qwen2.5-1.5B", "single", "full", True, False)).memory.peak_tensors / r["measured"] == \
+        pytest.approx(1.0, abs=0.02)
+    # ZeRO-3's linear saves the frozen base projections' inputs under LoRA (48.77 GiB measured, 39.34 before)
+    key = ("qwen2.5-1.5B", "zero3", "lora", False, False)
+    assert pred(key).memory.peak_tensors / rows[key]["measured"] == pytest.approx(1.0, abs=0.03)
+    # checkpointed QLoRA peaks in the last block's recompute beside 15 boundaries (3.50 GiB, 2.69 before)
+    key = ("llama-1.1B", "single", "qlora", True, False)
+    m = pred(key).memory
+    assert m.phase.startswith("start of backward") and m.peak_tensors / rows[key]["measured"] > 0.90
+    # LoRA's eager adapters under autocast: 0.316 s measured, 0.256 s before
+    key = ("qwen2.5-1.5B", "single", "lora", False, False)
+    assert pred(key).timing.step_s / rows[key]["measured_step_s"] == pytest.approx(1.0, abs=0.05)
+    # compiled ZeRO-3 LoRA is host-bound: 0.948 s measured (0.513 s before)
+    key = ("llama-1.1B", "zero3", "lora", False, True)
+    assert pred(key).timing.step_s / rows[key]["measured_step_s"] == pytest.approx(1.0, abs=0.10)
+
+
 if __name__ == "__main__":
     import os
     import tempfile
