@@ -13,6 +13,7 @@
 #                                                    accuracy3 levers fsdp1 proftest accuracy4 levers2 defaults (third session)
 #                                                    accuracy5 levers3 accuracy6 vshf (fourth session)
 #                                                    vshf5 (fifth session)
+#                                                    accuracy16 accuracy16b ttfs (seventh session)
 #                                                    twogpu (fourth session, on the nvidia-h200-x2 kind)
 #                                                    sptest long1 long2 long3 long4 longqwen (issue 15, x2 kind)
 #                                                    spflex spplain sppacked spprobe longmin (sixth session, x2;
@@ -88,6 +89,16 @@ twogpu() {  # two GPUs: NCCL bandwidth, then every strategy of the demo round-ro
 vshf5() {
   python3 benchmarks/vs_hf_trainer.py --out "$OUT" --steps 24 --warmup 8 --variants hf-trainer,sw-single,sw-fsdp
 }
+# seventh session (2026-12-01, issue 16 item 1 / issue 17 item 3, one H200; run as plain commands, these parts repeat
+# them): presets x full/LoRA/QLoRA x checkpointing on two shapes with step time, then the time to first step pair
+accuracy16() { python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --steps 5 --budget-s 290 --json "$OUT/acc16.json"; }
+accuracy16b() {  # the compiled Llama rows the budget cut, the eager zero3 rows again, the checkpointed LoRA snapshots
+  python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --steps 3 --pick 28,36 --snapshot --json "$OUT/acc16snap.json"
+  python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --steps 8 --pick 7,8,15,16,25,26,33,34 --budget-s 85 \
+    --json "$OUT/acc16z3.json"
+  python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --steps 5 --pick 43,44,45,46,47,48 --json "$OUT/acc16comp.json"
+}
+ttfs() { python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6; }
 # prepared for the issue-15 session (not run yet), on the nvidia-h200-x2 kind; each part fits one 10-minute call
 # (the model directories stay under /tmp/shardwise-long-context while the machine is warm)
 # (sixth session) every GPU pytest with -x -s -p no:logging, pytest's --timeout and an outer timeout:

@@ -111,3 +111,40 @@ def test_scaling_rows_efficiency_and_autos_verdict():
     v = {(x["job"], x["gpus"]): x for x in sc.auto_verdicts(rows)}
     assert v[("j", 8)]["fastest"] == "hybrid" and v[("j", 8)]["auto_vs_fastest"] == 0.0
     assert v[("j", 2)]["auto_vs_fastest"] == 0.0
+
+
+def test_issue16_cases_cover_presets_tuners_checkpointing_and_run_the_tuner_they_name():
+    """The one-H200 table of issue 16: every one-GPU preset x {full, LoRA} x checkpointing on both shapes, QLoRA under
+    single only (the config refuses it sharded), compiled rows last; each case's Config carries its tuner and rank,
+    and the planner plans that tuner (fewer trainable parameters, adapters' bytes in the step)."""
+    cases = pa.issue16_cases()
+    eager = [c for c in cases if not c["compile"]]
+    assert len(eager) == 2 * (4 * 2 * 2 + 2) and cases[:len(eager)] == eager
+    for model in ("qwen2.5-1.5B", "llama-1.1B"):
+        got = {(c["strategy"], c.get("tuner", "full"), c["ckpt"]) for c in eager if c["model"] == model}
+        assert got == {(s, t, k) for s in ("single", "fsdp", "zero2", "zero3") for t in ("full", "lora")
+                       for k in (False, True)} | {("single", "qlora", False), ("single", "qlora", True)}
+    q = next(c for c in cases if c.get("tuner") == "qlora")
+    cfg = pa.config_for(q, 1)
+    assert cfg.tuner == "qlora" and cfg.lora.r == pa.LORA_R and cfg.strategy == "single"
+    full, lora = (pa.plan_case({**q, "tuner": t}, 1, "cuda") for t in ("full", "lora"))
+    assert lora.memory.detail["trainable_params"] < full.memory.detail["trainable_params"] / 50
+    # the Qwen shape is the published preset's (tied 152k vocabulary, q/k/v biases), shrunk for the CPU smoke run
+    assert q["model"] == "qwen2.5-1.5B" and pa.shrink(q)["model"] == "cpu-q"
+    spec, small = pa.spec_for("qwen2.5-1.5B"), pa.spec_for("cpu-q")
+    assert spec.vocab_size == 151936 and spec.tied_embeddings and spec.attention_bias
+    assert small.tied_embeddings and small.attention_bias and small.vocab_size == 2048
+
+
+def test_step_table_marks_rows_outside_either_goal():
+    """table_steps: a row is within goal only when memory is within 10% and step time within 20% of the planner."""
+    c = {**pa.case("llama-1.1B", "single", 6, 1536, False, "bf16", 1, False, True), "world": 1, "device": "cuda",
+         "error": None}
+    sp = pa.plan_case(c, 1, "cuda")
+    exact = {**c, "measured": sp.memory.peak_tensors, "measured_step_s": sp.timing.step_s, "tokens_per_s": 1.0}
+    slow = {**exact, "measured_step_s": sp.timing.step_s * 1.3}  # predicted 23% fast
+    small = {**exact, "measured": sp.memory.peak_tensors * 1.2}  # predicted 17% under
+    lines = pa.table(([exact, slow, small])).splitlines()
+    assert lines[2].endswith("| yes |") and lines[3].endswith("| NO |") and lines[4].endswith("| NO |")
+    assert "+0.0%" in lines[2] and "-23.1%" in lines[3] and "-16.7%" in lines[4]
+    assert lines[-1].endswith("both: 1/3")
