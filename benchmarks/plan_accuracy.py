@@ -241,7 +241,8 @@ def predict(c: dict, world: int, accelerator: str, ds_linear: bool = False) -> "
 def plan_case(c: dict, world: int, accelerator: str, ds_linear: bool = False) -> "object":
     """The planner's StrategyPlan for this case, as `shardwise plan --gpu-type H200` makes it: the Job from the
     case's Config (plan.inputs.job_from_config: tuner, LoRA rank, dtypes, checkpointing, compile), the preset's
-    Opts, one H200 per rank (peak FLOP/s, links; no doctor.json) for the step time."""
+    Opts, one H200 per rank (peak FLOP/s, links; no doctor.json) for the step time (so for `--device cpu` rows the
+    predicted step time is an H200's, not the CPU's: that mode checks the harness, not the speed model)."""
     import dataclasses
 
     from shardwise.plan.decide import opts_for, plan_strategy
