@@ -238,11 +238,12 @@ def predict(c: dict, world: int, accelerator: str, ds_linear: bool = False) -> "
     return plan_case(c, world, accelerator, ds_linear).memory
 
 
-def plan_case(c: dict, world: int, accelerator: str, ds_linear: bool = False) -> "object":
+def plan_case(c: dict, world: int, accelerator: str, ds_linear: bool = False, **engine) -> "object":
     """The planner's StrategyPlan for this case, as `shardwise plan --gpu-type H200` makes it: the Job from the
     case's Config (plan.inputs.job_from_config: tuner, LoRA rank, dtypes, checkpointing, compile), the preset's
     Opts, one H200 per rank (peak FLOP/s, links; no doctor.json) for the step time (so for `--device cpu` rows the
-    predicted step time is an H200's, not the CPU's: that mode checks the harness, not the speed model)."""
+    predicted step time is an H200's, not the CPU's: that mode checks the harness, not the speed model). `engine`:
+    Job fields describing an older engine the row was measured with (e.g. head_two_chunks=True)."""
     import dataclasses
 
     from shardwise.plan.decide import opts_for, plan_strategy
@@ -251,7 +252,7 @@ def plan_case(c: dict, world: int, accelerator: str, ds_linear: bool = False) ->
     cfg = config_for(c, world)
     setup = make_setup(gpus=world, gpu_memory=139.8, gpu_type="H200", use_doctor=False)
     job = dataclasses.replace(job_from_config(cfg, setup), compute=c["compute"], compile=c["compile"],
-                              accelerator=accelerator, ds_linear=ds_linear)
+                              accelerator=accelerator, ds_linear=ds_linear, **engine)
     return plan_strategy(spec_for(c["model"]), job, setup, c["strategy"], opts_for(c["strategy"], cfg))
 
 

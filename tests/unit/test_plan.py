@@ -158,15 +158,18 @@ def test_fused_loss_replaces_the_logits_by_one_chunk_and_two_held_gradients():
     d = head_activations(spec, fused, Opts("single"))
     assert "logits" not in d and "logits" in head_activations(spec, plain, Opts("single"))
     assert d["loss_grad_hidden"] == T * h * 4 and d["loss_grad_head"] == V * h * 4
-    # chunk logits fp32 + bf16, head-grad matmul bf16 + fp32, bf16 casts of the hidden states and the weight; or, from
-    # the second chunk on, the previous chunk's fp32 logits and bf16 copy beside the next chunk's (the larger here)
+    # chunk logits fp32 + bf16, head-grad matmul bf16 + fp32, bf16 casts of the hidden states and the weight: one
+    # chunk at a time (the loop drops a chunk's logits before the next; Job.head_two_chunks: the engine before)
     one = 4096 * V * (4 + 2) + V * h * (2 + 4) + T * h * 2 + V * h * 2
     two = 2 * 4096 * V * (4 + 2) + T * h * 2 + V * h * 2
-    assert d["loss_transient"] == max(one, two) == two
+    assert d["loss_transient"] == one
+    old = head_activations(spec, Job(micro_batch=4, seq_len=4096, fused_loss=True, head_two_chunks=True),
+                           Opts("single"))
+    assert old["loss_transient"] == max(one, two) == two
     # FSDP2: bf16 hidden states and weight, a bf16 copy of the head gradient, the root gathered while the head runs
     f = head_activations(spec, fused, Opts("fsdp"))
     assert f["loss_grad_hidden"] == T * h * 2 and f["loss_grad_head"] == V * h * (4 + 2)
-    assert f["loss_transient"] == max(4096 * V * 6 + V * h * 6, 2 * 4096 * V * 6)
+    assert f["loss_transient"] == 4096 * V * 6 + V * h * 6
     assert f["loss_root_gathered"] == 2 * spec.root_params
     # one chunk only (T <= 4096): no second chunk to overlap
     short = head_activations(spec, Job(micro_batch=1, seq_len=4096, fused_loss=True), Opts("fsdp"))

@@ -70,3 +70,26 @@ def test_compiled_blocks_match_eager(tiny_dir):
     assert compile_blocks(compiled) == len(decoder_blocks(eager)) == eager.config.num_hidden_layers
     ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(compiled(input_ids=ids).logits, eager(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_head_holds_one_chunk_of_logits_at_a_time():
+    """Live bytes of the chunked head over 3 chunks (LiveBytes counts every tensor storage made): one chunk's fp32
+    logits and bf16 copy (6 B per logit) plus the gradient buffers and casts, not two chunks (51.6 MiB here when the
+    loop kept the previous chunk's logits bound while making the next; 30.6 MiB now). The planner counts one chunk
+    (plan/memory.py fused_loss_terms)."""
+    from shardwise.models.speed import _LinearCrossEntropy
+    from shardwise.plan.simulate import LiveBytes
+
+    torch.manual_seed(0)
+    T, h, V, chunk = 3 * 512, 64, 8192, 512
+    hidden = torch.randn(T, h, requires_grad=True)
+    w = torch.randn(V, h, requires_grad=True)
+    t = torch.randint(0, V, (T,))
+    with LiveBytes() as lb:
+        lb.track(hidden, w, t)
+        base = lb.current
+        _LinearCrossEntropy.apply(hidden, w, t, chunk, torch.bfloat16)
+        peak = lb.peak - base
+    one_chunk = chunk * V * (4 + 2)
+    buffers = T * h * (4 + 2) + V * h * (4 + 2) + V * h * (2 + 4)  # grads + casts, the head-gradient matmul + upcast
+    assert one_chunk < peak <= one_chunk + buffers + 2**20

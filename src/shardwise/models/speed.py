@@ -51,6 +51,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h[s:s + chunk] = (g @ w).to(hidden.dtype)
             if want_w:
                 grad_w += (g.t() @ h).float()
+            del logits, g  # before the next chunk's are made: one chunk alive at a time, not two
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if want_w else None)
         return loss
 
@@ -99,6 +100,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
             grad_h[s:s + chunk] = (g @ w).float()
             if want_w:
                 grad_w += (g.t() @ h).float()
+            del logits, g  # before the next chunk's are made: one chunk alive at a time, not two
         dist.all_reduce(grad_h, group=group)  # each rank's columns' share of d loss / d hidden
         ctx.save_for_backward(grad_h.to(hidden.dtype), grad_w.to(weight.dtype) if want_w else None)
         return loss

@@ -88,6 +88,9 @@ class Job:
     # the fused head computed the weight gradient of a frozen head too (LoRA/QLoRA), as the engine did before it
     # checked needs_input_grad (issue 16): only for comparing with rows measured before then
     frozen_head_grad: bool = False
+    # the fused head kept the previous chunk's logits bound to its loop's names while making the next chunk's (two
+    # chunks alive), as the engine did until 2026-12-01: only for comparing with rows measured before then
+    head_two_chunks: bool = False
     sp: int = 1  # sequence-parallel degree: each rank holds 1/sp of every sequence (config `sequence_parallel`)
     tp: int = 1  # tensor-parallel degree: each rank holds 1/tp of every block linear (config `tensor_parallel`)
     sp_mode: str = "auto"  # ulysses | ring | auto (Ulysses gcd(heads, sp), ring for the rest; config `sp_mode`)
@@ -357,11 +360,11 @@ def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     trains = job.tuner == "full" or job.frozen_head_grad
     casts = (T * h * c if r != c else 0) + (V * h * c if hw != c else 0)
     forward = chunk * V * (4 + c) + (V * h * (c + 4 if c != 4 else 4) if trains else 0) + casts
-    # from the second chunk on, the previous chunk's fp32 logits (the softmax gradient, in place) and its
-    # compute-dtype copy are still bound to the loop's names while the next chunk's matmul result and its fp32
-    # upcast are made: two chunks of (4 + c) per logit at once (H200, 2026-12-01: every Qwen2.5-1.5B row was
-    # 1.8-3.5 GiB under, one chunk of 4096 x 151936 x 6 B = 3.48 GiB, benchmarks/results/plan_accuracy_h200_2026-12-01)
-    if T > chunk:
+    # one chunk at a time: the loop drops a chunk's logits before the next chunk's are made (tests/unit/test_speed.py
+    # measures the head's peak on the CPU). Until 2026-12-01 it kept them bound to its names while the next chunk's
+    # matmul result and fp32 upcast were made: two chunks of (4 + c) per logit (every Qwen2.5-1.5B row of that day's
+    # H200 table was 1.8-3.5 GiB over one chunk: 4096 x 151936 x 6 B = 3.48 GiB), Job.head_two_chunks
+    if job.head_two_chunks and T > chunk:
         forward = max(forward, (chunk + min(chunk, T - chunk)) * V * (4 + c) + casts)
     # its backward instead: the returned gradients (hidden states, head weight)
     backward = T * h * r + (V * h * hw if trains else 0)
