@@ -135,6 +135,8 @@ scale2() { python3 benchmarks/scaling.py --gpus 1,2 --jobs anchor --strategies s
 scale8a() { python3 benchmarks/scaling.py --gpus 1,2,4,8 --jobs anchor --timeout 150 --tag x8-anchor --out "$OUT"; }
 scale8b() { python3 benchmarks/scaling.py --gpus 2,4,8 --jobs llama8b --strategies fsdp,hybrid2,hybrid4,zero3 --timeout 200 --tag x8-8b --out "$OUT"; }
 long8() { python3 benchmarks/long_context.py --gpus 8 --lengths 131072,262144 --sp 8 --steps 3 --tag x8 --out "$OUT"; }
+# the fused head holding one chunk of logits (7ed8f6c): the Qwen rows whose peak is the head's, measured again
+headchunk() { python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --steps 3 --pick 2,4,10,12 --json "$OUT/acc16head.json"; }
 setup
 LOGF="$OUT/logs-$(date +%H%M%S).txt"
 for part in "$@"; do
