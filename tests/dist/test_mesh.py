@@ -63,9 +63,9 @@ def test_one_mesh_gives_groups_ranks_and_the_samplers_share(tmp_path):
     mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, r in enumerate(ranks):
-        for preset, shape in (("ddp", [2, 1, 1, 1]), ("fsdp", [1, 2, 1, 1])):
+        for preset, shape in (("ddp", [2, 1, 1, 1, 1]), ("fsdp", [1, 2, 1, 1, 1])):
             got = r[preset]
-            assert got["names"] == ["dp_replicate", "dp_shard", "sp", "tp"] and got["shape"] == shape
+            assert got["names"] == ["dp_replicate", "dp_shard", "sp_ring", "sp_ulysses", "tp"] and got["shape"] == shape
             assert got["dp"] == [2, rank] and got["dp_sum"] == 3.0 and got["sp_group"] == 1
         assert r["fsdp"]["shard_mesh"] == [2] and r["fsdp"]["shard_rank"] == rank
         # sequence peers: one data-parallel rank, so nothing to average over it; the sp group is both ranks

@@ -24,6 +24,19 @@ def _positions(packed: bool) -> torch.Tensor:
                         torch.cat([torch.arange(24), torch.arange(24)])])
 
 
+_meshes: dict = {}
+
+
+def _dims(rank: int, world: int, ulysses: int):
+    """The run's mesh as the trainer builds it: one sequence group of the whole world, split into
+    ring x Ulysses (the attention takes its three groups from it); one per split, reused."""
+    from shardwise.strategies.parallel import ParallelDims
+
+    if ulysses not in _meshes:
+        _meshes[ulysses] = ParallelDims(1, 1, world, 1, world_size=world, rank=rank, sp_ulysses=ulysses)
+    return _meshes[ulysses]
+
+
 def _case(rank: int, world: int, heads: int, kv: int, packed: bool, mode: str) -> tuple[bool, ...]:
     from shardwise.models import sequence_parallel as sp
 
@@ -36,7 +49,7 @@ def _case(rank: int, world: int, heads: int, kv: int, packed: bool, mode: str) -
     ref = sp.doc_attention(*full, sp.document_ids(pos), None, gqa=kv != heads).transpose(1, 2)
     (ref * w).sum().backward()
 
-    sp.configure(dist.group.WORLD, world, heads, mode)
+    sp.configure(_dims(rank, world, sp.split_degree(world, heads, mode)[0]))
     part = slice(rank * S // world, (rank + 1) * S // world)
     mine = [t[:, :, part].clone().requires_grad_() for t in (q, k, v)]
     out, _ = sp.ulysses_attention(None, *mine, None, position_ids=pos[:, part].clone())

@@ -53,9 +53,11 @@ def _loss(model, ids, pos, targets):
 
 def _attention_worker(rank: int, init_file: str, q) -> None:
     from shardwise.models.sequence_parallel import apply_sequence_parallel
+    from shardwise.strategies.parallel import ParallelDims
 
     # a file rendezvous: no port to pick, so nothing another test's processes could take first
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    dims = ParallelDims(1, 1, 2, 1, world_size=2, rank=rank)  # one sequence group of both ranks
     results = {}
     for kv in (2, 1):
         for packed in (False, True):
@@ -64,7 +66,7 @@ def _attention_worker(rank: int, init_file: str, q) -> None:
             ref_loss, ref_logits = _loss(ref, ids, pos, targets)
             ref_loss.backward()
             sp = _model(kv)
-            apply_sequence_parallel(sp, dist.group.WORLD, 2)
+            apply_sequence_parallel(sp, dims, "ulysses")
             half = slice(rank * 16, (rank + 1) * 16)
             loss, logits = _loss(sp, ids[:, half], pos[:, half], targets[:, half])
             loss.backward()

@@ -22,12 +22,16 @@ N = U x R ranks is split into Ulysses groups of U consecutive ranks (together a 
 1/R chunk of the sequence) and rings of R ranks (one per head shard). Ulysses exchanges
 within its group, to (B, H/U, S/R, D); the ring then attends that chunk's queries to the
 whole sequence's keys, chunk by chunk; Ulysses brings the output back. `split_degree` says
-how N splits: ulysses = (N, 1), ring = (1, N), auto = (gcd(heads, N), N / gcd).
+how N splits: ulysses = (N, 1), ring = (1, N), auto = (gcd(heads, N), N / gcd); the run's mesh
+(strategies/parallel.py) is built with that split, as dimensions sp_ring x sp_ulysses, and
+`configure` takes the three groups from it. With tensor parallelism each rank holds H / tp heads,
+and Ulysses splits those.
 """
 
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 import torch.distributed as dist
@@ -221,6 +225,20 @@ def heads_of(hf_config) -> tuple[int, int]:
     return heads, kv
 
 
+def model_heads(model_dir: str) -> int | None:
+    """The attention heads named in a model directory's config.json (None: none named, or no such
+    file, as for the built-in random-init model), read without loading the model."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as fh:
+            hf = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return heads_of(types.SimpleNamespace(**hf.get("text_config", hf)))[0]
+
+
 def check_degree(degree: int, heads: int | None, where: str = "sequence_parallel") -> None:
     """Ulysses needs the query heads divisible by the degree (KV heads are replicated)."""
     if degree > 1 and heads is not None and heads % degree:
@@ -243,28 +261,16 @@ def split_degree(degree: int, heads: int | None, mode: str = "ulysses") -> tuple
     return degree, 1
 
 
-def configure(group, degree: int, heads: int | None, mode: str = "ulysses") -> tuple[int, int]:
-    """Set this process's sequence-parallel attention over `group` (degree ranks): the Ulysses
-    group and the ring for the split `split_degree` gives. A collective over the whole world
-    when both degrees are above 1 (every rank creates every subgroup, as new_group needs).
-    Returns (Ulysses degree, ring degree)."""
-    u, r = split_degree(degree, heads, mode) if degree > 1 else (1, 1)
-    _state.group, _state.degree, _state.ulysses = group, degree, u
-    _state.ulysses_group, _state.ring = (group if u == degree else None), (Ring(group) if r == degree > 1 else None)
-    if u > 1 and r > 1:
-        mine = dist.get_process_group_ranks(group)
-        stride, world, me = mine[1] - mine[0], dist.get_world_size(), dist.get_rank()
-        # every SP group of the world (ranks kN*stride + t + i*stride, strategies/parallel.py's layout)
-        groups = [[b + i * stride for i in range(degree)] for b in range(world) if b % (degree * stride) < stride]
-        for ranks in groups:
-            for ring_index in range(r):  # U consecutive SP ranks: one contiguous chunk of the sequence
-                g = dist.new_group(ranks[ring_index * u:(ring_index + 1) * u])
-                if me in ranks[ring_index * u:(ring_index + 1) * u]:
-                    _state.ulysses_group = g
-            for head_shard in range(u):  # every U-th SP rank: the same heads, all the chunks
-                g = dist.new_group(ranks[head_shard::u])
-                if me in ranks[head_shard::u]:
-                    _state.ring = Ring(g)
+def configure(dims) -> tuple[int, int]:
+    """Set this process's sequence-parallel attention from the run's mesh (strategies/parallel.py's
+    ParallelDims): the whole group mesh["sp"], its Ulysses subgroup mesh["sp_ulysses"] and its ring
+    mesh["sp_ring"]; the mesh is the one place the subgroups are made. Returns (Ulysses degree, ring
+    degree)."""
+    u, r = (dims.sp_ulysses, dims.sp_ring) if dims is not None and dims.sp > 1 else (1, 1)
+    _state.group = dims.sp_group if u * r > 1 else None
+    _state.degree, _state.ulysses = u * r, u
+    _state.ulysses_group = dims.ulysses_group if u > 1 else None
+    _state.ring = Ring(dims.ring_group) if r > 1 else None
     _state.cached_local = _state.cached_docs = _state.cached_block_mask = None
     return u, r
 
@@ -277,13 +283,21 @@ def describe_split(u: int, r: int, heads: int | None) -> str:
     return f"Ulysses over {u} ranks ({heads} heads -> {heads // u} per rank) x ring attention over {r}"
 
 
-def apply_sequence_parallel(model, group, degree: int, mode: str = "ulysses") -> str:
-    """Route the model's attention through `ulysses_attention` over `group` (degree ranks),
-    split into Ulysses and ring as `mode` says (split_degree). Returns a line saying what was
-    done. Degree 1 with packing still helps: long packed sequences get a block mask instead of
-    a dense one."""
+def apply_sequence_parallel(model, dims, mode: str = "ulysses") -> str:
+    """Route the model's attention through `ulysses_attention` over the sequence group of `dims`
+    (the run's ParallelDims; None: one rank), split into Ulysses and ring as the mesh is
+    (ParallelDims.from_config took `mode`'s split_degree; checked here against the model's heads,
+    per tensor-parallel rank). Returns a line saying what was done. Degree 1 with packing still
+    helps: long packed sequences get a block mask instead of a dense one."""
     heads, _kv = heads_of(model.config)
-    u, r = configure(group, degree, heads, mode)
+    degree, tp = (dims.sp, dims.tp) if dims is not None else (1, 1)
+    local = heads // tp if heads else heads
+    if degree > 1 and split_degree(degree, local, mode) != (dims.sp_ulysses, dims.sp_ring):
+        raise ShardwiseError(f"sequence_parallel {degree}: the mesh splits it as Ulysses {dims.sp_ulysses} x ring "
+                             f"{dims.sp_ring}, but --sp-mode {mode} with the model's {local} heads per rank gives "
+                             f"{split_degree(degree, local, mode)}; build the ParallelDims with the model's heads")
+    u, r = configure(dims)
+    heads = local
     register()
     model.set_attn_implementation(NAME)
     dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0

@@ -61,10 +61,11 @@ class Strategy:
     dp_split = staticmethod(replicate_all)
 
     @classmethod
-    def parallel_dims(cls, cfg: Config, env: DistEnv) -> ParallelDims:
-        """The run's degrees and mesh, with this strategy's data-parallel layout."""
+    def parallel_dims(cls, cfg: Config, env: DistEnv, heads: int | None = None) -> ParallelDims:
+        """The run's degrees and mesh, with this strategy's data-parallel layout (`heads`: the model's
+        attention heads, which decide the sequence group's Ulysses x ring split)."""
         return ParallelDims.from_config(cfg, env.world_size, env.rank, env.local_world_size, env.device.type,
-                                        cls.dp_split)
+                                        cls.dp_split, heads)
 
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env

@@ -6,7 +6,10 @@ Every rank is placed on a 4-D grid, outermost first:
 
 - dp_replicate: data-parallel ranks that hold full replicas (DDP; HSDP's groups);
 - dp_shard: data-parallel ranks that shard parameters/states (FSDP, ZeRO; HSDP within a group);
-- sp: sequence-parallel ranks that split one sequence (Ulysses, models/sequence_parallel.py);
+- sp: sequence-parallel ranks that split one sequence (models/sequence_parallel.py), itself a grid
+  sp_ring x sp_ulysses: Ulysses groups of sp_ulysses consecutive sp ranks (all-to-all over heads,
+  together one contiguous 1/sp_ring chunk of the sequence) and rings of sp_ring ranks (ring attention
+  over the chunks, one ring per head shard); sp_ulysses = sp (no ring) unless the split says otherwise;
 - tp: tensor parallel ranks that split each weight (DTensor, strategies/parallelize.py; the tp ranks of a
   data-parallel rank read the same rows and compute one loss together).
 
@@ -18,7 +21,10 @@ hardware). Ranks are laid out as `init_device_mesh` lays them (row-major), so th
 data-parallel rank, sequence rank and tensor rank are arithmetic on the world rank and need no
 mesh. The `DeviceMesh` itself is built on first use (it creates process groups, which is a
 collective): a dimension that spans the world uses the default group, so a pure data-parallel
-run has the same groups as before the mesh existed.
+run has the same groups as before the mesh existed. Its dimensions are MESH_DIMS: sp is split
+into (sp_ring, sp_ulysses), flattened back into the 1-D `sp_mesh`, so the sequence group and its
+two subgroups all come from the one mesh (the attention reads them,
+models/sequence_parallel.configure). Flattened meshes are made once and kept (`flat`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from dataclasses import dataclass, field
 
 from shardwise.errors import ShardwiseError
 
-DIM_NAMES = ("dp_replicate", "dp_shard", "sp", "tp")
+DIM_NAMES = ("dp_replicate", "dp_shard", "sp", "tp")  # the degrees users set (describe)
+MESH_DIMS = ("dp_replicate", "dp_shard", "sp_ring", "sp_ulysses", "tp")  # the mesh's own dimensions
 
 
 @dataclass
@@ -39,10 +46,16 @@ class ParallelDims:
     world_size: int
     rank: int
     device_type: str = "cpu"
+    sp_ulysses: int = 0  # the Ulysses share of sp (0: all of it); sp_ring = sp / sp_ulysses
     _mesh: object = field(default=None, repr=False, compare=False)
+    _flat: dict = field(default_factory=dict, repr=False, compare=False)  # flattened meshes by name
 
     def __post_init__(self):
         degrees = (self.dp_replicate, self.dp_shard, self.sp, self.tp)
+        self.sp_ulysses = self.sp_ulysses or self.sp
+        if self.sp_ulysses < 1 or self.sp % self.sp_ulysses:
+            raise ShardwiseError(f"the Ulysses degree {self.sp_ulysses} must divide the sequence-parallel degree "
+                                 f"{self.sp} (ulysses x ring = --sequence-parallel)")
         if min(degrees) < 1:
             raise ShardwiseError(f"parallel degrees must be >= 1, got {self.describe()}")
         if self.dp_replicate * self.dp_shard * self.sp * self.tp != self.world_size:
@@ -54,16 +67,23 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg, world_size: int, rank: int, local_world_size: int, device_type: str,
-                    dp_split) -> ParallelDims:
+                    dp_split, heads: int | None = None) -> ParallelDims:
         """The degrees of this run: sp and tp from the config, data-parallel the rest of the world,
-        split into (replicate, shard) by the strategy's `dp_split(cfg, dp_degree, local_world_size)`."""
+        split into (replicate, shard) by the strategy's `dp_split(cfg, dp_degree, local_world_size)`.
+        `heads`: the model's attention heads, which decide how sp splits into Ulysses x ring
+        (`--sp-mode`; with tensor parallelism Ulysses splits each tp rank's heads / tp)."""
         sp, tp = cfg.sequence_parallel, cfg.tensor_parallel
         if sp < 1 or tp < 1 or world_size % (sp * tp):
             raise ShardwiseError(
                 f"--sequence-parallel {sp} x --tensor-parallel {tp} must divide the world size {world_size} "
                 "(nnodes x nproc_per_node); the rest of the ranks are data-parallel")
         replicate, shard = dp_split(cfg, world_size // (sp * tp), local_world_size)
-        return cls(replicate, shard, sp, tp, world_size, rank, device_type)
+        ulysses = sp
+        if sp > 1:
+            from shardwise.models.sequence_parallel import split_degree
+
+            ulysses, _ring = split_degree(sp, heads // tp if heads else None, getattr(cfg, "sp_mode", "ulysses"))
+        return cls(replicate, shard, sp, tp, world_size, rank, device_type, ulysses)
 
     # -- degrees and ranks (no mesh needed) -----------------------------------------------
     @property
@@ -84,19 +104,44 @@ class ParallelDims:
     def tp_rank(self) -> int:
         return self.rank % self.tp
 
+    @property
+    def sp_ring(self) -> int:
+        """The ring-attention share of sp: how many contiguous chunks a sequence is cut into for the ring."""
+        return self.sp // self.sp_ulysses
+
+    @property
+    def sp_shape(self) -> tuple[int, int]:
+        """(sp_ring, sp_ulysses): the sequence dimension's own grid, outermost first."""
+        return self.sp_ring, self.sp_ulysses
+
     def describe(self) -> str:
-        return " x ".join(f"{n} {d}" for n, d in zip(DIM_NAMES, (self.dp_replicate, self.dp_shard, self.sp, self.tp)))
+        text = " x ".join(f"{n} {d}" for n, d in zip(DIM_NAMES, (self.dp_replicate, self.dp_shard, self.sp, self.tp)))
+        return text + (f" (sp = ring {self.sp_ring} x ulysses {self.sp_ulysses})" if self.sp_ring > 1 < self.sp_ulysses
+                       else "")
 
     # -- the mesh and its groups (built on first use) -----------------------------------
     @property
     def mesh(self):
-        """The one DeviceMesh of the run, dims named DIM_NAMES (size-1 dims included)."""
+        """The one DeviceMesh of the run, dims named MESH_DIMS (size-1 dims included), with sp_ring x
+        sp_ulysses flattened into "sp" (the whole sequence group)."""
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self._mesh = init_device_mesh(self.device_type, (self.dp_replicate, self.dp_shard, self.sp, self.tp),
-                                          mesh_dim_names=DIM_NAMES)
+            self._mesh = init_device_mesh(self.device_type, (self.dp_replicate, self.dp_shard, *self.sp_shape, self.tp),
+                                          mesh_dim_names=MESH_DIMS)
         return self._mesh
+
+    def flat(self, name: str, dims: tuple[str, ...]):
+        """The 1-D mesh of `dims` flattened under `name`, made once (a collective) and kept here: torch
+        is retiring the slicing of flattened dimensions from the root mesh."""
+        if name not in self._flat:
+            self._flat[name] = self.mesh[dims]._flatten(name)
+        return self._flat[name]
+
+    @property
+    def sp_mesh(self):
+        """The whole sequence group as a 1-D mesh: sp_ring x sp_ulysses flattened."""
+        return self.flat("sp", ("sp_ring", "sp_ulysses"))
 
     @property
     def grad_size(self) -> int:
@@ -124,7 +169,7 @@ class ParallelDims:
         dp_shard_cp); (dp_replicate, dp_shard x sp) for HSDP."""
         if self.sp == 1:
             return self.dp_shard_mesh
-        flat = self.mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+        flat = self.flat("dp_shard_sp", ("dp_shard", "sp_ring", "sp_ulysses"))
         return self.mesh["dp_replicate", "dp_shard_sp"] if self.dp_replicate > 1 else flat
 
     @property
@@ -137,7 +182,7 @@ class ParallelDims:
             return self.dp_group
         if self.grad_size == self.world_size:
             return dist.group.WORLD
-        return self.mesh["dp_replicate", "dp_shard", "sp"]._flatten("dp_sp").get_group()
+        return self.flat("dp_sp", ("dp_replicate", "dp_shard", "sp_ring", "sp_ulysses")).get_group()
 
     @property
     def dp_group(self):
@@ -147,12 +192,24 @@ class ParallelDims:
 
         if self.dp_size == self.world_size:
             return dist.group.WORLD  # the group the mesh would give for a dim spanning the world
-        return self.mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+        return self.flat("dp", ("dp_replicate", "dp_shard")).get_group()
 
     @property
     def sp_group(self):
-        """The sequence-parallel group: the ranks that split one sequence (a single rank today)."""
-        return self.mesh["sp"].get_group()
+        """The sequence-parallel group: the ranks that split one sequence."""
+        return self.sp_mesh.get_group()
+
+    @property
+    def ulysses_group(self):
+        """The Ulysses subgroup of the sequence group: sp_ulysses consecutive sp ranks (one contiguous
+        chunk of the sequence between them), which exchange heads for sequence around attention."""
+        return self.mesh["sp_ulysses"].get_group()
+
+    @property
+    def ring_group(self):
+        """The ring subgroup of the sequence group: every sp_ulysses-th sp rank (the same heads, every
+        chunk of the sequence), which passes keys and values round the ring."""
+        return self.mesh["sp_ring"].get_group()
 
     @property
     def tp_group(self):

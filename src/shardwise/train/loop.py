@@ -26,7 +26,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.hardware import peak_flops
 from shardwise.models.load import load_model, load_tokenizer
 from shardwise.models.moe import aux_loss_weight
-from shardwise.models.sequence_parallel import DENSE_MASK_LIMIT, apply_sequence_parallel, heads_of, split_degree
+from shardwise.models.sequence_parallel import DENSE_MASK_LIMIT, apply_sequence_parallel, model_heads
 from shardwise.models.speed import install_fused_loss, token_loss_sum
 from shardwise.rundir import atomic_write_json, record_interrupted
 from shardwise.strategies.base import DTYPES
@@ -68,15 +68,16 @@ def lr_at(cfg: Config, step: int, total: int) -> float:
 loss_sum = token_loss_sum  # summed token cross-entropy in fp32 (models/speed.py; vocabulary-sharded logits too)
 
 
-def build_model(cfg: Config, model_dir: str, sp_group=None):
+def build_model(cfg: Config, model_dir: str, dims=None):
     """The HF model on the CPU, before any strategy touches it: storage dtype, the attention
-    function (Ulysses over `sp_group` with sequence parallelism), adapters and the fused loss
+    function (Ulysses / ring over the sequence group of `dims`, the run's ParallelDims, with
+    sequence parallelism), adapters and the fused loss
     head (it changes what the head returns, not how the model is parallelised). Checkpointing
     and compile are the strategy's parallelize steps (Strategy.parallelize)."""
     model = load_model(model_dir, DTYPES[cfg.param_dtype], cfg.trust_remote_code)
     # long packed sequences on one rank too: a block mask instead of transformers' dense (B, 1, S, S) one
     if cfg.sequence_parallel > 1 or (cfg.packing and cfg.seq_len ** 2 > DENSE_MASK_LIMIT and torch.cuda.is_available()):
-        apply_sequence_parallel(model, sp_group, cfg.sequence_parallel, cfg.sp_mode)
+        apply_sequence_parallel(model, dims if cfg.sequence_parallel > 1 else None, cfg.sp_mode)
     if cfg.tuner != "full":
         from shardwise.models.lora import apply_lora
 
@@ -112,14 +113,14 @@ class Trainer:
         marks["initialized"] = time.time()
         strategy_cls = strategies.get(cfg.strategy)
         # the run's parallel degrees and its one device mesh: everything below reads them from here
-        env.dims = self.dims = strategy_cls.parallel_dims(cfg, env)
+        env.dims = self.dims = strategy_cls.parallel_dims(cfg, env, model_heads(job.model_dir))
         torch.manual_seed(cfg.seed)
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
         self.faults = Faults(env.rank)
 
         self.tokenizer = load_tokenizer(job.model_dir, cfg.trust_remote_code)
         use_chat_template(self.tokenizer, cfg.chat_template)  # final/ carries the template the run trained with
-        model = build_model(cfg, job.model_dir, self.dims.sp_group if self.dims.sp > 1 else None)
+        model = build_model(cfg, job.model_dir, self.dims)
         self.hf_config = model.config
         head = model.get_output_embeddings()
         self.fused_head = head if getattr(head, "loss_targets", "absent") is None else None
@@ -199,7 +200,7 @@ class Trainer:
                             report_to=self.cfg.report_to, config=dataclasses.asdict(self.cfg))
         sp = ""
         if self.dims.sp > 1:
-            u, r = split_degree(self.dims.sp, heads_of(self.hf_config)[0], self.cfg.sp_mode)
+            u, r = self.dims.sp_ulysses, self.dims.sp_ring
             how = "Ulysses" if r == 1 else "ring" if u == 1 else f"Ulysses {u} x ring {r}"
             sp = f" + {how} sequence parallel over groups of {self.dims.sp}"
         sp += f" + tensor parallel over groups of {self.dims.tp}" if self.dims.tp > 1 else ""
