@@ -188,9 +188,16 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def compile_blocks(model: nn.Module) -> int:
-    """torch.compile each decoder block in place (parameter names unchanged)."""
+def compile_blocks(model: nn.Module, hooks_eager: bool = False) -> int:
+    """torch.compile each decoder block in place (parameter names unchanged): the whole call, its module hooks
+    included, or with `hooks_eager` only its forward, the block's own hooks running eagerly around it. Tensor
+    parallelism needs the latter: the first block's input hook (strategies/parallelize.py) cuts the replicated
+    embedding output into this rank's sequence slice through DTensor, and traced inside the compiled call that
+    cut loses its gradient (torch 2.13: the embedding then gets none, silently)."""
     blocks = decoder_blocks(model)
     for b in blocks:
-        b.compile()
+        if hooks_eager:
+            b.forward = torch.compile(b.forward)
+        else:
+            b.compile()
     return len(blocks)

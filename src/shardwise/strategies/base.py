@@ -88,7 +88,7 @@ class Strategy:
         cfg = self.cfg
         done = [apply_tensor_parallel(model, self.dims),
                 apply_activation_checkpointing(model, cfg),
-                apply_compile(model, cfg)]
+                apply_compile(model, cfg, self.dims)]
         model, optimizer = self.apply_data_parallel(model)
         if self.env.is_main:
             log.info("parallelize: %s; then %s", "; ".join(done), self.name)

@@ -155,8 +155,10 @@ def compile_enabled(cfg) -> bool:
     return cfg.compile == "on" or (cfg.compile == "auto" and torch.cuda.is_available())
 
 
-def apply_compile(model: nn.Module, cfg) -> str:
-    """torch.compile each decoder block in place (parameter names unchanged)."""
+def apply_compile(model: nn.Module, cfg, dims: ParallelDims | None = None) -> str:
+    """torch.compile each decoder block in place (parameter names unchanged). Under tensor parallelism each
+    block's forward only: its TP input hooks stay eager (models/speed.py compile_blocks says why)."""
     if not compile_enabled(cfg):
         return "compile: off"
-    return f"compile: {compile_blocks(model)} blocks"
+    tp = dims is not None and dims.tp > 1
+    return f"compile: {compile_blocks(model, hooks_eager=tp)} blocks" + (" (forward only; TP hooks eager)" if tp else "")
