@@ -638,8 +638,9 @@ def validate(res: Resolved) -> None:
              f"tensor_parallel with {c.tuner} is not built yet: PEFT wraps the attention and MLP linears that tensor "
              "parallelism splits, and the adapters would have to be split to match (lora_B by output features on "
              "q/k/v/gate/up, lora_A by input features on o/down); use --tuner full or --tensor-parallel 1")
-        need(c.sequence_parallel == 1, "tensor_parallel",
-             "tensor_parallel with sequence_parallel > 1 is not built yet; set one of them to 1")
+        need(c.sequence_parallel == 1 or base == "fsdp", "tensor_parallel",
+             f"tensor_parallel {c.tensor_parallel} with sequence_parallel {c.sequence_parallel} runs under the fsdp "
+             f"presets (FSDP averages the gradients over the sequence ranks), not '{c.strategy}'; use --strategy fsdp")
         if c.nproc_per_node:
             world = c.nproc_per_node * c.nnodes
             need(world % c.tensor_parallel == 0, "tensor_parallel",
@@ -652,6 +653,9 @@ def validate(res: Resolved) -> None:
             world = c.nproc_per_node * c.nnodes
             need(world % c.sequence_parallel == 0, "sequence_parallel",
                  f"sequence_parallel {c.sequence_parallel} must divide the {world} ranks (nnodes x nproc_per_node)")
+            need(world % (c.sequence_parallel * c.tensor_parallel) == 0, "sequence_parallel",
+                 f"sequence_parallel {c.sequence_parallel} x tensor_parallel {c.tensor_parallel} must divide the "
+                 f"{world} ranks (nnodes x nproc_per_node); the rest are data-parallel")
 
 
 def to_yaml(cfg: Config, where: str = "") -> str:

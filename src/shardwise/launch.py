@@ -161,8 +161,8 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
 
     model_dir = check_model(cfg, res)
     resume_notes = ckpt.check_resume(resume_from, cfg, model_dir) if resume_from else []
-    check_sequence_parallel(cfg, res, world, model_dir)
     check_tensor_parallel(cfg, res, world, model_dir)
+    check_sequence_parallel(cfg, res, world, model_dir)
     check_fit(cfg, res, world, force)
     tokenizer = load_tokenizer(model_dir, cfg.trust_remote_code)
     use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
@@ -297,33 +297,38 @@ def _attention_heads(model_dir: str, where: str, who: str, key: str) -> tuple[di
 
 def check_sequence_parallel(cfg: Config, res: Resolved, world: int, model_dir: str) -> None:
     """Refuse a sequence-parallel degree the ranks or the model's heads cannot take, with
-    the model's numbers; say which mode runs."""
-    n = cfg.sequence_parallel
+    the model's numbers; say which mode runs. With tensor parallelism (checked first) each tp
+    rank holds heads / tp of them, and those are what Ulysses splits."""
+    n, tp = cfg.sequence_parallel, cfg.tensor_parallel
     if n == 1:
         return
-    if world % n:
-        raise ShardwiseError(f"{res.where('sequence_parallel')}: sequence_parallel {n} must divide the {world} "
+    if world % (n * tp):
+        raise ShardwiseError(f"{res.where('sequence_parallel')}: sequence_parallel {n}"
+                             + (f" x tensor_parallel {tp}" if tp > 1 else "") + f" must divide the {world} "
                              "ranks (nnodes x nproc_per_node); the data-parallel degree is ranks / N")
-    _, heads, kv = _attention_heads(model_dir, res.where("sequence_parallel"), "Ulysses", "sequence_parallel")
+    _, all_heads, all_kv = _attention_heads(model_dir, res.where("sequence_parallel"), "Ulysses", "sequence_parallel")
+    heads, kv = all_heads // tp, max(all_kv // tp, 1)
+    per_tp = f" ({all_heads} / tensor_parallel {tp} per tensor rank)" if tp > 1 else ""
     if heads % n and cfg.sp_mode == "ulysses":
-        fits = [d for d in range(2, heads + 1) if heads % d == 0 and world % d == 0]
+        fits = [d for d in range(2, heads + 1) if heads % d == 0 and world % (d * tp) == 0]
         hint = f"use --sequence-parallel {fits[-1]}" if fits else "use --sequence-parallel 1"
-        raise ShardwiseError(f"{res.where('sequence_parallel')}: Ulysses splits the model's {heads} attention heads "
-                             f"over the {n} ranks of a sequence-parallel group, and {n} does not divide {heads}; "
-                             f"{hint}, or --sp-mode ring / auto (ring attention for degrees beyond the heads)")
+        raise ShardwiseError(f"{res.where('sequence_parallel')}: Ulysses splits the model's {heads} attention heads"
+                             f"{per_tp} over the {n} ranks of a sequence-parallel group, and {n} does not divide "
+                             f"{heads}; {hint}, or --sp-mode ring / auto (ring attention for degrees beyond the heads)")
     from shardwise.models.sequence_parallel import split_degree
 
     u, r = split_degree(n, heads, cfg.sp_mode)
-    why = f"chosen by --sp-mode auto: gcd({heads} heads, {n}) = {u}; " if cfg.sp_mode == "auto" else ""
+    why = f"chosen by --sp-mode auto: gcd({heads} heads{per_tp}, {n}) = {u}; " if cfg.sp_mode == "auto" else ""
     if r == 1:
         how = "KV heads replicated to " + str(math.lcm(kv, n)) if kv % n else f"{kv // n} KV head(s) per rank"
-        mode = f"Ulysses ({why}{heads} heads divide by {n}), {heads // n} query heads per rank ({how})"
+        mode = f"Ulysses ({why}{heads} heads{per_tp} divide by {n}), {heads // n} query heads per rank ({how})"
     elif u == 1:
         mode = f"ring attention ({why or 'by --sp-mode ring; '}{n - 1} KV exchanges per layer)"
     else:
         mode = f"Ulysses {u} x ring {r} ({why}{heads // u} query heads per rank, rings of {r})"
     say(f"sequence parallel: {mode} over groups of {n} ranks; "
-        f"data-parallel degree {world // n}; each rank holds {cfg.seq_len // n} of {cfg.seq_len} tokens")
+        f"data-parallel degree {world // (n * tp)}; each rank holds {cfg.seq_len // n} of {cfg.seq_len} tokens"
+        + (f" (split again over the {tp} tensor ranks between blocks)" if tp > 1 else ""))
 
 
 def check_tensor_parallel(cfg: Config, res: Resolved, world: int, model_dir: str) -> None:
@@ -354,7 +359,7 @@ def check_tensor_parallel(cfg: Config, res: Resolved, world: int, model_dir: str
                              f"(intermediate_size {inter}); use a degree that divides it and the heads")
     say(f"tensor parallel: attention and MLP linears split over groups of {n} ranks ({heads // n} query heads and "
         f"{kv // n} KV head(s) per rank); embedding and head split over the vocabulary, norms over the sequence; "
-        f"data-parallel degree {world // n}")
+        f"data-parallel degree {world // (n * cfg.sequence_parallel)}")
 
 
 def check_fit(cfg: Config, res: Resolved, world: int, force: bool) -> None:

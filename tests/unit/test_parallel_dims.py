@@ -73,8 +73,8 @@ def test_hybrid_shard_group_that_does_not_divide_the_ranks_is_refused():
 
 
 def test_tensor_parallel_is_accepted_with_single_and_fsdp_and_refused_elsewhere_in_one_line():
-    """TP composes with single (pure TP, N processes) and the fsdp presets; DDP, ZeRO, auto, LoRA
-    and SP > 1 with it are refused before launch, naming the flag (tests/dist/test_tensor_parallel.py
+    """TP composes with single (pure TP, N processes) and the fsdp presets (with SP too); DDP, ZeRO, auto,
+    LoRA and single with SP > 1 are refused before launch, naming the flag (tests/dist/test_tensor_parallel.py
     runs it)."""
     assert cfg_of(strategy="fsdp", tensor_parallel=2, nproc_per_node=4).tensor_parallel == 2
     assert cfg_of(strategy="single", tensor_parallel=2, nproc_per_node=2).nproc_per_node == 2
@@ -94,8 +94,12 @@ def test_tensor_parallel_is_accepted_with_single_and_fsdp_and_refused_elsewhere_
     assert msg.startswith("flag --tuner: tensor_parallel with lora is not built yet: PEFT wraps the attention") \
         or msg.startswith("flag --tensor-parallel: tensor_parallel with lora is not built yet: PEFT wraps the"), msg
     assert "lora_B by output features" in msg and "\n" not in msg, msg
-    with pytest.raises(ShardwiseError, match="tensor_parallel with sequence_parallel > 1 is not built yet"):
-        cfg_of(strategy="fsdp", tensor_parallel=2, sequence_parallel=2, nproc_per_node=4)
+    # TP x SP: the fsdp presets (FSDP averages over the sequence ranks); single has nothing to average with
+    assert cfg_of(strategy="fsdp", tensor_parallel=2, sequence_parallel=2, nproc_per_node=4).sequence_parallel == 2
+    with pytest.raises(ShardwiseError, match="tensor_parallel 2 with sequence_parallel 2 runs under the fsdp presets"):
+        cfg_of(strategy="single", tensor_parallel=2, sequence_parallel=2, nproc_per_node=2)
+    with pytest.raises(ShardwiseError, match="sequence_parallel 2 x tensor_parallel 2 must divide the 6 ranks"):
+        cfg_of(strategy="fsdp", tensor_parallel=2, sequence_parallel=2, nproc_per_node=6)
     with pytest.raises(ShardwiseError, match="tensor_parallel 3 must divide the 4 ranks"):
         cfg_of(strategy="fsdp", tensor_parallel=3, nproc_per_node=4)
 
@@ -146,3 +150,77 @@ def test_build_model_leaves_checkpointing_and_compile_to_the_strategy(tiny_dir):
     assert wrapped.is_gradient_checkpointing
     assert all(b._compiled_call_impl is not None for b in blocks)
     assert (strategy.dims.dp_size, strategy.dims.dp_rank) == (1, 0)
+
+
+def test_from_config_splits_the_sequence_group_by_the_heads_per_tensor_rank():
+    """--sp-mode decides sp = ring x ulysses when the dims are made, from the model's heads per tp rank:
+    the mesh is then built with that split (the attention never makes a group of its own)."""
+    def dims(heads, sp, tp=1, mode="auto"):
+        cfg = cfg_of(strategy="fsdp", sequence_parallel=sp, tensor_parallel=tp, sp_mode=mode, nproc_per_node=sp * tp)
+        return ParallelDims.from_config(cfg, sp * tp, 0, sp * tp, "cpu", strategies.get("fsdp").dp_split, heads)
+
+    assert dims(4, 4).sp_shape == (1, 4)  # ring 1 x ulysses 4
+    assert dims(2, 4).sp_shape == (2, 2)  # auto: gcd(2, 4) = 2 Ulysses, a ring of 2
+    assert dims(4, 4, mode="ring").sp_shape == (4, 1)
+    assert dims(8, 2, tp=2, mode="ulysses").sp_shape == (1, 2)  # 8 heads / tp 2 = 4 per rank, over sp 2
+    assert dims(4, 4, tp=2).sp_shape == (2, 2)  # 2 heads per tp rank: auto gives Ulysses 2 x ring 2
+    with pytest.raises(ShardwiseError, match="splits the 2 attention heads over 4 ranks"):
+        dims(4, 4, tp=2, mode="ulysses")  # 4 heads / tp 2 = 2 per rank cannot take Ulysses 4
+    with pytest.raises(ShardwiseError, match="Ulysses degree 3 must divide the sequence-parallel degree 4"):
+        ParallelDims(1, 1, 4, 1, world_size=4, rank=0, sp_ulysses=3)
+
+
+def test_the_mesh_gives_the_sequence_group_and_its_ulysses_and_ring_subgroups():
+    """One process stands for rank 5 of 16 (torch's fake process group: no peers needed to build the
+    mesh): dp_shard 2 x sp 4 (ring 2 x ulysses 2) x tp 2. Its Ulysses group is two consecutive sp
+    ranks (one contiguous chunk of the sequence), its ring every second sp rank, both inside its
+    sequence group, which holds one tp index; FSDP shards and gradients average over dp_shard x sp."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=16)
+    try:
+        d = ParallelDims(1, 2, 4, 2, world_size=16, rank=5, sp_ulysses=2)
+        assert (d.dp_rank, d.sp_rank, d.tp_rank, d.sp_shape) == (0, 2, 1, (2, 2))
+        assert d.mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "sp_ring", "sp_ulysses", "tp")
+
+        def ranks(group):
+            return dist.get_process_group_ranks(group)
+
+        assert ranks(d.sp_group) == [1, 3, 5, 7]  # sp ranks 0..3 of tp index 1, data-parallel rank 0
+        assert ranks(d.ulysses_group) == [5, 7]  # sp ranks 2, 3
+        assert ranks(d.ring_group) == [1, 5]  # sp ranks 0, 2: the same head shard, each chunk
+        assert ranks(d.tp_group) == [4, 5]
+        assert d.shard_mesh.mesh.tolist() == [1, 3, 5, 7, 9, 11, 13, 15] and d.shard_size == 8
+        assert ranks(d.grad_group) == [1, 3, 5, 7, 9, 11, 13, 15] and d.grad_size == 8
+        assert d.describe() == "dp_replicate 1 x dp_shard 2 x sp 4 x tp 2 (sp = ring 2 x ulysses 2)"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_times_sequence_parallel_is_checked_before_launch_with_the_models_numbers(tiny_dir, capsys):
+    """The tiny model (4 heads, 2 KV heads): TP 2 leaves 2 heads per tensor rank, which Ulysses 2 splits (the
+    launch line says so); Ulysses 4 cannot, and is refused in one line with the model's numbers; auto turns it
+    into Ulysses 2 x ring 2 (tests/dist/test_tensor_parallel.py's slow test trains TP 2 x SP 2 on 4 ranks)."""
+    from shardwise.launch import check_sequence_parallel, check_tensor_parallel
+
+    def check(world, sp, mode):
+        res = config.load_config(None, {k: (v, f"flag --{k.replace('_', '-')}") for k, v in {
+            "strategy": "fsdp", "tensor_parallel": 2, "sequence_parallel": sp, "sp_mode": mode,
+            "nproc_per_node": world, "seq_len": 64}.items()})
+        check_tensor_parallel(res.cfg, res, world, tiny_dir)
+        check_sequence_parallel(res.cfg, res, world, tiny_dir)
+        return capsys.readouterr().out
+
+    said = check(4, 2, "ulysses")
+    assert "Ulysses (2 heads (4 / tensor_parallel 2 per tensor rank) divide by 2), 1 query heads per rank" in said
+    assert "data-parallel degree 1; each rank holds 32 of 64 tokens (split again over the 2 tensor ranks" in said
+    assert "data-parallel degree 1" in said.split("tensor parallel:")[1]
+    with pytest.raises(ShardwiseError) as e:
+        check(8, 4, "ulysses")
+    msg = str(e.value)
+    assert msg.startswith("flag --sequence-parallel: Ulysses splits the model's 2 attention heads (4 / tensor_parallel "
+                          "2 per tensor rank) over the 4 ranks of a sequence-parallel group, and 4 does not divide 2; "
+                          "use --sequence-parallel 2"), msg
+    assert "\n" not in msg
+    assert "Ulysses 2 x ring 2 (chosen by --sp-mode auto: gcd(2 heads (4 / tensor_parallel 2" in check(8, 4, "auto")
