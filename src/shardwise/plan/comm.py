@@ -110,18 +110,22 @@ class Timing:
 
 def sp_split(spec: ModelSpec, job: Job) -> tuple[int, int]:
     """(Ulysses degree, ring degree) of the sequence-parallel group, their product job.sp: `ulysses` all of it,
-    `ring` none, `auto` Ulysses over gcd(heads, sp) ranks and ring attention over the rest."""
+    `ring` none, `auto` Ulysses over gcd(heads, sp) ranks and ring attention over the rest. Under tensor
+    parallelism the heads are each tp rank's (heads / tp), which Ulysses splits further (the engine's mesh,
+    strategies/parallel.py ParallelDims.from_config)."""
     if job.sp_mode == "ring":
         return 1, job.sp
     if job.sp_mode == "ulysses":
         return job.sp, 1
-    u = math.gcd(spec.num_heads, job.sp)
+    u = math.gcd(spec.num_heads // job.tp, job.sp)
     return u, job.sp // u
 
 
-def _sp_kv_heads(spec: ModelSpec, u: int) -> int:
-    """KV heads after Ulysses over u ranks: replicated up to a multiple of u when fewer or not divisible."""
-    return math.lcm(spec.num_kv_heads, u) if spec.num_kv_heads % u else spec.num_kv_heads
+def _sp_kv_heads(spec: ModelSpec, job: Job, u: int) -> int:
+    """One tp rank's KV heads after Ulysses over u ranks: replicated up to a multiple of u when fewer or not
+    divisible (kv / tp per tp rank, at least 1)."""
+    kv = max(1, spec.num_kv_heads // job.tp)
+    return math.lcm(kv, u) if kv % u else kv
 
 
 def _sp_where(job: Job) -> str:
@@ -132,11 +136,12 @@ def ulysses_exchanges(spec: ModelSpec, job: Job) -> list[Coll]:
     """Sequence parallelism (Ulysses, models/sequence_parallel.py): per layer, all-to-alls of q, k, v (KV heads
     replicated up to a multiple of the Ulysses degree) and the attention output over the Ulysses ranks of a group,
     in forward, backward, and the recomputed forward under checkpointing; each rank sends (u-1)/u of its slice.
-    On the critical path."""
+    Under tensor parallelism each tp rank exchanges its own heads / tp (the tp ranks' exchanges run side by side,
+    each in its own sequence group). On the critical path."""
     u, _ = sp_split(spec, job)
     if u <= 1:
         return []
-    per_layer = job.tokens * job.c * (2 * spec.q_dim + 2 * _sp_kv_heads(spec, u) * spec.head_dim)
+    per_layer = job.tokens * job.c * (2 * spec.q_dim // job.tp + 2 * _sp_kv_heads(spec, job, u) * spec.head_dim)
     n = spec.num_layers * per_layer
     where = _sp_where(job)
     return [Coll("all_to_all", n, u, where, job.grad_accum, "fwd", "sp"),
@@ -145,9 +150,10 @@ def ulysses_exchanges(spec: ModelSpec, job: Job) -> list[Coll]:
 
 def ring_kv_bytes(spec: ModelSpec, job: Job) -> float:
     """Bytes of one ring-attention exchange of one layer: K and V of this rank's tokens,
-    2 x tokens_local x kv_heads x head_dim x c (KV heads as Ulysses left them, under auto's Ulysses x ring)."""
+    2 x tokens_local x kv_heads x head_dim x c (one tp rank's KV heads as Ulysses left them, under auto's
+    Ulysses x ring)."""
     u, _ = sp_split(spec, job)
-    return 2 * job.tokens * _sp_kv_heads(spec, u) * spec.head_dim * job.c
+    return 2 * job.tokens * _sp_kv_heads(spec, job, u) * spec.head_dim * job.c
 
 
 def ring_exchanges(spec: ModelSpec, job: Job) -> list[Coll]:

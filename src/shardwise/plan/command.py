@@ -94,9 +94,13 @@ def build(args):
                        ranks_per_node=per_node if gpus is None else None)
     spec = resolve_model(cfg.model)
     job = job_from_config(cfg, setup)
-    if job.sp > 1 and (setup.world % job.sp or (job.sp_mode == "ulysses" and spec.num_heads % job.sp)):
-        raise ShardwiseError(f"{res.where('sequence_parallel')}: sequence_parallel {job.sp} must divide the "
-                             f"{setup.world} ranks" + (f" and the model's {spec.num_heads} attention heads (Ulysses)"
+    heads = spec.num_heads // job.tp  # each tp rank's, which Ulysses splits
+    if job.sp > 1 and (setup.world % (job.sp * job.tp) or (job.sp_mode == "ulysses" and heads % job.sp)):
+        raise ShardwiseError(f"{res.where('sequence_parallel')}: sequence_parallel {job.sp}"
+                             + (f" x tensor_parallel {job.tp}" if job.tp > 1 else "") + " must divide the "
+                             f"{setup.world} ranks" + (f" and the model's {spec.num_heads} attention "
+                                                       "heads" + (f" / tensor_parallel {job.tp} = {heads} per tensor "
+                                                                  "rank" if job.tp > 1 else "") + " (Ulysses)"
                                                        if job.sp_mode == "ulysses" else "")
                              + "; --sp-mode auto or ring takes any degree that divides the ranks"
                              * (job.sp_mode == "ulysses"))
@@ -114,10 +118,13 @@ def build(args):
         configured = cfg.strategy if cfg.strategy != "auto" else None
     plan = plan_model(spec, job, setup, configured=configured, cfg=cfg)
     if setup.world > 1:
+        from shardwise import presets
         from shardwise.plan.decide import sequence_parallel_rows, tensor_parallel_rows
 
-        if job.tp == 1:  # TP with SP is refused before launch
-            plan.sp_rows = sequence_parallel_rows(spec, job, setup, configured or plan.recommended, cfg)
+        # under TP the sequence degrees the fsdp presets take at this tp (single cannot average over them)
+        strategy = configured or plan.recommended
+        if job.tp == 1 or presets.base_strategy(strategy) == "fsdp":
+            plan.sp_rows = sequence_parallel_rows(spec, job, setup, strategy, cfg)
         plan.tp_rows = tensor_parallel_rows(spec, job, setup, cfg)
     plan.lint = lint(plan, res)
     return plan, res

@@ -489,10 +489,16 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
 
 
 def sp_degrees(spec: ModelSpec, job: Job, world: int) -> list[int]:
-    """Sequence-parallel degrees > 1 for these ranks: dividing them; under --sp-mode ulysses also the heads (ring
-    and auto's Ulysses x ring take any degree)."""
-    return [d for d in range(2, world + 1)
-            if world % d == 0 and (job.sp_mode != "ulysses" or spec.num_heads % d == 0)]
+    """Sequence-parallel degrees > 1 for these ranks: d x tp dividing them; under --sp-mode ulysses also the heads
+    per tp rank (heads / tp; ring and auto's Ulysses x ring take any degree)."""
+    return [d for d in range(2, world // job.tp + 1)
+            if world % (d * job.tp) == 0 and (job.sp_mode != "ulysses" or (spec.num_heads // job.tp) % d == 0)]
+
+
+def tp_sp_ok(spec: ModelSpec, job: Job, world: int, tp: int) -> bool:
+    """Whether tensor parallel `tp` composes with job.sp on `world` ranks: tp x sp divides the ranks, and under
+    --sp-mode ulysses the sp degree divides each tp rank's heads / tp (the engine's check, launch.py)."""
+    return world % (tp * job.sp) == 0 and (job.sp == 1 or job.sp_mode != "ulysses" or (spec.num_heads // tp) % job.sp == 0)
 
 
 def sp_mode_label(spec: ModelSpec, job: Job) -> str:
@@ -525,16 +531,18 @@ def sequence_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, strategy: st
 
 def tensor_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, cfg=None) -> list[dict]:
     """The fsdp presets (and single as pure TP where the tp group is every rank) at every tensor-parallel degree
-    the node and the model allow (memory.tp_degrees; 1 first, for comparison). None for LoRA/QLoRA or with
-    sequence parallelism (TP with either is refused before launch) or where no degree divides."""
-    degrees = tp_degrees(spec, setup.gpus_per_node)
-    if job.tuner != "full" or job.sp > 1 or not degrees or setup.world < 2:
+    the node and the model allow (memory.tp_degrees; 1 first, for comparison). With sequence parallelism (job.sp)
+    the degrees whose tp x sp divides the ranks and whose heads per tp rank the sp mode takes (tp_sp_ok), and only
+    the fsdp presets (single cannot average over the sequence ranks). None for LoRA/QLoRA (refused before launch)
+    or where no degree divides."""
+    degrees = [d for d in tp_degrees(spec, setup.gpus_per_node) if tp_sp_ok(spec, job, setup.world, d)]
+    if job.tuner != "full" or not degrees or setup.world < 2:
         return []
     rows = []
     for d in [1] + degrees:
         sub = plan_model(spec, dataclasses.replace(job, tp=d), setup, cfg=cfg, escalate=False)
         for sp in sub.strategies:
-            if sp.base == "fsdp" or (sp.base == "single" and d > 1):
+            if sp.base == "fsdp" or (sp.base == "single" and d > 1 and job.sp == 1):
                 rows.append({"tp": d, "strategy": sp.strategy, "mem_gib": round(sp.memory.total / GiB, 4),
                              "fits": sp.fits, "step_time_s": round(sp.timing.step_s, 5),
                              "tokens_per_s": round(sp.timing.tokens_per_s, 1),
