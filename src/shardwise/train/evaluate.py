@@ -40,7 +40,11 @@ class Evaluator:
         from safetensors.torch import load_file
 
         self.data = Encoded.from_tensors(load_file(val_file))
-        self.collate = StepSampler(self.data, 1, 1, 1, 0, cfg.seed, pad_id).collate
+        # with sequence parallelism each rank of a group takes its slice of every row, as in training: the
+        # attention expects one, and the summed loss and token count then add up over the group exactly once
+        dims = getattr(env, "dims", None)
+        sp, sp_rank = (dims.sp, dims.sp_rank) if dims is not None else (1, 0)
+        self.collate = StepSampler(self.data, 1, 1, 1, 0, cfg.seed, pad_id, sp_degree=sp, sp_rank=sp_rank).collate
         best = ckpt.read_best(out)
         if best:  # a resumed run keeps the best so far
             self.best = (best["step"], best["val_loss"])
