@@ -92,7 +92,7 @@ class Config:
     collective_timeout: float = _f(1800.0, "Seconds before a collective that does not complete (a hung or dead rank) becomes an error naming the rank and operation.")
     max_restarts: int = _f(0, "Restart the worker group this many times after a failure; the run resumes from its newest checkpoint.")
     sequence_parallel: int = _f(1, "Ranks that split each sequence (sequence parallelism; 1 = off); the data-parallel degree is the world size / (sequence_parallel x tensor_parallel). How attention is split is sp_mode's: only ulysses needs the attention heads (per tensor-parallel rank) divisible by it; ring and auto take any degree.")
-    tensor_parallel: int = _f(1, "Ranks that split each weight matrix (tensor parallelism, DTensor; 1 = off): attention and MLP linears split over N ranks, the embedding and output head over the vocabulary (the loss is vocabulary-parallel, full logits never gathered), with strategy single (pure TP: N processes) or the fsdp presets (FSDP over the other ranks; with sequence_parallel too). Needs the attention and KV heads and the MLP width divisible by N (docs/tensor-parallel.md).")
+    tensor_parallel: int = _f(1, "Ranks that split each weight matrix (tensor parallelism, DTensor; 1 = off): attention and MLP linears split over N ranks, the embedding and output head over the vocabulary (the loss is vocabulary-parallel, full logits never gathered), with strategy single (pure TP: N processes; N x M with sequence_parallel M) or the fsdp presets (FSDP over the other ranks; sequence_parallel too). Needs the attention and KV heads and the MLP width divisible by N (docs/tensor-parallel.md).")
     sp_mode: str = _f("auto", "How sequence parallelism splits attention: ulysses (all-to-all to head shards; heads divisible by N), ring (ring attention over the group; any degree, packing kept), or auto (Ulysses for gcd(heads, N), ring for the rest; the choice is printed).", ("auto", "ulysses", "ring"))
     # optimisation
     max_steps: int = _f(-1, "Optimizer steps to run; -1 means as many as `epochs` take.")
@@ -626,9 +626,9 @@ def validate(res: Resolved) -> None:
     need(not c.merge_lora or c.tuner == "lora", "merge_lora",
          "merge_lora needs --tuner lora (a full fine-tune is already a full model; a 4-bit QLoRA base is not merged)")
     if base == "single":
-        need(c.nnodes == 1 and c.nproc_per_node in (0, 1, c.tensor_parallel), "strategy",
-             "strategy 'single' runs one process (or --tensor-parallel N processes, one replica); "
-             "use --strategy ddp (or fsdp) for more than one")
+        need(c.nnodes == 1 and c.nproc_per_node in (0, 1, c.tensor_parallel * c.sequence_parallel), "strategy",
+             "strategy 'single' runs one process (or --tensor-parallel N processes, one replica, times "
+             "--sequence-parallel M with it); use --strategy ddp (or fsdp) for more than one")
     if c.tensor_parallel > 1:
         need(base in ("single", "fsdp"), "tensor_parallel",
              f"tensor_parallel {c.tensor_parallel} composes with strategy single (pure TP) or the fsdp presets "
@@ -638,17 +638,15 @@ def validate(res: Resolved) -> None:
              f"tensor_parallel with {c.tuner} is not built yet: PEFT wraps the attention and MLP linears that tensor "
              "parallelism splits, and the adapters would have to be split to match (lora_B by output features on "
              "q/k/v/gate/up, lora_A by input features on o/down); use --tuner full or --tensor-parallel 1")
-        need(c.sequence_parallel == 1 or base == "fsdp", "tensor_parallel",
-             f"tensor_parallel {c.tensor_parallel} with sequence_parallel {c.sequence_parallel} runs under the fsdp "
-             f"presets (FSDP averages the gradients over the sequence ranks), not '{c.strategy}'; use --strategy fsdp")
         if c.nproc_per_node:
             world = c.nproc_per_node * c.nnodes
             need(world % c.tensor_parallel == 0, "tensor_parallel",
                  f"tensor_parallel {c.tensor_parallel} must divide the {world} ranks (nnodes x nproc_per_node)")
     need(c.sequence_parallel >= 1, "sequence_parallel", f"sequence_parallel must be >= 1, got {c.sequence_parallel} (1 = off)")
     if c.sequence_parallel > 1:
-        need(base != "single", "sequence_parallel",
-             "sequence parallelism splits sequences over several ranks; use --strategy ddp, fsdp or zero*, not single")
+        need(base != "single" or c.tensor_parallel > 1, "sequence_parallel",
+             "sequence parallelism splits sequences over several ranks; use --strategy ddp, fsdp or zero*, not single "
+             "(single takes it only beside --tensor-parallel: one replica of N x M processes)")
         if c.nproc_per_node:
             world = c.nproc_per_node * c.nnodes
             need(world % c.sequence_parallel == 0, "sequence_parallel",

@@ -50,7 +50,8 @@ def resolve_runtime(res: Resolved) -> Config:
     if cfg.mixed_precision == "auto":
         cfg.mixed_precision = "bf16" if bf16_supported() else "no"
     if cfg.nproc_per_node == 0:
-        cfg.nproc_per_node = cfg.tensor_parallel if cfg.strategy == "single" else (n_gpu if cuda else 2)
+        cfg.nproc_per_node = cfg.tensor_parallel * cfg.sequence_parallel if cfg.strategy == "single" \
+            else (n_gpu if cuda else 2)
     if cuda and cfg.nproc_per_node > n_gpu:
         raise ShardwiseError(f"{res.where('nproc_per_node')}: {cfg.nproc_per_node} processes per node but this "
                              f"node has {n_gpu} GPU(s); one GPU per rank")
@@ -149,9 +150,10 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     if resume_from:
         ckpt.verify(resume_from)  # complete, and nothing in it can run code when loaded
     world = cfg.nproc_per_node * cfg.nnodes
-    if presets.base_strategy(cfg.strategy) == "single" and world > cfg.tensor_parallel:
+    if presets.base_strategy(cfg.strategy) == "single" and world > cfg.tensor_parallel * cfg.sequence_parallel:
         raise ShardwiseError(f"{res.where('strategy')}: strategy 'single' runs one process "
-                             f"(or --tensor-parallel N processes), not {world}; use --strategy ddp")
+                             f"(or --tensor-parallel N processes, times --sequence-parallel M with it), not {world}; "
+                             "use --strategy ddp")
     from shardwise import strategies
 
     strategies.get(cfg.strategy)  # unknown / not installed -> one clear line now, not in N workers

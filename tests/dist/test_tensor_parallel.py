@@ -147,18 +147,21 @@ def test_slow_2d_mesh_and_pure_tp_train_like_one_process(name, flags, single_ref
 @pytest.mark.skipif(os.environ.get("SHARDWISE_SLOW_TESTS") != "1",
                     reason="4 gloo ranks cost minutes of the suite's CPU time: run with SHARDWISE_SLOW_TESTS=1")
 @pytest.mark.parametrize("name,flags", [
-    ("tp2-x-sp2", ("--sp-mode", "ulysses")),
-    ("tp2-x-sp2-unfused-ckpt", ("--sp-mode", "ulysses", "--no-fused-loss", "--gradient-checkpointing", "--packing")),
-    ("tp2-x-sp2-ring", ("--sp-mode", "ring", "--packing"))])
+    ("tp2-x-sp2", ("--strategy", "fsdp", "--sp-mode", "ulysses")),
+    ("tp2-x-sp2-unfused-ckpt", ("--strategy", "fsdp", "--sp-mode", "ulysses", "--no-fused-loss",
+                                "--gradient-checkpointing", "--packing")),
+    ("tp2-x-sp2-ring", ("--strategy", "fsdp", "--sp-mode", "ring", "--packing")),
+    ("single-tp2-x-sp2", ("--strategy", "single", "--sp-mode", "ulysses"))])
 def test_slow_tensor_times_sequence_parallel_trains_like_one_process(name, flags, single_ref, chat_data, tmp_path,
                                                                      tmp_path_factory):
-    """TP 2 x SP 2 on 4 ranks (fsdp, data-parallel degree 1, the global batch of 8): each sequence split over the
+    """TP 2 x SP 2 on 4 ranks (fsdp, and single: one replica whose sp ranks average their gradients; data-parallel
+    degree 1, the global batch of 8): each sequence split over the
     2 sp ranks, each half split again over the 2 tp ranks between blocks; Ulysses exchanges each tp rank's 2 of
     the 4 heads (its 1 KV head replicated to 2) over the sp pair. Same losses and gradient norms as one process,
     step for step: the fused vocabulary-parallel loss, and the unfused loss under loss_parallel with gradient
     checkpointing and packed rows (against the one-process packed run); and ring attention instead of Ulysses
     (each tp rank's ring over the sp pair, packed rows whose documents straddle the halves)."""
-    base = ("--strategy", "fsdp", "--nproc-per-node", "4", "--tensor-parallel", "2", "--sequence-parallel", "2",
+    base = ("--nproc-per-node", "4", "--tensor-parallel", "2", "--sequence-parallel", "2",
             "--micro-batch-size", "2", "--grad-accum", "4", "--no-save-final")
     p = run_cli(*train_args(tmp_path / name, chat_data, *base, *flags), timeout=1500)
     text = p.stdout + p.stderr

@@ -73,8 +73,8 @@ def test_hybrid_shard_group_that_does_not_divide_the_ranks_is_refused():
 
 
 def test_tensor_parallel_is_accepted_with_single_and_fsdp_and_refused_elsewhere_in_one_line():
-    """TP composes with single (pure TP, N processes) and the fsdp presets (with SP too); DDP, ZeRO, auto,
-    LoRA and single with SP > 1 are refused before launch, naming the flag (tests/dist/test_tensor_parallel.py
+    """TP composes with single (pure TP, N processes; N x M with SP M) and the fsdp presets (with SP too); DDP,
+    ZeRO, auto and LoRA are refused before launch, naming the flag (tests/dist/test_tensor_parallel.py
     runs it)."""
     assert cfg_of(strategy="fsdp", tensor_parallel=2, nproc_per_node=4).tensor_parallel == 2
     assert cfg_of(strategy="single", tensor_parallel=2, nproc_per_node=2).nproc_per_node == 2
@@ -94,9 +94,11 @@ def test_tensor_parallel_is_accepted_with_single_and_fsdp_and_refused_elsewhere_
     assert msg.startswith("flag --tuner: tensor_parallel with lora is not built yet: PEFT wraps the attention") \
         or msg.startswith("flag --tensor-parallel: tensor_parallel with lora is not built yet: PEFT wraps the"), msg
     assert "lora_B by output features" in msg and "\n" not in msg, msg
-    # TP x SP: the fsdp presets (FSDP averages over the sequence ranks); single has nothing to average with
+    # TP x SP: the fsdp presets, and single as one replica of tp x sp processes (it averages over the sp ranks)
     assert cfg_of(strategy="fsdp", tensor_parallel=2, sequence_parallel=2, nproc_per_node=4).sequence_parallel == 2
-    with pytest.raises(ShardwiseError, match="tensor_parallel 2 with sequence_parallel 2 runs under the fsdp presets"):
+    assert cfg_of(strategy="single", tensor_parallel=2, sequence_parallel=2, nproc_per_node=4).sequence_parallel == 2
+    with pytest.raises(ShardwiseError, match="strategy 'single' runs one process .or --tensor-parallel N processes, one "
+                                             "replica, times --sequence-parallel M with it."):
         cfg_of(strategy="single", tensor_parallel=2, sequence_parallel=2, nproc_per_node=2)
     with pytest.raises(ShardwiseError, match="sequence_parallel 2 x tensor_parallel 2 must divide the 6 ranks"):
         cfg_of(strategy="fsdp", tensor_parallel=2, sequence_parallel=2, nproc_per_node=6)
