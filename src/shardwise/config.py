@@ -109,9 +109,11 @@ class Config:
     seed: int = _f(42, "Seed for initialisation, shuffling and dropout.")
     mixed_precision: str = _f("auto", "Compute dtype: no (fp32), bf16, fp16; auto is bf16 on a GPU that has it, else no.", ("auto", "no", "bf16", "fp16"))
     param_dtype: str = _f("fp32", "Storage dtype of weights, gradients and optimizer states: fp32 (master weights) or bf16 (pure bf16, half the memory).", ("fp32", "bf16"))
-    gradient_checkpointing: bool = _f(False, "Recompute each block's activations in backward (non-reentrant): less memory, ~20-30% more compute.")
+    gradient_checkpointing: bool = _f(False, "Recompute each block's activations in backward (non-reentrant): less memory, ~20-30% more compute; the same as activation_checkpointing full.")
     compile: str = _f("auto", "torch.compile each decoder block: on, off, or auto (on with CUDA, off on the CPU).", ("auto", "on", "off"))
     fused_loss: bool = _f(True, "Compute the output projection and cross-entropy in chunks, gradients included, so the full fp32 logits never exist.")
+    activation_checkpointing: str = _f("off", "What each decoder block keeps for backward: off (everything), full (only its input; the block runs forward again in backward, as gradient_checkpointing true), or selective (op-level: the outputs of its matmuls and attention are kept, the norms, rotary and activation functions between them recomputed; memory between the two, almost no extra FLOPs).", ("off", "full", "selective"))
+    float8: bool = _f(False, "Run the decoder blocks' large linears as float8 matmuls with dynamic tensorwise scaling (torchao's float8 training; weights, gradients and optimizer states stay as they are); needs a CUDA GPU of compute capability 8.9+ (Ada, Hopper) and `pip install 'shardwise[float8]'`; full fine-tuning with single, ddp or fsdp.")
     # outputs
     output_dir: str = _f("", "Where the run writes; empty means runs/<strategy>-<date>-<time>.")
     log_every: int = _f(10, "Log (terminal, metrics.jsonl, TensorBoard) every N steps.")
@@ -528,6 +530,11 @@ def get(cfg: Config, key: str) -> Any:
     return getattr(cfg, key)
 
 
+def checkpointing_mode(cfg: Config) -> str:
+    """off, full or selective: activation_checkpointing, with gradient_checkpointing true meaning full."""
+    return "full" if cfg.gradient_checkpointing and cfg.activation_checkpointing == "off" else cfg.activation_checkpointing
+
+
 def validate(res: Resolved) -> None:
     """Every check that needs no hardware; raises ShardwiseError naming the key and where."""
     c, w = res.cfg, res.where
@@ -597,7 +604,21 @@ def validate(res: Resolved) -> None:
          "train_on_prompt (loss on every turn) and last_turn_only (loss on the last assistant turn) contradict "
          "each other; set one of them")
 
+    need(not (c.gradient_checkpointing and c.activation_checkpointing == "selective"), "activation_checkpointing",
+         "activation_checkpointing selective contradicts gradient_checkpointing true (full checkpointing); "
+         "set one of them")
+
     base = presets.base_strategy(c.strategy) if c.strategy in presets.PRESETS else c.strategy
+    if c.float8:
+        need(base in ("single", "ddp", "fsdp"), "float8",
+             f"float8 linears run under single, ddp or the fsdp presets, not '{c.strategy}' (DeepSpeed swaps the "
+             "linears' parameters itself; auto picks its own strategy); use --strategy single, ddp or fsdp")
+        need(c.tuner == "full", "float8", f"float8 with tuner {c.tuner} is not built (peft wraps the linears that "
+             "float8 converts); use --tuner full or drop --float8")
+        need(c.tensor_parallel == 1, "float8", "float8 with tensor_parallel > 1 is not built (the float8 linears "
+             "need their own tensor-parallel styles); use --tensor-parallel 1 or drop --float8")
+        need(c.mixed_precision != "fp16", "float8", "float8 runs beside bf16 compute, not fp16 (its scaling and "
+             "fp16's loss scaling do not compose here); use --mixed-precision bf16")
     # Options that belong to another strategy, set explicitly, are a mistake worth a line.
     if base != "auto":
         for key in res.origins:

@@ -272,7 +272,17 @@ def flops_per_microbatch(spec: ModelSpec, job: Job) -> tuple[float, float]:
         bwd = 2 * P * T + 6 * P_t * T + 2 * attn_f
     if job.checkpointing:  # blocks run forward again in backward
         bwd += 2 * (P - spec.root_params) * T + attn_f
+    elif job.selective_checkpointing:
+        bwd += selective_recompute_flops(spec, job)
     return fwd / job.tp, bwd / job.tp
+
+
+def selective_recompute_flops(spec: ModelSpec, job: Job) -> float:
+    """FLOPs selective checkpointing runs again in backward: only the operators between the kept matmul and attention
+    outputs, a few per element: two RMSNorms (~5 per hidden element each), the rotary embedding of q and k (~3 per
+    element) and SiLU times the gate (~5 per intermediate element)."""
+    return spec.num_layers * job.tokens * (10 * spec.hidden_size + 3 * (spec.q_dim + spec.kv_dim)
+                                           + 5 * spec.intermediate_size)
 
 
 def attention_flops(spec: ModelSpec, job: Job) -> float:

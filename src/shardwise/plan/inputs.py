@@ -22,15 +22,22 @@ def compile_on(compile_key: str, accelerator: str) -> bool:
     return compile_key == "on" or (compile_key == "auto" and accelerator == "cuda")
 
 
+def _ac(cfg) -> str:
+    """config.checkpointing_mode: activation_checkpointing, gradient_checkpointing true meaning full."""
+    mode = getattr(cfg, "activation_checkpointing", "off")
+    return "full" if cfg.gradient_checkpointing and mode == "off" else mode
+
+
 def job_from_config(cfg, setup: Setup) -> Job:
     return Job(world=setup.world, nodes=setup.nodes, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
                grad_accum=cfg.grad_accum, tuner=cfg.tuner, lora_r=cfg.lora.r, lora_targets=cfg.lora.targets,
                lora_dropout=cfg.lora.dropout, compute=compute_dtype(cfg.mixed_precision, setup.accelerator),
-               param_dtype=cfg.param_dtype, checkpointing=cfg.gradient_checkpointing, packing=cfg.packing,
+               param_dtype=cfg.param_dtype, checkpointing=_ac(cfg) == "full", packing=cfg.packing,
                device_mem_gib=setup.device_mem_gib, host_mem_gib=setup.host_mem_gib, accelerator=setup.accelerator,
                fused_loss=cfg.fused_loss, compile=compile_on(cfg.compile, setup.accelerator),
                sp=getattr(cfg, "sequence_parallel", 1), tp=getattr(cfg, "tensor_parallel", 1),
-               sp_mode=getattr(cfg, "sp_mode", "auto"))
+               sp_mode=getattr(cfg, "sp_mode", "auto"),
+               selective_checkpointing=_ac(cfg) == "selective")
 
 
 def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, nodes: int = 1,

@@ -94,6 +94,8 @@ class Job:
     sp: int = 1  # sequence-parallel degree: each rank holds 1/sp of every sequence (config `sequence_parallel`)
     tp: int = 1  # tensor-parallel degree: each rank holds 1/tp of every block linear (config `tensor_parallel`)
     sp_mode: str = "auto"  # ulysses | ring | auto (Ulysses gcd(heads, sp), ring for the rest; config `sp_mode`)
+    # op-level selective checkpointing (config activation_checkpointing selective; `checkpointing` is the full one)
+    selective_checkpointing: bool = False
 
     @property
     def gpus_per_node(self) -> int:
@@ -450,12 +452,25 @@ def block_activations(spec: ModelSpec, job: Job, o: Opts) -> float:
     return sum(d.values()) * compile_factor(job, o) + adapters
 
 
+def selective_block_activations(spec: ModelSpec, job: Job, o: Opts) -> float:
+    """Saved bytes of one block under selective checkpointing (models/checkpointing.py): its input, and the outputs of
+    its matmuls (q, k, v, o, gate, up, down) and of the attention kernel (with its fp32 log-sum-exp); everything
+    else is recomputed from those in backward. The policy, not the compiler, decides what is kept: no compile
+    factor."""
+    T, h, i, c = job.tokens, spec.hidden_size, spec.intermediate_size, job.c
+    mm_out = T * c * (spec.q_dim + 2 * spec.kv_dim + h + 2 * i + h)
+    attention = T * c * spec.q_dim + 4 * spec.num_heads * T
+    return (T * h * residual_bytes(job, o) + mm_out + attention) / job.tp
+
+
 def activations(spec: ModelSpec, job: Job, o: Opts) -> tuple[float, float, dict]:
     """(bytes alive at the end of forward, bytes of one block's activations, detail)."""
     per_layer = block_activations(spec, job, o)
     head = head_activations(spec, job, o)
     if job.checkpointing:  # only each block's input is kept; one block is recomputed at a time in backward
         kept = spec.num_layers * job.tokens * spec.hidden_size * residual_bytes(job, o) / job.tp
+    elif job.selective_checkpointing:
+        kept = spec.num_layers * min(per_layer, selective_block_activations(spec, job, o))
     else:
         kept = spec.num_layers * per_layer
     detail = {"per_layer": per_layer, "layers_kept": kept, **{f"head.{k}": v for k, v in head.items()}}

@@ -13,7 +13,7 @@ The training loop calls only these methods and never branches on the strategy:
     full = strategy.full_model_state_dict(model)      # rank 0: full tensors on the CPU
 
 `setup` runs the strategy's parallelize pipeline, in this order (strategies/parallelize.py):
-tensor parallel -> activation checkpointing -> compile -> data-parallel wrapping (`wrap`, or
+float8 -> tensor parallel -> activation checkpointing -> compile -> data-parallel wrapping (`wrap`, or
 DeepSpeed's engine) + the optimizer. Every degree, rank and group comes from `env.dims`
 (strategies/parallel.py), which owns the one device mesh; no strategy builds its own.
 
@@ -32,7 +32,12 @@ import torch
 
 from shardwise.config import Config
 from shardwise.strategies.parallel import ParallelDims, replicate_all
-from shardwise.strategies.parallelize import apply_activation_checkpointing, apply_compile, apply_tensor_parallel
+from shardwise.strategies.parallelize import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_float8,
+    apply_tensor_parallel,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +91,8 @@ class Strategy:
     def parallelize(self, model: torch.nn.Module):
         """What happens to the model, in order; the mesh is read from self.dims, never built here."""
         cfg = self.cfg
-        done = [apply_tensor_parallel(model, self.dims),
+        done = [apply_float8(model, cfg, self.env.device),
+                apply_tensor_parallel(model, self.dims),
                 apply_activation_checkpointing(model, cfg),
                 apply_compile(model, cfg, self.dims)]
         model, optimizer = self.apply_data_parallel(model)

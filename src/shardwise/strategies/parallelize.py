@@ -2,9 +2,10 @@
 small function that does one thing to the module tree and says what it did. The strategy
 composes them in a fixed order (`Strategy.parallelize`):
 
-    tensor parallel -> activation checkpointing -> compile -> data-parallel wrapping
+    float8 -> tensor parallel -> activation checkpointing -> compile -> data-parallel wrapping
 
-Tensor parallelism comes first because it replaces weights by DTensors over the `tp` mesh
+Float8 swaps module classes (keeping parameters and names), so it goes before anything wraps or splits them.
+Tensor parallelism comes next because it replaces weights by DTensors over the `tp` mesh
 dimension, and the later steps must see those; checkpointing wraps the (parallel) blocks;
 compile traces each block with its checkpointing inside; the data-parallel wrapper (FSDP, DDP,
 DeepSpeed) goes around the compiled blocks (FSDP's per-block units and DDP's buckets, see
@@ -142,12 +143,28 @@ def _find(module: nn.Module, name: str):
         return None
 
 
+def apply_float8(model: nn.Module, cfg, device: torch.device) -> str:
+    """--float8: the decoder blocks' large linears become torchao's float8 linears (models/float8.py); refused in
+    one line where the GPU, or torchao, cannot run them."""
+    if not cfg.float8:
+        return "float8: off"
+    from shardwise.errors import ShardwiseError
+    from shardwise.models import float8
+
+    why = float8.refusal(device)
+    if why:
+        raise ShardwiseError(f"--float8: {why}")
+    names = float8.convert(model)
+    return f"float8: {len(names)} linears ({', '.join(sorted({n.rsplit('.', 1)[-1] for n in names}))})"
+
+
 def apply_activation_checkpointing(model: nn.Module, cfg) -> str:
-    """Recompute each block's activations in backward (HF's non-reentrant checkpointing)."""
-    if not cfg.gradient_checkpointing:
-        return "activation checkpointing: off"
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return "activation checkpointing: every block"
+    """Recompute activations in backward: every block whole (full: HF's non-reentrant checkpointing) or the cheap
+    operators between the kept matmul and attention outputs (selective); models/checkpointing.py."""
+    from shardwise.config import checkpointing_mode
+    from shardwise.models.checkpointing import checkpoint_blocks
+
+    return checkpoint_blocks(model, checkpointing_mode(cfg))
 
 
 def compile_enabled(cfg) -> bool:
