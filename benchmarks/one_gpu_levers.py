@@ -13,6 +13,18 @@ strategy and its `setup`) and runs `train.loop.forward_backward_step` + a step, 
     +sync           the engine's step before that: the non-finite check reads the norm on the host every step
     +reshard        fsdp on one rank resharding after forward, as before FSDPStrategy.keeps_gathered
     +noprefetch     fsdp.prefetch off (FSDP2's implicit prefetching only)
+    +sac            activation_checkpointing selective (op-level: matmul and attention outputs kept)
+    +fullac         activation_checkpointing full (every block recomputed in backward)
+    +float8         float8 true (torchao's float8 linears in the blocks; refused, and recorded so, off Hopper/Ada)
+
+A variant the engine refuses (a ShardwiseError: float8 on the CPU, say) or that fails (out of memory) is
+recorded with its one-line reason and the others go on.
+
+--curve A,B runs the loss-curve comparison after the timed variants: each variant --curve-steps optimizer steps
+on the same learnable synthetic batches (a fixed random successor table over the vocabulary, followed with
+probability 0.75; the rest uniform), the same seed and the same learning-rate schedule (--curve-lr after a
+linear warm-up of 20 steps), micro-batch --curve-micro-batch x --seq-len; every step's loss goes to --curve-json
+with the mean and largest gap between the curves over the last 50 steps.
 
 Variants run in the order given, --repeat times round-robin (A B C A B C: drift hits all alike); each
 run warms up (--warmup steps, compiling) and then times --steps steps with CUDA events. Reported per
@@ -22,6 +34,9 @@ kernels of two profiled steps of those variants, and the GPU's busy fraction (ke
 
     python benchmarks/one_gpu_levers.py --variants single+sync,single,fsdp+sync+reshard,fsdp --json OUT.json
     python benchmarks/one_gpu_levers.py --device cpu --model cpu-b --variants single+sync,fsdp --steps 2 --warmup 1
+
+    python benchmarks/one_gpu_levers.py --variants single,single+float8,single+sac --curve single,single+float8 \
+        --curve-steps 300 --json OUT.json --curve-json CURVE.json
 
 `--device cpu` runs the same code at a tiny size on the CPU (a smoke test; speeds mean nothing there).
 """
@@ -39,7 +54,7 @@ sys.path.insert(0, HERE)
 
 import plan_accuracy as pa  # noqa: E402  (the engine-path helpers: config, random-init loader, batch)
 
-LEVERS = ("bf16reduce", "sync", "reshard", "noprefetch")
+LEVERS = ("bf16reduce", "sync", "reshard", "noprefetch", "sac", "fullac", "float8")
 
 
 def parse(variant: str) -> tuple[str, set[str]]:
@@ -62,6 +77,33 @@ def sync_step(strategy, model, optimizer):
 
 
 def run_variant(variant: str, a, env, repeat: int = 0) -> dict:
+    """One variant, built and timed; a refusal or failure is returned as {"variant", "refused" or "error"}."""
+    from shardwise.errors import ShardwiseError
+
+    try:
+        return _run_variant(variant, a, env, repeat)
+    except ShardwiseError as e:
+        return {"variant": variant, "refused": str(e)}
+    except Exception as e:  # noqa: BLE001  (an OOM or a library error: record it, run the other variants)
+        return {"variant": variant, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+
+
+def variant_config(variant: str, a, micro_batch: int):
+    preset, levers = parse(variant)
+    c = pa.case(a.model, preset, micro_batch, a.seq_len, a.ckpt, "bf16", 1, a.device == "cuda" and not a.eager, True)
+    cfg = pa.config_for(c, 1)
+    if "noprefetch" in levers:
+        cfg.fsdp.prefetch = False
+    if "sac" in levers:
+        cfg.activation_checkpointing = "selective"
+    if "fullac" in levers:
+        cfg.activation_checkpointing = "full"
+    if "float8" in levers:
+        cfg.float8 = True
+    return c, cfg, levers
+
+
+def _run_variant(variant: str, a, env, repeat: int = 0) -> dict:
     import torch
 
     from shardwise import strategies
@@ -71,12 +113,7 @@ def run_variant(variant: str, a, env, repeat: int = 0) -> dict:
     from shardwise.train.faults import Faults
     from shardwise.train.metrics import flops_per_token
 
-    preset, levers = parse(variant)
-    c = pa.case(a.model, preset, a.micro_batch_size, a.seq_len, a.ckpt, "bf16", 1, a.device == "cuda" and not a.eager,
-                True)
-    cfg = pa.config_for(c, 1)
-    if "noprefetch" in levers:
-        cfg.fsdp.prefetch = False
+    c, cfg, levers = variant_config(variant, a, a.micro_batch_size)
     orig_policy, orig_keep = FSDPStrategy.mp_policy, FSDPStrategy.keeps_gathered
     if "reshard" in levers:
         FSDPStrategy.keeps_gathered = lambda self: False
@@ -192,9 +229,15 @@ def main() -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--profile", default="", help="comma-separated variants to profile (two steps after timing, first repeat)")
     ap.add_argument("--json")
+    ap.add_argument("--curve", default="", help="comma-separated variants for the loss-curve comparison (first = reference)")
+    ap.add_argument("--curve-steps", type=int, default=300)
+    ap.add_argument("--curve-micro-batch", type=int, default=4)
+    ap.add_argument("--curve-lr", type=float, default=3e-4)
+    ap.add_argument("--curve-json")
     a = ap.parse_args()
-    for v in a.variants.split(","):
-        parse(v)
+    for v in [*a.variants.split(","), *a.curve.split(",")]:
+        if v:
+            parse(v)
     import torch
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -212,29 +255,171 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d %H:%M"), "model": a.model, "micro_batch": a.micro_batch_size,
             "seq_len": a.seq_len, "ckpt": a.ckpt, "compile": a.device == "cuda" and not a.eager,
             "steps": a.steps, "warmup": a.warmup}
+    try:
+        import torchao
+
+        meta["torchao"] = torchao.__version__
+    except Exception:  # noqa: BLE001  (absent, or it failed to import: float8 variants say why)
+        meta["torchao"] = None
     runs = []
+    variants = [v for v in a.variants.split(",") if v]
     for r in range(a.repeat):
-        for v in a.variants.split(","):
+        for v in variants:
             res = run_variant(v, a, env, r)
             res["repeat"] = r
             runs.append(res)
-            print(f"[{r}] {v}: {res['tokens_per_s']:,} tok/s, MFU {100 * res['mfu']:.1f}%, "
-                  f"{res.get('peak_gib', '-')} GiB, step {res['step_s']} s (warmup {res['warmup_s']} s)", flush=True)
+            if "tokens_per_s" in res:
+                print(f"[{r}] {v}: {res['tokens_per_s']:,} tok/s, MFU {100 * res['mfu']:.1f}%, "
+                      f"{res.get('peak_gib', '-')} GiB, step {res['step_s']} s (warmup {res['warmup_s']} s)", flush=True)
+            else:
+                print(f"[{r}] {v}: {'refused' if 'refused' in res else 'failed'}: {res.get('refused') or res['error']}",
+                      flush=True)
             if a.json:
                 pa.write_json(a.json, {"meta": meta, "runs": runs})
-    base = None
-    print(f"\n| variant | tokens/s (median of {a.repeat}) | vs first | MFU | peak GiB |\n|---|---|---|---|---|")
-    for v in a.variants.split(","):
-        rs = [x for x in runs if x["variant"] == v]
-        tps = statistics.median(x["tokens_per_s"] for x in rs)
-        base = base or tps
-        print(f"| {v} | {tps:,.0f} | {100 * (tps / base - 1):+.1f}% | {100 * statistics.median(x['mfu'] for x in rs):.1f}% "
-              f"| {max((x.get('peak_gib') or 0) for x in rs)} |")
+    if variants:
+        print(table(runs, variants, a.repeat))
     for x in runs:
         if "profile" in x:
             p = x["profile"]
             print(f"\n## profile {x['variant']} (repeat {x['repeat']}): kernels busy {p['busy_ms']} ms of a "
                   f"{p['kernel_span_ms']} ms span ({p['busy_fraction_of_span']}), wall {p['wall_s']} s\n{p['top']}")
+    if a.curve:
+        curves = loss_curves(a, env, meta)
+        if a.curve_json:
+            pa.write_json(a.curve_json, curves)
+        print(curve_summary_text(curves))
+
+
+def table(runs: list[dict], variants: list[str], repeat: int) -> str:
+    """Markdown: per variant the median tokens/s over the repeats, against the first variant."""
+    lines = [f"\n| variant | tokens/s (median of {repeat}) | vs first | MFU (bf16 peak) | peak GiB |",
+             "|---|---|---|---|---|"]
+    base = None
+    for v in variants:
+        rs = [x for x in runs if x["variant"] == v and "tokens_per_s" in x]
+        if not rs:
+            why = next((x.get("refused") or x.get("error") for x in runs if x["variant"] == v), "")
+            lines.append(f"| {v} | — | — | — | {why} |")
+            continue
+        tps = statistics.median(x["tokens_per_s"] for x in rs)
+        base = base or tps
+        lines.append(f"| {v} | {tps:,.0f} | {100 * (tps / base - 1):+.1f}% | "
+                     f"{100 * statistics.median(x['mfu'] for x in rs):.1f}% | {max((x.get('peak_gib') or 0) for x in rs)} |")
+    return "\n".join(lines)
+
+
+def curve_batches(steps: int, micro_batch: int, seq_len: int, vocab: int, seed: int = 0):
+    """The same learnable batches for every curve: a fixed random successor for each token, followed with
+    probability 0.75, otherwise a uniform token; targets are the next tokens."""
+    import torch
+
+    from shardwise.data.batches import MicroBatch, StepBatch
+
+    g = torch.Generator().manual_seed(seed)
+    succ = torch.randperm(vocab, generator=g)
+    rows = steps * micro_batch  # every step's rows at once: one pass over the positions
+    ids = torch.empty(rows, seq_len + 1, dtype=torch.int64)
+    ids[:, 0] = torch.randint(0, vocab, (rows,), generator=g)
+    follow = torch.rand(rows, seq_len, generator=g) < 0.75
+    noise = torch.randint(0, vocab, (rows, seq_len), generator=g)
+    for t in range(seq_len):
+        ids[:, t + 1] = torch.where(follow[:, t], succ[ids[:, t]], noise[:, t])
+    n = micro_batch * seq_len
+    pos = torch.arange(seq_len, dtype=torch.int64).repeat(micro_batch, 1)
+    out = []
+    for s in range(steps):
+        part = ids[s * micro_batch:(s + 1) * micro_batch]
+        out.append(StepBatch([MicroBatch(part[:, :-1].contiguous(), part[:, 1:].contiguous(), pos)], n, n,
+                             list(range(micro_batch))))
+    return out
+
+
+def loss_curves(a, env, meta: dict) -> dict:
+    """Each --curve variant trained --curve-steps steps on curve_batches (same data, seed and schedule)."""
+    variants = [v for v in a.curve.split(",") if v]
+    t0 = time.time()
+    batches = curve_batches(a.curve_steps, a.curve_micro_batch, a.seq_len, pa.MODELS[a.model][0])
+    out = {"meta": {**meta, "curve_steps": a.curve_steps, "curve_micro_batch": a.curve_micro_batch,
+                    "curve_lr": a.curve_lr, "curve_warmup": CURVE_WARMUP, "data_s": round(time.time() - t0, 1)},
+           "curves": {}}
+    for v in variants:
+        out["curves"][v] = run_curve(v, a, env, batches)
+        res = out["curves"][v]
+        print(f"curve {v}: " + (f"loss {res['loss'][0]:.3f} -> {res['loss'][-1]:.3f}, {res['tokens_per_s']:,} tok/s"
+                                if "loss" in res else res.get("refused") or res.get("error")), flush=True)
+        if a.curve_json:
+            pa.write_json(a.curve_json, out)
+    done = [v for v in variants if "loss" in out["curves"][v]]
+    if len(done) >= 2:
+        ref, other = out["curves"][done[0]]["loss"], out["curves"][done[1]]["loss"]
+        tail = range(max(0, len(ref) - 50), len(ref))
+        out["compare"] = {"reference": done[0], "other": done[1],
+                          "mean_last50": [statistics.fmean(ref[i] for i in tail), statistics.fmean(other[i] for i in tail)],
+                          "mean_abs_gap_last50": statistics.fmean(abs(ref[i] - other[i]) for i in tail),
+                          "max_abs_gap_last50": max(abs(ref[i] - other[i]) for i in tail),
+                          "max_abs_gap_all": max(abs(x - y) for x, y in zip(ref, other))}
+    return out
+
+
+CURVE_WARMUP = 20
+
+
+def run_curve(variant: str, a, env, batches) -> dict:
+    from shardwise.errors import ShardwiseError
+
+    try:
+        return _run_curve(variant, a, env, batches)
+    except ShardwiseError as e:
+        return {"refused": str(e)}
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+
+
+def _run_curve(variant: str, a, env, batches) -> dict:
+    import torch
+
+    from shardwise import strategies
+    from shardwise.train import dist as sdist
+    from shardwise.train import loop
+    from shardwise.train.faults import Faults
+
+    c, cfg, _ = variant_config(variant, a, a.curve_micro_batch)
+    cuda = env.device.type == "cuda"
+    try:
+        with pa.random_init_loader(c, env.device):
+            torch.manual_seed(cfg.seed)
+            model = loop.build_model(cfg, "random-init")
+        head = model.get_output_embeddings()
+        fused_head = head if getattr(head, "loss_targets", "absent") is None else None
+        sdist.ensure_same_weights(model, env)
+        strategy = strategies.get(cfg.strategy)(cfg, env)
+        model, optimizer = strategy.setup(model)
+        model.train()
+        faults = Faults(0)
+        losses = []
+        t0 = time.time()
+        for step, batch in enumerate(batches):
+            for g in optimizer.param_groups:
+                g["lr"] = a.curve_lr * min(1.0, (step + 1) / CURVE_WARMUP)
+            loss = loop.forward_backward_step(model, strategy, batch, 1, env.device, faults, step + 1, fused_head)
+            strategy.take_nonfinite()
+            strategy.step(model, optimizer)
+            losses.append(float(loss))  # one host sync a step: the curve, not the speed, is the point here
+        wall = time.time() - t0
+        tokens = sum(b.tokens for b in batches)
+        model = optimizer = strategy = head = fused_head = None
+        return {"loss": [round(x, 5) for x in losses], "wall_s": round(wall, 1), "tokens_per_s": round(tokens / wall)}
+    finally:
+        pa.cleanup(cuda)
+
+
+def curve_summary_text(curves: dict) -> str:
+    cmp = curves.get("compare")
+    if not cmp:
+        return "loss curves: fewer than two ran; nothing to compare"
+    return (f"loss curves, last 50 of {curves['meta']['curve_steps']} steps: {cmp['reference']} "
+            f"{cmp['mean_last50'][0]:.4f}, {cmp['other']} {cmp['mean_last50'][1]:.4f} (mean |gap| "
+            f"{cmp['mean_abs_gap_last50']:.4f}, max {cmp['max_abs_gap_last50']:.4f}; whole run max {cmp['max_abs_gap_all']:.4f})")
 
 
 if __name__ == "__main__":
