@@ -58,6 +58,12 @@ def resolve_runtime(res: Resolved) -> Config:
     if cfg.tuner == "qlora" and not cuda:
         raise ShardwiseError(f"{res.where('tuner')}: QLoRA needs a CUDA GPU (4-bit bitsandbytes kernels); "
                              "use --tuner lora on the CPU")
+    if cfg.float8:
+        from shardwise.models.float8 import refusal
+
+        why = refusal(torch.device("cuda" if cuda else "cpu"))
+        if why:
+            raise ShardwiseError(f"{res.where('float8')}: {why}")
     if cfg.mixed_precision == "bf16" and cuda and not bf16_supported():
         raise ShardwiseError(f"{res.where('mixed_precision')}: this GPU has no bf16; use --mixed-precision fp16")
     if not cfg.output_dir:

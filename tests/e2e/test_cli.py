@@ -67,6 +67,7 @@ def refused(tmp_path_factory):
     runs.add("model", "train", "--model", str(d / "empty"), "--data", "demo", check=False)
     runs.add("model_no_data", "train", "--model", str(d / "empty"), "--output-dir", str(d / "o"), check=False)
     runs.add("seq_len", "train", "--seq-len", "100000", "--output-dir", str(d / "o"), check=False)
+    runs.add("float8", "train", "--float8", "--strategy", "single", "--output-dir", str(d / "o"), check=False)
     return runs, d
 
 
@@ -86,6 +87,8 @@ def test_bad_flags_and_files(refused):
     one_line_error(runs.get("model_no_data"), r"flag --model: a model directory needs --data .*pass --data demo")
     one_line_error(runs.get("seq_len"),
                    r"seq_len 100000 is larger than the model supports \(max_position_embeddings 2048\)")
+    if not torch_cuda():  # this machine cannot run float8: refused before anything is written
+        one_line_error(runs.get("float8"), r"flag --float8: float8 needs a CUDA GPU of compute capability 8\.9")
     assert not (d / "o").exists()
 
 
@@ -99,3 +102,9 @@ def test_output_dir_holding_another_run_is_refused(tmp_path):
     one_line_error(run_cli(*args, check=False), r"holds another run; pass --resume auto to continue it, --overwrite")
     assert (out / "metrics.jsonl").read_text() == before
     run_cli(*args, "--overwrite")
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
