@@ -103,6 +103,26 @@ def variant_config(variant: str, a, micro_batch: int):
     return c, cfg, levers
 
 
+def planned_peak_gib(c: dict, cfg, accelerator: str) -> float:
+    """The planner's peak tensor memory for this variant (its checkpointing mode included)."""
+    from shardwise.plan.decide import opts_for
+    from shardwise.plan.memory import estimate
+
+    m = estimate(pa.spec_for(c["model"]), _job(c, cfg, accelerator), opts_for(c["strategy"], cfg))
+    return round(m.peak_tensors / 2**30, 2)
+
+
+def _job(c: dict, cfg, accelerator: str):
+    from shardwise.config import checkpointing_mode
+    from shardwise.plan.memory import Job
+
+    mode = checkpointing_mode(cfg)
+    return Job(world=1, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
+               compute=c["compute"], param_dtype=cfg.param_dtype, checkpointing=mode == "full",
+               selective_checkpointing=mode == "selective", accelerator=accelerator, fused_loss=cfg.fused_loss,
+               compile=c["compile"])
+
+
 def _run_variant(variant: str, a, env, repeat: int = 0) -> dict:
     import torch
 
@@ -122,7 +142,7 @@ def _run_variant(variant: str, a, env, repeat: int = 0) -> dict:
 
         FSDPStrategy.mp_policy = lambda self: MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=None)
     cuda = env.device.type == "cuda"
-    out = {"variant": variant}
+    out = {"variant": variant, "pred_peak_gib": planned_peak_gib(c, cfg, env.device.type)}
     try:
         with pa.random_init_loader(c, env.device):
             torch.manual_seed(cfg.seed)
@@ -292,19 +312,20 @@ def main() -> None:
 
 def table(runs: list[dict], variants: list[str], repeat: int) -> str:
     """Markdown: per variant the median tokens/s over the repeats, against the first variant."""
-    lines = [f"\n| variant | tokens/s (median of {repeat}) | vs first | MFU (bf16 peak) | peak GiB |",
-             "|---|---|---|---|---|"]
+    lines = [f"\n| variant | tokens/s (median of {repeat}) | vs first | MFU (bf16 peak) | peak GiB | planned GiB |",
+             "|---|---|---|---|---|---|"]
     base = None
     for v in variants:
         rs = [x for x in runs if x["variant"] == v and "tokens_per_s" in x]
         if not rs:
             why = next((x.get("refused") or x.get("error") for x in runs if x["variant"] == v), "")
-            lines.append(f"| {v} | — | — | — | {why} |")
+            lines.append(f"| {v} | — | — | — | — | {why} |")
             continue
         tps = statistics.median(x["tokens_per_s"] for x in rs)
         base = base or tps
         lines.append(f"| {v} | {tps:,.0f} | {100 * (tps / base - 1):+.1f}% | "
-                     f"{100 * statistics.median(x['mfu'] for x in rs):.1f}% | {max((x.get('peak_gib') or 0) for x in rs)} |")
+                     f"{100 * statistics.median(x['mfu'] for x in rs):.1f}% | {max((x.get('peak_gib') or 0) for x in rs)} "
+                     f"| {rs[0].get('pred_peak_gib', '—')} |")
     return "\n".join(lines)
 
 

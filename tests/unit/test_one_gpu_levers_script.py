@@ -26,6 +26,14 @@ def test_levers_map_to_the_config_keys_the_engine_reads():
         lev.parse("single+fp4")
 
 
+def test_planned_peak_follows_the_checkpointing_lever():
+    a = _Args()
+    a.model, a.seq_len, a.eager = "llama-1.1B", 2048, False  # the anchor job: compiled, 8 x 2048
+    peaks = {v: lev.planned_peak_gib(*lev.variant_config(v, a, 8)[:2], "cuda")
+             for v in ("single", "single+sac", "single+fullac")}
+    assert peaks["single+fullac"] < peaks["single+sac"] < peaks["single"], peaks
+
+
 def test_curve_batches_are_the_same_every_time_and_learnable():
     a = lev.curve_batches(2, 3, 200, 1024)
     b = lev.curve_batches(2, 3, 200, 1024)
@@ -41,11 +49,11 @@ def test_curve_batches_are_the_same_every_time_and_learnable():
 
 
 def test_table_gives_medians_against_the_first_and_the_reason_of_a_refusal():
-    runs = [{"variant": "single", "tokens_per_s": 100, "mfu": 0.5, "peak_gib": 30},
+    runs = [{"variant": "single", "tokens_per_s": 100, "mfu": 0.5, "peak_gib": 30, "pred_peak_gib": 31.5},
             {"variant": "single", "tokens_per_s": 104, "mfu": 0.52, "peak_gib": 30},
             {"variant": "single+sac", "tokens_per_s": 90, "mfu": 0.45, "peak_gib": 20},
             {"variant": "single+float8", "refused": "--float8: float8 needs a CUDA GPU"}]
     text = lev.table(runs, ["single", "single+sac", "single+float8"], 2)
-    assert "| single | 102 | +0.0% | 51.0% | 30 |" in text
+    assert "| single | 102 | +0.0% | 51.0% | 30 | 31.5 |" in text
     assert "| single+sac | 90 | -11.8% |" in text
-    assert "| single+float8 | — | — | — | --float8: float8 needs a CUDA GPU |" in text
+    assert "| single+float8 | — | — | — | — | --float8: float8 needs a CUDA GPU |" in text

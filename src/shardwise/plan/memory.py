@@ -456,9 +456,10 @@ def selective_block_activations(spec: ModelSpec, job: Job, o: Opts) -> float:
     """Saved bytes of one block under selective checkpointing (models/checkpointing.py): its input, and the outputs of
     its matmuls (q, k, v, o, gate, up, down) and of the attention kernel (with its fp32 log-sum-exp); everything
     else is recomputed from those in backward. The policy, not the compiler, decides what is kept: no compile
-    factor."""
+    factor; but compiled, the partitioner drops what backward never reads (down's output, the block's own output),
+    while eager the policy's cache holds it until backward."""
     T, h, i, c = job.tokens, spec.hidden_size, spec.intermediate_size, job.c
-    mm_out = T * c * (spec.q_dim + 2 * spec.kv_dim + h + 2 * i + h)
+    mm_out = T * c * (spec.q_dim + 2 * spec.kv_dim + h + 2 * i + (0 if job.compile else h))
     attention = T * c * spec.q_dim + 4 * spec.num_heads * T
     return (T * h * residual_bytes(job, o) + mm_out + attention) / job.tp
 
