@@ -14,6 +14,7 @@
 #                                                    accuracy5 levers3 accuracy6 vshf (fourth session)
 #                                                    vshf5 (fifth session)
 #                                                    accuracy16 accuracy16b ttfs (seventh session)
+#                                                    levers17 curve17 (issue 17 item 2; carries .whl/torchao 0.17.0)
 #                                                    twogpu (fourth session, on the nvidia-h200-x2 kind)
 #                                                    sptest long1 long2 long3 long4 longqwen (issue 15, x2 kind)
 #                                                    spflex spplain sppacked spprobe longmin (sixth session, x2;
@@ -137,6 +138,16 @@ scale8b() { python3 benchmarks/scaling.py --gpus 2,4,8 --jobs llama8b --strategi
 long8() { python3 benchmarks/long_context.py --gpus 8 --lengths 131072,262144 --sp 8 --steps 3 --tag x8 --out "$OUT"; }
 # the fused head holding one chunk of logits (7ed8f6c): the Qwen rows whose peak is the head's, measured again
 headchunk() { python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --steps 3 --pick 2,4,10,12 --json "$OUT/acc16head.json"; }
+# issue 17 item 2 (the mfu helper, 2026-12-01): each lever alone on the anchor (selective and full activation
+# checkpointing, float8 linears through the carried torchao 0.17.0 wheel), then float8 vs bf16 over 300 steps
+levers17() {
+  timeout -k 10 340 python3 benchmarks/one_gpu_levers.py --variants single,single+float8,fsdp,fsdp+float8,single+sac,single+fullac \
+    --repeat 2 --steps 8 --warmup 2 --json "$OUT/levers17.json"
+}
+curve17() {
+  timeout -k 10 170 python3 benchmarks/one_gpu_levers.py --variants "" --repeat 0 --curve single,single+float8 \
+    --curve-steps 300 --curve-micro-batch 4 --curve-json "$OUT/curve17.json"
+}
 setup
 LOGF="$OUT/logs-$(date +%H%M%S).txt"
 for part in "$@"; do
