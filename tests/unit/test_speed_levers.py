@@ -169,3 +169,13 @@ def test_float8_conversion_keeps_parameter_names():
     assert [n for n, _ in m.named_parameters()] == before
     assert type(m.get_submodule(names[0])).__name__ == "Float8Linear"
     assert type(m.lm_head) is nn.Linear and type(m.layers[0].odd) is nn.Linear
+    # the converted linear computes the same product to float8's precision, and trains (torch's CPU _scaled_mm)
+    lin = m.get_submodule(names[0])
+    torch.nn.init.normal_(lin.weight, std=0.05)
+    x = torch.randn(32, lin.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    ref = x @ lin.weight.detach().t()
+    assert y.dtype == torch.bfloat16 and ((y.float() - ref).norm() / ref.norm()).item() < 0.1
+    y.float().square().sum().backward()
+    assert lin.weight.grad.dtype == torch.float32 and torch.isfinite(lin.weight.grad).all()
