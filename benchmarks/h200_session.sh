@@ -137,6 +137,8 @@ scale8a() { python3 benchmarks/scaling.py --gpus 1,2,4,8 --jobs anchor --timeout
 scale8b() { python3 benchmarks/scaling.py --gpus 2,4,8 --jobs llama8b --strategies fsdp,hybrid2,hybrid4,zero3 --timeout 200 --tag x8-8b --out "$OUT"; }
 long8() { python3 benchmarks/long_context.py --gpus 8 --lengths 131072,262144 --sp 8 --steps 3 --tag x8 --out "$OUT"; }
 # the fused head holding one chunk of logits (7ed8f6c): the Qwen rows whose peak is the head's, measured again
+# time to first step again with a re-run's warm caches (inductor's FX graph cache, the data cache): two pairs
+ttfs2() { python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 2; }
 headchunk() { python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --steps 3 --pick 2,4,10,12 --json "$OUT/acc16head.json"; }
 # issue 17 item 2 (the mfu helper, 2026-12-01): each lever alone on the anchor (selective and full activation
 # checkpointing, float8 linears through the carried torchao 0.17.0 wheel), then float8 vs bf16 over 300 steps
