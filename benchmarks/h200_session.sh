@@ -139,6 +139,13 @@ long8() { python3 benchmarks/long_context.py --gpus 8 --lengths 131072,262144 --
 # the fused head holding one chunk of logits (7ed8f6c): the Qwen rows whose peak is the head's, measured again
 # time to first step again with a re-run's warm caches (inductor's FX graph cache, the data cache): two pairs
 ttfs2() { python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 2; }
+# the head's log-sum-exp in place (no chunk-sized fp32 temporary beside the logits): memory of the head-bound rows
+# and the anchor's speed (single) after the change
+headlse() {
+  python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --steps 3 --pick 2,10 --json "$OUT/acc16lse.json"
+  timeout -k 10 150 python3 benchmarks/one_gpu_levers.py --variants single --repeat 1 --steps 8 --warmup 2 \
+    --json "$OUT/levers_lse.json"
+}
 headchunk() { python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --steps 3 --pick 2,4,10,12 --json "$OUT/acc16head.json"; }
 # issue 17 item 2 (the mfu helper, 2026-12-01): each lever alone on the anchor (selective and full activation
 # checkpointing, float8 linears through the carried torchao 0.17.0 wheel), then float8 vs bf16 over 300 steps

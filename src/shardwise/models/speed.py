@@ -40,12 +40,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = (h @ w.t()).float()
             valid = t != IGNORE
             tt = torch.where(valid, t, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, tt[:, None]).squeeze(1)
-            loss += ((lse - picked) * valid).sum()
+            # log-sum-exp in place (torch.logsumexp makes a chunk-sized fp32 temporary beside the logits): shift
+            # by the row max, read the target, exponentiate, sum; the softmax is then one in-place division
+            logits.sub_(logits.amax(dim=-1, keepdim=True))
+            picked = logits.gather(1, tt[:, None]).squeeze(1)  # the target's logit minus the row max
+            total = logits.exp_().sum(dim=-1, keepdim=True)
+            loss += ((total.squeeze(1).log() - picked) * valid).sum()
             # d(sum CE)/d logits = softmax - onehot, zero where there is no target
-            g = logits.sub_(lse[:, None]).exp_()
-            g.scatter_add_(1, tt[:, None], -torch.ones_like(lse)[:, None])
+            g = logits.div_(total)
+            g.scatter_add_(1, tt[:, None], -torch.ones_like(picked)[:, None])
             g.mul_(valid[:, None])
             g = g.to(compute_dtype)
             grad_h[s:s + chunk] = (g @ w).to(hidden.dtype)
@@ -88,12 +91,13 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
             top = logits.max(dim=-1).values
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
             logits.sub_(top[:, None])
-            # [sum of exp, the target's logit (on the rank holding it, 0 elsewhere)]: one all-reduce
-            parts = torch.stack([logits.exp().sum(-1), logits.gather(1, lt[:, None]).squeeze(1) * mine])
+            target = logits.gather(1, lt[:, None]).squeeze(1) * mine
+            # [sum of exp, the target's logit (on the rank holding it, 0 elsewhere)]: one all-reduce; exponentiated
+            # in place (no chunk-sized temporary)
+            parts = torch.stack([logits.exp_().sum(-1), target])
             dist.all_reduce(parts, group=group)
-            lse = parts[0].log()
-            loss += ((lse - parts[1]) * valid).sum()
-            g = logits.sub_(lse[:, None]).exp_()  # softmax over the whole vocabulary, this rank's columns
+            loss += ((parts[0].log() - parts[1]) * valid).sum()
+            g = logits.div_(parts[0][:, None])  # softmax over the whole vocabulary, this rank's columns
             g.scatter_add_(1, lt[:, None], -mine.to(g.dtype)[:, None])
             g.mul_(valid[:, None])
             g = g.to(compute_dtype)
