@@ -200,3 +200,20 @@ if __name__ == "__main__":
             print(f"| {label} | {strategy} | {tps / 1e3:.1f}k | {p_tps / 1e3:.1f}k | {p_tps / tps - 1:+.1%} | "
                   f"{peak:.1f} | {p_peak:.1f} | {p_peak / peak - 1:+.1%} |")
     sys.exit(0)
+
+
+def test_h200_head_bound_rows_after_the_head_holds_one_chunk():
+    """The Qwen2.5-1.5B rows whose peak is the fused head's, measured again after the head drops each chunk's logits
+    before the next and computes its log-sum-exp in place (benchmarks/results/fused_head_memory_h200_2026-12-01.md:
+    LoRA 10.92 -> 7.46 GiB), predicted for today's engine (one chunk)."""
+    plan_case = _plan_case()
+    with open(H200_RUN.with_name("plan_accuracy_h200_2026-12-01-headlse.json")) as fh:
+        rows = [r for r in json.load(fh) if not r.get("error")]
+    assert len(rows) == 2
+    for r in rows:
+        sp = plan_case(r, 1, "cuda")
+        assert abs(sp.memory.peak_tensors / r["measured"] - 1) <= MEM_TOL
+        assert abs(sp.timing.step_s / r["measured_step_s"] - 1) <= SPEED_TOL
+        # the older engine's account (two chunks) is now well over what was measured: the head did change
+        old = plan_case(r, 1, "cuda", **H200_ENGINE)
+        assert old.memory.peak_tensors / r["measured"] > 1.10 or r.get("tuner", "full") == "full"
