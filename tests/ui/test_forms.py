@@ -70,3 +70,14 @@ def test_tensor_and_sequence_parallel_fields_reach_the_run_and_refuse_next_to_th
     with pytest.raises(forms.FormError) as e:
         forms.plan({"strategy": "fsdp", "tensor_parallel": "3"})
     assert e.value.field == "tensor_parallel" and "4 attention heads" in str(e.value)
+
+
+def test_activation_checkpointing_and_float8_fields_are_the_cli_keys(tmp_path):
+    """Selective checkpointing and float8 from the page resolve into the run's config; the contradiction of
+    selective with the full-checkpointing switch comes back beside the checkpointing field."""
+    cfg = _resolved(forms.train({"activation_checkpointing": "selective"}, str(tmp_path))["argv"])
+    assert cfg.activation_checkpointing == "selective" and cfg.float8 is False
+    assert _resolved(forms.argv_for({"float8": True, "strategy": "fsdp"}, "train")).float8 is True
+    with pytest.raises(forms.FormError) as e:
+        forms.plan({"activation_checkpointing": "selective", "gradient_checkpointing": True})
+    assert e.value.field == "activation_checkpointing"

@@ -60,6 +60,9 @@ def fields() -> list[Field]:
         Field("tuner", "tuner", "--tuner", "--tuner", "choice", "full", _help("tuner"), _choices("tuner")),
         Field("gradient_checkpointing", "gradient checkpointing", "--gradient-checkpointing",
               "--gradient-checkpointing", "bool", "false", _help("gradient_checkpointing")),
+        Field("activation_checkpointing", "activation checkpointing", "--activation-checkpointing",
+              "--activation-checkpointing", "choice", "off", _help("activation_checkpointing"),
+              _choices("activation_checkpointing")),
         Field("mixed_precision", "precision", "--mixed-precision", "--mixed-precision", "choice", "auto",
               _help("mixed_precision"), _choices("mixed_precision")),
         Field("param_dtype", "weights dtype", "--param-dtype", "--param-dtype", "choice", "fp32",
@@ -76,6 +79,8 @@ def fields() -> list[Field]:
         Field("tensor_parallel", "tensor parallel degree", "--tensor-parallel", "--tensor-parallel", default="1",
               help=_help("tensor_parallel")),
         # what only a launch needs
+        Field("float8", "float8 linears (Hopper/Ada GPU)", None, "--float8", "bool", "false", _help("float8"),
+              launch_only=True),
         Field("data", "data", None, "--data", default="demo", help=_help("data"), launch_only=True),
         Field("max_steps", "max steps", None, "--max-steps", default="30", help=_help("max_steps"), launch_only=True),
         Field("lr", "learning rate", None, "--lr", default="0.003", help=_help("lr"), launch_only=True),
