@@ -23,3 +23,19 @@ def tiny_dir():
 # module, made by a collection hook here, split modules across workers (the hook's marks
 # came after xdist's); loadfile does it natively. tests/dist's session reference runs are
 # then made once per worker that needs them.
+#
+# Which worker finishes last sets the suite's wall time. xdist would hand the modules out by
+# their number of tests, most first (its --loadscope-reorder), which leaves the multi-rank
+# modules (few tests, minutes each) for the end: one worker is still in one while the other
+# has nothing left. pyproject's --no-loadscope-reorder keeps the order below instead: the
+# modules that launch processes first, the many small unit modules last to fill the gap.
+_FIRST = ("tests/dist/", "tests/e2e/", "tests/ui/")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        return next((i for i, d in enumerate(_FIRST) if path.startswith(d)), len(_FIRST))
+
+    items.sort(key=rank)  # stable: each module's tests stay together and in their order
+
