@@ -22,4 +22,28 @@ def tiny_dir():
 # worker (its module-scoped runs are made once). A --dist loadgroup with one group per
 # module, made by a collection hook here, split modules across workers (the hook's marks
 # came after xdist's); loadfile does it natively. tests/dist's session reference runs are
-# then made once per worker that needs them.
+# made once per pytest run and shared by the workers (tests/helpers.py SharedRuns).
+#
+# Which worker finishes last sets the suite's wall time. xdist would hand the modules out by
+# their number of tests, most first (its --loadscope-reorder), which leaves the multi-rank
+# modules (few tests, minutes each) for the end: one worker is still in one while the other
+# has nothing left. pyproject's --no-loadscope-reorder keeps the order below instead, longest
+# first: _HEAVY (the slowest modules, by their wall time in a whole -n 2 run on 2 cores of
+# 2026-12-01; a name missing here or there only moves that module back), then the rest of
+# tests/dist, e2e and ui, then the many small unit modules that fill the gap at the end.
+_HEAVY = ("dist/test_reliability", "dist/test_parity", "dist/test_ddp", "dist/test_sequence_parallel",
+          "dist/test_moe", "dist/test_chat", "e2e/test_cli", "dist/test_security", "e2e/test_bench",
+          "dist/test_tensor_parallel", "e2e/test_rundir", "ui/test_ui", "dist/test_fsdp",
+          "dist/test_nonfinite_window", "dist/test_evaluate", "dist/test_fsdp_one_rank")
+_FIRST = ("tests/dist/", "tests/e2e/", "tests/ui/")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        for i, name in enumerate(_HEAVY):
+            if path == f"tests/{name}.py":
+                return i
+        return len(_HEAVY) + next((i for i, d in enumerate(_FIRST) if path.startswith(d)), len(_FIRST))
+
+    items.sort(key=rank)  # stable: each module's tests stay together and in their order

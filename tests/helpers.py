@@ -99,3 +99,80 @@ def chat_records(n: int = 64) -> list[dict]:
         a = " ".join(["green", "quiet", "music"][: 1 + (i * 7) % 3]) * (1 + (i * 5) % 4)
         out.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
     return out
+
+
+def shared_tmp_root(tmp_path_factory):
+    """The base temporary directory of the whole pytest run: under pytest-xdist every worker's
+    own base (popen-gwN) lies in it, so the workers can share what they make there."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+class SharedRuns:
+    """Runs made once per pytest invocation and read by every xdist worker that needs them.
+
+    Each run has a lock file in `root`; a worker that needs the runs claims the unclaimed ones
+    one at a time (a non-blocking flock), runs each into a directory of its own and records the
+    outcome (output directory and stdout, or the failure) in NAME.json before it lets go, then
+    waits for the runs the other worker claimed. Both workers arriving together split the runs;
+    one arriving later only reads. A worker that died mid-run leaves no record: the next one
+    that needs the run makes it again."""
+
+    def __init__(self, root, runs: dict):
+        self.root, self.runs = root, runs  # name -> (make_args(out) -> tuple of CLI args)
+        os.makedirs(root, exist_ok=True)
+        # as ConcurrentRuns: one at a time under xdist (the other worker uses the other core)
+        self.jobs = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+
+    def _record(self, name: str) -> dict | None:
+        path = os.path.join(self.root, f"{name}.json")
+        if os.path.isfile(path):
+            with open(path) as fh:
+                return json.load(fh)
+        return None
+
+    def _make(self, name: str) -> None:
+        import tempfile
+
+        out = tempfile.mkdtemp(prefix=f"{name}-", dir=self.root)
+        try:
+            p = run_cli(*self.runs[name](os.path.join(out, "run")))
+            record = {"out": os.path.join(out, "run"), "stdout": p.stdout, "stderr": p.stderr}
+        except AssertionError as e:
+            record = {"error": str(e)}
+        tmp = os.path.join(self.root, f".{name}.json.tmp")
+        with open(tmp, "w") as fh:
+            json.dump(record, fh)
+        os.replace(tmp, os.path.join(self.root, f"{name}.json"))
+
+    def _with_lock(self, name: str, blocking: bool) -> bool:
+        """Make `name` under its lock unless it is recorded; False when another holds the lock."""
+        import fcntl
+
+        fd = os.open(os.path.join(self.root, f"{name}.lock"), os.O_RDWR | os.O_CREAT)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                return False
+            if self._record(name) is None:
+                self._make(name)
+            return True
+        finally:
+            os.close(fd)  # releases the lock
+
+    def get(self, name: str) -> dict:
+        """{"out", "stdout", "stderr"} of the run; its failure is raised here."""
+        if self._record(name) is None:
+            def claim_free():  # the unclaimed ones, this one included when free
+                for other in self.runs:
+                    self._with_lock(other, blocking=False)
+
+            with ThreadPoolExecutor(max_workers=self.jobs) as pool:  # flock: each thread's own open
+                for f in [pool.submit(claim_free) for _ in range(self.jobs)]:
+                    f.result()
+            self._with_lock(name, blocking=True)  # the other worker's, when it holds it
+        record = self._record(name)
+        if "error" in record:
+            raise AssertionError(record["error"])
+        return record

@@ -15,7 +15,9 @@ in the registry with an install hint, before any worker starts.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import sys
 
 import torch
 
@@ -64,6 +66,49 @@ def ds_config(cfg, world: int, cuda: bool) -> dict:
     return out
 
 
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_muon_lazily() -> None:
+    """Import DeepSpeed's Muon module with its kernels compiled on first use, not at import.
+
+    ZeRO asks `isinstance(optimizer, MuonWithAuxAdam)` in `deepspeed.initialize` and in its
+    gradient reduction, which imports that module; it applies torch.compile to three kernels
+    at import, and torch.compile imports inductor there and then: ~3 CPU-s per rank, most of
+    `initialize` on a CPU run, for an optimizer this tool never uses (ours is torch AdamW).
+    Imported first here with DeepSpeed's own compile hook (`deepspeed.runtime.compiler.compile`,
+    which already falls back to a no-op decorator) giving a decorator that calls torch.compile
+    on the first call instead: the same kernels, compiled when, if ever, Muon runs."""
+    if MUON in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    eager = compiler.compile
+
+    def lazy():
+        def decorate(fn):
+            compiled = None
+
+            @functools.wraps(fn)
+            def call(*args, **kwargs):
+                nonlocal compiled
+                if compiled is None:
+                    compiled = eager()(fn)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    compiler.compile = lazy
+    try:
+        __import__(MUON)
+    except ImportError:  # a DeepSpeed without Muon: nothing to import
+        pass
+    finally:
+        compiler.compile = eager
+
+
 def merge(base: dict, over: dict) -> dict:
     """Recursive dict update: `over` wins, sections are merged key by key."""
     for k, v in over.items():
@@ -96,6 +141,7 @@ class DeepSpeedStrategy(Strategy):
             # DeepSpeed would JIT-compile (minutes) a shared-memory all-reduce used only for
             # inference; training on CPU uses gloo. An empty table means "no prebuilt ops".
             deepspeed.ops.__compatible_ops__ = {}
+        import_muon_lazily()
         if self.cfg.deepspeed.stage == 3:
             self.apply_moe_leaves(model)
         opt = self.build_optimizer(model)
