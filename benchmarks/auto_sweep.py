@@ -24,15 +24,14 @@ import datetime
 import importlib.util
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_model_dir, versions, write_text_data  # noqa: E402
+from common import run_killable as run  # noqa: E402
 
 # name -> HF config fields (Llama-style); published shapes
 SHAPES = {
@@ -73,18 +72,6 @@ def job_flags(c: tuple) -> list[str]:
     _, _, seq, mb, tuner, ckpt = c
     return ["--seq-len", str(seq), "--micro-batch-size", str(mb), "--tuner", tuner,
             *(["--gradient-checkpointing"] if ckpt else [])]
-
-
-def run(cmd: list[str], timeout: float) -> tuple[int | str, str]:
-    """Exit code (or 'timeout') and the output; its own process group, killed whole on timeout."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-        return p.returncode, out or ""
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        return "timeout", out or ""
 
 
 def plan_of(c: tuple, model_dir: str, gpus: int, extra: list[str]) -> dict:

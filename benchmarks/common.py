@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import random
+import signal
 import subprocess
 import sys
 
@@ -88,3 +89,17 @@ def versions() -> dict:
 def shardwise(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardwise", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})})
+
+
+def run_killable(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | str, str]:
+    """Exit code (or 'timeout') and the merged output of `cmd`, run in its own process group so that on
+    timeout the launcher and its workers (holding GPU memory) are killed together."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        return p.returncode, out or ""
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        return "timeout", out or ""

@@ -33,7 +33,6 @@ import datetime
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import ANCHOR, build_model_dir, versions, write_text_data  # noqa: E402
+from common import ANCHOR, build_model_dir, run_killable, versions, write_text_data  # noqa: E402
 
 LLAMA8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
@@ -117,15 +116,7 @@ def train(job: str, strategy: str, gpus: int, model_dir: str, data: str, a) -> d
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
     rec = {"command": " ".join(cmd[1:])}
     t0 = time.time()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                         start_new_session=True)  # on timeout the launcher and its workers go together
-    try:
-        output, _ = p.communicate(timeout=a.timeout)
-        rec["exit_code"] = p.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        output, _ = p.communicate()
-        rec["exit_code"] = "timeout"
+    rec["exit_code"], output = run_killable(cmd, a.timeout, env)
     rec["wall_s"] = round(time.time() - t0, 1)
     metrics = os.path.join(out, "metrics.jsonl")
     rows = [json.loads(x) for x in open(metrics)] if os.path.isfile(metrics) else []
