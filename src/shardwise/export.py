@@ -10,6 +10,7 @@ import shutil
 import tempfile
 
 from shardwise.errors import ShardwiseError
+from shardwise.models.load import save_pretrained
 
 
 def add_parser(sub) -> None:
@@ -70,7 +71,7 @@ def export(checkpoint: str, out: str, merge_lora: bool = False) -> str:
     try:
         if cfg.tuner != "full" and merge_lora:
             model = model.merge_and_unload()
-        model.save_pretrained(tmp)
+        save_pretrained(model, tmp)
         tok.save_pretrained(tmp)
         with open(os.path.join(tmp, "shardwise_export.json"), "w") as fh:
             json.dump({"checkpoint": os.path.abspath(path), "step": meta["step"], "strategy": meta.get("strategy"),

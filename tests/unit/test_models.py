@@ -102,3 +102,29 @@ def test_weights_that_do_not_match_config_json_are_refused_before_launch(tmp_pat
     with pytest.raises(ShardwiseError, match=r"weight model\.layers\.\d+\.mlp\.\w+_proj\.weight has shape \[\d+, \d+\] "
                                              r"but config\.json describes \[\d+, \d+\]; the weights and config\.json"):
         check_shapes(str(bad), check_weights(str(bad)))
+
+
+def test_saving_a_model_does_not_import_deepspeed(tmp_path, tiny_dir):
+    """transformers' save_pretrained asks accelerate to unwrap the model, which imports DeepSpeed (1.3 s of CPU)
+    whenever it is installed; models.load.save_pretrained writes the same files without that import. In a fresh
+    interpreter: another test may have imported deepspeed in this one."""
+    pytest.importorskip("deepspeed")
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from transformers import AutoModelForCausalLM
+from shardwise.models.load import save_pretrained
+m = AutoModelForCausalLM.from_pretrained({tiny_dir!r})
+save_pretrained(m, {str(tmp_path / 'ours')!r})
+assert "deepspeed" not in sys.modules, "our save imported deepspeed"
+m.save_pretrained({str(tmp_path / 'plain')!r})
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from safetensors.torch import load_file
+
+    ours, plain = load_file(tmp_path / "ours" / "model.safetensors"), load_file(tmp_path / "plain" / "model.safetensors")
+    assert ours.keys() == plain.keys() and all(torch.equal(ours[k], plain[k]) for k in ours)
+    assert json.load(open(tmp_path / "ours" / "config.json")) == json.load(open(tmp_path / "plain" / "config.json"))

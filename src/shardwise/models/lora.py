@@ -96,12 +96,14 @@ def merged_state_dict(full: dict, cfg) -> dict:
 
 def save_final(peft_model, full: dict, tokenizer, path: str, cfg) -> None:
     """Rank 0: the adapter directory at `path`, plus path/merged with `merge_lora`."""
-    peft_model.save_pretrained(path, state_dict=full)
+    from shardwise.models.load import save_pretrained
+
+    save_pretrained(peft_model, path, state_dict=full)
     if getattr(cfg, "merge_lora", False):
         if cfg.tuner == "qlora":
             raise ShardwiseError("merge_lora: a 4-bit base cannot be merged here; merge the adapter into the "
                                  "full-precision model with peft's merge_and_unload")
         base = peft_model.get_base_model()
         merged = os.path.join(path, "merged")
-        base.save_pretrained(merged, state_dict=merged_state_dict(full, cfg))
+        save_pretrained(base, merged, state_dict=merged_state_dict(full, cfg))
         tokenizer.save_pretrained(merged)

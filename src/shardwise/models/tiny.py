@@ -11,6 +11,7 @@ import shutil
 import tempfile
 
 from shardwise.errors import ShardwiseError
+from shardwise.models.load import save_pretrained
 
 TINY_RECIPE_VERSION = 1
 # 4 decoder layers, GQA (4 query / 2 KV heads), SwiGLU MLP: ~1.3M params with a 512-token vocab.
@@ -102,7 +103,7 @@ def write_tiny(path: str, seed: int) -> None:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     torch.random.set_rng_state(devnull_state)
-    model.save_pretrained(path)
+    save_pretrained(model, path)
     tok.save_pretrained(path)
 
 
@@ -135,5 +136,5 @@ def write_tiny_moe(path: str, seed: int, model_type: str = "mixtral", **override
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     torch.random.set_rng_state(rng)
-    model.save_pretrained(path)
+    save_pretrained(model, path)
     tok.save_pretrained(path)

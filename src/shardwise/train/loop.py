@@ -24,7 +24,7 @@ from shardwise.data.encode import Encoded
 from shardwise.data.templates import use_chat_template
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import peak_flops
-from shardwise.models.load import load_model, load_tokenizer
+from shardwise.models.load import load_model, load_tokenizer, save_pretrained
 from shardwise.models.moe import aux_loss_weight
 from shardwise.models.sequence_parallel import DENSE_MASK_LIMIT, apply_sequence_parallel, model_heads
 from shardwise.models.speed import install_fused_loss, token_loss_sum
@@ -471,7 +471,7 @@ def save_final(cfg, env, strategy, model, tokenizer, out) -> str:
 
                 save_adapter(hf, full, tokenizer, tmp, cfg)
             else:
-                hf.save_pretrained(tmp, state_dict=full)
+                save_pretrained(hf, tmp, state_dict=full)
             tokenizer.save_pretrained(tmp)
             ckpt.apply_umask(tmp)
         except BaseException:
