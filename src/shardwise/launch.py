@@ -112,16 +112,8 @@ def check_output_dir(cfg: Config, res: Resolved, lock: rundir.RunLock | None = N
 
 def prepare(res: Resolved, force: bool = False) -> Prepared:
     """Validate everything, then write the run directory. Returns what to launch."""
-    t0 = time.time()
-    quiet_libraries()
-    cfg = resolve_runtime(res)
-    if cfg.strategy == "auto":
-        cfg = choose_strategy(cfg, res)
-    node0 = cfg.node_rank == 0
-    lock = rundir.RunLock(cfg.output_dir) if node0 else None
+    cfg, lock, t0 = _begin(res)
     try:
-        if node0:
-            check_output_dir(cfg, res, lock)
         return _prepare(res, cfg, lock, force, t0)
     except BaseException:
         if lock is not None:
@@ -129,7 +121,31 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
         raise
 
 
-def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: bool, t0: float = 0.0) -> Prepared:
+def _begin(res: Resolved) -> tuple[Config, rundir.RunLock | None, float]:
+    """The first checks: the runtime values, --strategy auto's choice, the output directory (node 0 takes the run's
+    lock where a run was there). Enough to know how many workers start and how; writes nothing."""
+    t0 = time.time()
+    quiet_libraries()
+    cfg = resolve_runtime(res)
+    if cfg.strategy == "auto":
+        cfg = choose_strategy(cfg, res)
+    lock = rundir.RunLock(cfg.output_dir) if cfg.node_rank == 0 else None
+    try:
+        if lock is not None:
+            check_output_dir(cfg, res, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return cfg, lock, t0
+
+
+class _Cancelled(Exception):
+    """The workers' group ended (a failure, a signal) before this run's prepare wrote anything."""
+
+
+def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: bool, t0: float = 0.0,
+             cancelled=None) -> Prepared:
     from safetensors.torch import save_file
 
     from shardwise.data.cache import encode_cached
@@ -194,6 +210,8 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
                              f"{global_batch}; lower --micro-batch-size or --grad-accum, or add data")
 
     # -- nothing has been written until here ---------------------------------------------
+    if cancelled is not None and cancelled.is_set():
+        raise _Cancelled()
     out = cfg.output_dir
     if node0:
         os.makedirs(out, exist_ok=True)
@@ -421,6 +439,14 @@ def launch(p: Prepared) -> dict | None:
             return run_job(p.job_path)
         except Preempted:
             raise Interrupted(signal.SIGTERM) from None
+    shutil.rmtree(rundir.error_dir(p.output_dir), ignore_errors=True)
+    _agent(cfg, [p.job_path])
+    return _after_agent(p)
+
+
+def _agent(cfg: Config, worker_args: list[str]) -> None:
+    """The workers `python -m shardwise.train.worker WORKER_ARGS`, through torchrun's elastic agent in this
+    process; a failed group becomes one ShardwiseError line, a signal Interrupted."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -457,24 +483,86 @@ def launch(p: Prepared) -> dict | None:
     if not os.environ.get("SHARDWISE_DEBUG"):
         # the agent's own warnings repeat what our one line says; SHARDWISE_DEBUG=1 keeps them
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    shutil.rmtree(rundir.error_dir(p.output_dir), ignore_errors=True)
     try:
-        elastic_launch(lc, sys.executable)("-u", "-m", "shardwise.train.worker", p.job_path)
+        elastic_launch(lc, sys.executable)("-u", "-m", "shardwise.train.worker", *worker_args)
     except ChildFailedError as e:
-        raise ShardwiseError(_failure_report(p.output_dir, e, cfg)) from None
+        raise ShardwiseError(_failure_report(cfg.output_dir, e, cfg)) from None
     except SignalException as e:
         raise Interrupted(int(e.sigval)) from None
     finally:
         shutil.rmtree(agent_tmp, ignore_errors=True)
+
+
+def _after_agent(p: Prepared) -> dict | None:
     if rundir.read_interrupted(p.output_dir) is not None:  # a worker received the signal; the agent did not
         import signal
 
         raise Interrupted(signal.SIGTERM)
     summary = os.path.join(p.output_dir, "summary.json")
-    if cfg.node_rank == 0 and os.path.isfile(summary):
+    if p.cfg.node_rank == 0 and os.path.isfile(summary):
         with open(summary) as fh:
             return json.load(fh)
     return None
+
+
+def early_workers(cfg: Config) -> bool:
+    """Whether the workers start while this process still checks and tokenizes (_Early): every run through the
+    agent on one node. Several nodes keep the order (checked, then started): a node whose checks fail must not
+    leave the others' workers waiting in a group it never joins. SHARDWISE_EARLY_WORKERS=0 turns it off."""
+    return (not presets.trains_in_process(cfg.strategy, cfg.nproc_per_node * cfg.nnodes) and cfg.nnodes == 1
+            and os.environ.get("SHARDWISE_EARLY_WORKERS", "1") != "0")
+
+
+class _Early:
+    """`_prepare` on a thread while the agent starts the workers (issue 17.3: time to first step): each worker
+    imports torch, transformers and the model's classes while this process checks the model and the data. The
+    workers wait for `pointer`, a file in a directory of this launcher's own, which names the job once the run
+    directory is written, or holds null when the checks failed (they leave; this process reports the one line;
+    nothing was written). The agent keeps the main thread (it installs signal handlers)."""
+
+    def __init__(self, res: Resolved, cfg: Config, lock, force: bool, t0: float):
+        import tempfile
+        import threading
+
+        self.res, self.cfg, self.lock, self.force, self.t0 = res, cfg, lock, force, t0
+        self.dir = tempfile.mkdtemp(prefix="shardwise-job-")
+        self.pointer = os.path.join(self.dir, "job")
+        self.prepared: Prepared | None = None
+        self.error: BaseException | None = None
+        self.cancelled = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="shardwise-prepare", daemon=True)
+
+    def _run(self) -> None:
+        job = None
+        try:
+            p = _prepare(self.res, self.cfg, self.lock, self.force, self.t0, cancelled=self.cancelled)
+            shutil.rmtree(rundir.error_dir(p.output_dir), ignore_errors=True)
+            _say_run_dir(p)
+            self.prepared, job = p, p.job_path
+        except BaseException as e:  # noqa: BLE001 - re-raised by finish() in the main thread
+            self.error = e
+        finally:
+            rundir.atomic_write(self.pointer, json.dumps({"job": job}))
+
+    def worker_args(self) -> list[str]:
+        model = os.path.abspath(os.path.expanduser(self.cfg.model)) if self.cfg.model != "tiny" else "tiny"
+        return ["--wait", self.pointer, model]
+
+    def finish(self, failed: bool = False) -> Prepared:
+        """Wait for the prepare; its error (a ShardwiseError: one line) is the run's. With `failed` (the group
+        ended in a failure or a signal) it stops before writing anything, if it has not yet."""
+        if failed:
+            self.cancelled.set()
+        self.thread.join()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.error is not None and not isinstance(self.error, _Cancelled):
+            raise self.error
+        return self.prepared
+
+
+def _say_run_dir(p: Prepared) -> None:
+    say(f"run directory: {p.output_dir} ({p.cfg.strategy}, {p.world_size} process(es), "
+        f"mixed precision {p.cfg.mixed_precision})")
 
 
 def _failure_report(output_dir: str, e, cfg: Config) -> str:
@@ -589,12 +677,14 @@ def _failure_line(rank: int, f) -> str:
 
 
 def train(res: Resolved, force: bool = False) -> int:
-    p = prepare(res, force)
+    cfg, lock, t0 = _begin(res)
     try:
-        return _train(p)
+        if early_workers(cfg):
+            return _train(None, _Early(res, cfg, lock, force, t0))
+        return _train(_prepare(res, cfg, lock, force, t0))
     finally:
-        if p.lock is not None:
-            p.lock.release()
+        if lock is not None:
+            lock.release()
 
 
 def _add_exit_phase(p: Prepared, summary: dict) -> dict:
@@ -613,17 +703,28 @@ def _add_exit_phase(p: Prepared, summary: dict) -> dict:
     return summary
 
 
-def _train(p: Prepared) -> int:
-    say(f"run directory: {p.output_dir} ({p.cfg.strategy}, {p.world_size} process(es), "
-        f"mixed precision {p.cfg.mixed_precision})")
+def _train(p: Prepared | None, early: _Early | None = None) -> int:
     try:
-        summary = launch(p)
+        if early is None:
+            _say_run_dir(p)
+            summary = launch(p)
+        else:
+            quiet_libraries()
+            early.thread.start()
+            try:
+                _agent(early.cfg, early.worker_args())
+            except BaseException:
+                early.finish(failed=True)  # the prepare's own error first: the workers only waited for it
+                raise
+            p = early.finish()
+            summary = _after_agent(p)
     except Interrupted as e:
         from shardwise.train import checkpoint as ckpt
 
-        last = ckpt.latest(p.output_dir)
+        out = p.output_dir if p is not None else early.cfg.output_dir
+        last = ckpt.latest(out)
         print(f"shardwise: interrupted by signal {e.signum}; newest checkpoint: {last or 'none'}; resume with: "
-              f"shardwise train {p.output_dir}/config.yaml --output-dir {p.output_dir} --resume auto",
+              f"shardwise train {out}/config.yaml --output-dir {out} --resume auto",
               file=sys.stderr, flush=True)
         return 128 + e.signum
     if summary:

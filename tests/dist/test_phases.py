@@ -35,7 +35,12 @@ def test_summary_holds_every_phase_and_they_add_up(ref, request):
     assert len(lines) == 1 and f"total {ph['total']:.2f}s" in lines[0]
 
 
-def test_the_agent_started_workers_report_their_own_imports(ddp_ref, single_ref):
-    # under the agent each rank is a new interpreter (its imports take time); in one process
-    # the worker starts where the launcher hands over, its imports already done
-    assert _phases(ddp_ref)["worker_imports"] > _phases(single_ref)["worker_imports"]
+def test_the_agent_starts_the_workers_while_the_launcher_prepares(ddp_ref, single_ref):
+    # under the agent each rank is a new interpreter: it starts (and imports torch, transformers and the model's
+    # classes) while the launcher still checks and tokenizes, so no time is spent starting it after `prepared`; in
+    # one process the worker starts where the launcher hands over, its imports already done
+    marks = json.loads((ddp_ref.out / ".prep" / "timeline.json").read_text())
+    assert marks["worker_process_start"] < marks["prepared"], marks
+    assert _phases(ddp_ref)["worker_start"] == 0.0
+    single = json.loads((single_ref.out / ".prep" / "timeline.json").read_text())
+    assert single["worker_process_start"] < single["prepare_start"]  # the launcher's own process

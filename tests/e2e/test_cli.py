@@ -60,7 +60,9 @@ def refused(tmp_path_factory):
     for i, (records, _) in enumerate(BAD_DATA):
         (d / f"data{i}").mkdir()
         data = write_jsonl(str(d / f"data{i}" / "chat.jsonl"), records)
-        runs.add(f"data{i}", "train", "--data", data, "--output-dir", str(d / f"data{i}" / "out"), check=False)
+        (d / f"data{i}" / "tmp").mkdir()  # the launcher's own temporary files (the job pointer, the agent's)
+        runs.add(f"data{i}", "train", "--data", data, "--output-dir", str(d / f"data{i}" / "out"), check=False,
+                 env={"TMPDIR": str(d / f"data{i}" / "tmp")})
     (d / "empty").mkdir()
     runs.add("strategy", "train", "--strategy", "fsdp9", check=False)
     runs.add("config", "train", str(d / "none.yaml"), check=False)
@@ -76,7 +78,10 @@ def test_bad_data_is_one_line_and_writes_nothing(refused, records, pattern):
     runs, d = refused
     i = BAD_DATA.index((records, pattern))
     one_line_error(runs.get(f"data{i}"), pattern)
+    # found while the workers had already started (they wait for the job, then leave): nothing is written, and the
+    # launcher's temporary files are gone (torch's own caches may stay)
     assert not (d / f"data{i}" / "out").exists()
+    assert not [f for f in os.listdir(d / f"data{i}" / "tmp") if f.startswith("shardwise")]
 
 
 def test_bad_flags_and_files(refused):

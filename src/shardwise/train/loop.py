@@ -107,7 +107,10 @@ class Trainer:
         # where the time goes before the first step (summary.json phases_s); in one process the
         # worker starts where the launcher hands over
         marks = self.marks = dict(job.timeline)
-        marks["worker_start"] = max(phases.process_start(), marks.get("prepared", 0.0))
+        # a worker the agent started while the launcher prepared (launch._Early) began before `prepared`; its phase
+        # then counts from there, and worker_process_start keeps when the process really started
+        marks["worker_process_start"] = phases.process_start()
+        marks["worker_start"] = max(marks["worker_process_start"], marks.get("prepared", 0.0))
         marks["setup_start"] = time.time()
         env = self.env = sdist.init_distributed(cfg.collective_timeout)
         marks["initialized"] = time.time()

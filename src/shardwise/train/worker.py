@@ -39,9 +39,19 @@ def warnings_once_on_rank0() -> None:
         logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 
 
+_process_set_up = False
+
+
+def set_up_process() -> None:
+    global _process_set_up
+    if not _process_set_up:
+        quiet_libraries()
+        warnings_once_on_rank0()
+        _process_set_up = True
+
+
 def run_job(path: str) -> dict:
-    quiet_libraries()
-    warnings_once_on_rank0()
+    set_up_process()
     from shardwise.train.loop import Job, run
 
     with open(path) as fh:
@@ -64,10 +74,51 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def preload_model_classes(model: str) -> None:
+    """Import the transformers module of the model's family (its config.json's model_type; `tiny` is Llama), as
+    loading it would. Only transformers' own classes (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES): nothing from the model
+    directory runs. A model the launcher will refuse is simply not preloaded."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if model == "tiny":
+            model_type = "llama"
+        else:
+            with open(os.path.join(model, "config.json")) as fh:
+                model_type = json.load(fh).get("model_type")
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
+        if isinstance(name, str):
+            import transformers
+
+            getattr(transformers, name)
+    except Exception:  # noqa: BLE001 - a preload only; loading the model reports what is wrong
+        pass
+
+
+def wait_for_job(pointer: str, model: str, poll_s: float = 0.01) -> str | None:
+    """A worker started before its launcher finished checking and tokenizing (launch._Early): do the imports a
+    job needs, then wait for `pointer` to name the job (None: the launcher's checks failed, nothing to run)."""
+    import time
+
+    set_up_process()
+    import shardwise.train.loop  # noqa: F401 - torch, transformers and the engine, while the launcher prepares
+
+    preload_model_classes(model)
+    while not os.path.exists(pointer):
+        time.sleep(poll_s)
+    with open(pointer) as fh:
+        return json.load(fh)["job"]
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     die_with_launcher()
+    if argv and argv[0] == "--wait":  # started early: the job is being prepared
+        job = wait_for_job(argv[1], argv[2] if len(argv) > 2 else "")
+        if job is None:
+            return 0  # the launcher reports why, in one line
+        argv = [job]
     from shardwise.train.loop import Preempted
 
     try:
