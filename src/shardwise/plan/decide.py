@@ -199,12 +199,14 @@ def opts_for(name: str, cfg=None) -> Opts:
                 offload_params=d.offload_params)
 
 
-def preset_names(setup: Setup, tp: int = 1) -> list[str]:
+def preset_names(setup: Setup, tp: int = 1, sp: int = 1) -> list[str]:
     """The presets `plan` lists; under tensor parallelism only those TP composes with (the fsdp presets, and
-    single when the tp group is the whole world: pure TP)."""
+    single when tp x sp is the whole world: pure TP, or TP x SP with the gradients averaged over the sequence
+    ranks, as launch.py allows single)."""
     names = [name for name, p in presets.PRESETS.items() if p.planned_for(setup.world, setup.nodes)]
     if tp > 1:
-        names = [n for n in names if presets.base_strategy(n) == "fsdp"] + (["single"] if setup.world == tp else [])
+        names = [n for n in names if presets.base_strategy(n) == "fsdp"] + (["single"] if setup.world == tp * sp
+                                                                            else [])
     return names
 
 
@@ -241,7 +243,7 @@ def plan_model(spec: ModelSpec, job: Job, setup: Setup, configured: str | None =
     when data parallelism alone does not fit: choose_parallel; `escalate` False plans the job's degrees only)."""
     if setup.world < 1 or setup.gpus_per_node < 1 or setup.nodes < 1:
         raise ShardwiseError(f"a plan needs at least one rank (gpus {setup.gpus_per_node}, nodes {setup.nodes})")
-    names = preset_names(setup, job.tp)
+    names = preset_names(setup, job.tp, job.sp)
     if configured and configured in presets.PRESETS and configured not in names:
         names.append(configured)
     plans = [plan_strategy(spec, job, setup, n, opts_for(n, cfg)) for n in names]
@@ -454,7 +456,7 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
         for combo in itertools.combinations(levers, k):
             changes = {key: v for _, ch in combo for key, v in ch.items()}
             add(1, " ".join(t for t, _ in combo), dataclasses.replace(j, **changes))
-    for name in preset_names(plan.setup, j.tp):
+    for name in preset_names(plan.setup, j.tp, j.sp):
         if name != strategy_name and "offload" not in name:
             add(0, f"--strategy {name}", name=name)
             if not j.checkpointing:
@@ -530,11 +532,12 @@ def sequence_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, strategy: st
 
 
 def tensor_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, cfg=None) -> list[dict]:
-    """The fsdp presets (and single as pure TP where the tp group is every rank) at every tensor-parallel degree
-    the node and the model allow (memory.tp_degrees; 1 first, for comparison). With sequence parallelism (job.sp)
-    the degrees whose tp x sp divides the ranks and whose heads per tp rank the sp mode takes (tp_sp_ok), and only
-    the fsdp presets (single cannot average over the sequence ranks). None for LoRA/QLoRA (refused before launch)
-    or where no degree divides."""
+    """The fsdp presets (and single where tp x sp is every rank) at every tensor-parallel degree the node and the
+    model allow (memory.tp_degrees; 1 first, for comparison). With sequence parallelism (job.sp) the degrees whose
+    tp x sp divides the ranks and whose heads per tp rank the sp mode takes (tp_sp_ok); single there only where
+    tp x sp is the whole world, as launch.py runs it (its gradients averaged over the sequence ranks, counted in
+    its step: comm.collectives), and those rows also carry the attention exchanges (`exchange_gb_per_step`).
+    None for LoRA/QLoRA (refused before launch) or where no degree divides."""
     degrees = [d for d in tp_degrees(spec, setup.gpus_per_node) if tp_sp_ok(spec, job, setup.world, d)]
     if job.tuner != "full" or not degrees or setup.world < 2:
         return []
@@ -542,11 +545,12 @@ def tensor_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, cfg=None) -> l
     for d in [1] + degrees:
         sub = plan_model(spec, dataclasses.replace(job, tp=d), setup, cfg=cfg, escalate=False)
         for sp in sub.strategies:
-            if sp.base == "fsdp" or (sp.base == "single" and d > 1 and job.sp == 1):
+            if sp.base == "fsdp" or (sp.base == "single" and d > 1 and d * job.sp == setup.world):
                 rows.append({"tp": d, "strategy": sp.strategy, "mem_gib": round(sp.memory.total / GiB, 4),
                              "fits": sp.fits, "step_time_s": round(sp.timing.step_s, 5),
                              "tokens_per_s": round(sp.timing.tokens_per_s, 1),
-                             "tp_comm_gb_per_step": _exchange_gb(sp, "tp")})
+                             "tp_comm_gb_per_step": _exchange_gb(sp, "tp"),
+                             **({"exchange_gb_per_step": _exchange_gb(sp, "sp")} if job.sp > 1 else {})})
     return rows
 
 
