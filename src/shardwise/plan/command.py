@@ -241,8 +241,9 @@ def render(plan, sim=None) -> str:
     par = plan.parallel
     chosen = ""
     if par.get("chosen"):
-        chosen = (f" with --tensor-parallel {par['tensor_parallel']}" if par["tensor_parallel"] > 1 else
-                  f" with --sequence-parallel {par['sequence_parallel']} (--sp-mode {par['sp_mode']})")
+        chosen = " with" + (f" --tensor-parallel {par['tensor_parallel']}" if par["tensor_parallel"] > 1 else "") + (
+            f" --sequence-parallel {par['sequence_parallel']} (--sp-mode {par['sp_mode']})"
+            if par["sequence_parallel"] > 1 else "")
     lines += ["", f"recommended: {plan.recommended}{chosen}"] + [f"  - {r}" for r in plan.reasons]
     t = plan.tree
     lines += ["", f"article's decision tree: {t['path']} (says {t['says']}); planner: {t['planner']} — "
