@@ -172,10 +172,7 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     if resume_from:
         ckpt.verify(resume_from)  # complete, and nothing in it can run code when loaded
     world = cfg.nproc_per_node * cfg.nnodes
-    if presets.base_strategy(cfg.strategy) == "single" and world > cfg.tensor_parallel * cfg.sequence_parallel:
-        raise ShardwiseError(f"{res.where('strategy')}: strategy 'single' runs one process "
-                             f"(or --tensor-parallel N processes, times --sequence-parallel M with it), not {world}; "
-                             "use --strategy ddp")
+    check_single(cfg, res, world)
     from shardwise import strategies
 
     strategies.get(cfg.strategy)  # unknown / not installed -> one clear line now, not in N workers
@@ -319,6 +316,15 @@ def _attention_heads(model_dir: str, where: str, who: str, key: str) -> tuple[di
         raise ShardwiseError(f"{where}: the model's config.json names no num_attention_heads, so {who} cannot "
                              f"split its heads; use {key} 1")
     return hf, heads, hf.get("num_key_value_heads") or heads
+
+
+def check_single(cfg: Config, res: Resolved, world: int) -> None:
+    """`single` runs one process, or the tp x sp ranks of one replica (its gradients averaged over the sequence
+    ranks, strategies/single.py); no data-parallel ranks (the planner offers it so: plan.decide.preset_names)."""
+    if presets.base_strategy(cfg.strategy) == "single" and world > cfg.tensor_parallel * cfg.sequence_parallel:
+        raise ShardwiseError(f"{res.where('strategy')}: strategy 'single' runs one process "
+                             f"(or --tensor-parallel N processes, times --sequence-parallel M with it), not {world}; "
+                             "use --strategy ddp")
 
 
 def check_sequence_parallel(cfg: Config, res: Resolved, world: int, model_dir: str) -> None:

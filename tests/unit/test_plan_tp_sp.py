@@ -2,7 +2,8 @@
 both"): each tp rank holds heads / tp, which Ulysses splits over the sequence ranks (and auto's gcd is taken
 on them); the all-to-alls carry that rank's heads only; activations divide by tp x sp; `plan` accepts the pair,
 refuses a Ulysses degree the heads per tp rank cannot take with the model's numbers, and lists SP rows at the
-configured TP and TP rows at the configured SP (fsdp presets only: single cannot average over sequence ranks)."""
+configured TP and TP rows at the configured SP (the fsdp presets, and single where tp x sp is every rank, which
+single averages its gradients over the sequence ranks: test_plan_single_tp_sp.py)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,10 @@ def test_plan_accepts_tp_with_sp_and_lists_rows_at_the_other_degree(capsys):
     sp_rows, tp_rows = d["sequence_parallel"], d["tensor_parallel"]
     assert [r["sp"] for r in sp_rows] == [1, 2, 4]  # at tp 2: 2 x sp divides 8, 16 heads per tp rank
     assert tp_rows and {r["tp"] for r in tp_rows} == {1, 2, 4} and all(r["strategy"].startswith("fsdp") or
-                                                                          r["strategy"] == "hybrid" for r in tp_rows)
+                                                                          r["strategy"] == "hybrid" for r in tp_rows
+                                                                          if r["strategy"] != "single")
+    # single only at tp 4: 4 x sp 2 is all 8 ranks (launch runs single on tp x sp ranks, no more)
+    assert [r["tp"] for r in tp_rows if r["strategy"] == "single"] == [4]
     by = {r["sp"]: r for r in sp_rows}
     assert by[2]["mem_gib"] < by[1]["mem_gib"] and by[2]["exchange_gb_per_step"] > 0 == by[1]["exchange_gb_per_step"]
 

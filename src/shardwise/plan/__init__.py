@@ -36,8 +36,8 @@ def plan_run(cfg, hw=None, world_size: int | None = None) -> Plan:
         per_node = world_size // nodes
     elif cfg.nproc_per_node:
         per_node = cfg.nproc_per_node
-    if cfg.strategy == "single":
-        per_node, nodes = 1, 1
+    if cfg.strategy == "single":  # one process, or the tp x sp ranks of one replica (launch.resolve_runtime)
+        per_node, nodes = getattr(cfg, "tensor_parallel", 1) * getattr(cfg, "sequence_parallel", 1), 1
     setup = make_setup(hw, nodes=nodes, ranks_per_node=per_node)
     spec = resolve_model(cfg.model)
     job = job_from_config(cfg, setup)

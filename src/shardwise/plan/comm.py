@@ -129,7 +129,9 @@ def _sp_kv_heads(spec: ModelSpec, job: Job, u: int) -> int:
 
 
 def _sp_where(job: Job) -> str:
-    return "intra" if job.sp <= job.gpus_per_node else "flat"
+    """A sequence group's link: its ranks are tp apart (the mesh puts tp innermost, strategies/parallel.py
+    MESH_DIMS), so it stays in a node while sp x tp ranks fit in one."""
+    return "intra" if job.sp * job.tp <= job.gpus_per_node else "flat"
 
 
 def ulysses_exchanges(spec: ModelSpec, job: Job) -> list[Coll]:
@@ -205,7 +207,13 @@ def collectives(spec: ModelSpec, job: Job, o: Opts, shard_n: int) -> list[Coll]:
     blocks = P - root
     gathered = gb * blocks + c * root
     out: list[Coll] = []
-    if o.base == "ddp" and job.world > 1:
+    if o.base == "single" and job.sp > 1:
+        # single under sequence parallelism (with TP, tp x sp = every rank): the sequence ranks hold other tokens of
+        # the same rows, so strategies/single.py all-reduces every gradient (this rank's tp-local shard, in the
+        # stored dtype) over them in its step, after backward: nothing to hide behind. One latency counted for
+        # the per-parameter calls.
+        out.append(Coll("all_reduce", w * P_t, job.sp, _sp_where(job), 1, "step"))
+    elif o.base == "ddp" and job.world > 1:
         out.append(Coll("all_reduce", w * P_t, job.world, flat, 1, "bwd"))
     elif o.base == "fsdp" and job.world > 1:
         # a hybrid shard group that fits in a node gathers over NVLink; its replicas meet across nodes, or inside

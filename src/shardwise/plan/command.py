@@ -79,10 +79,14 @@ def build(args):
         raise ShardwiseError(f"--nodes must be >= 1, got {nodes}")
     nodes = nodes or cfg.nnodes
     per_node = cfg.nproc_per_node or None
-    if cfg.strategy == "single":
-        if (gpus or 1) * nodes != 1:
-            raise ShardwiseError("strategy 'single' runs one process; drop --strategy single or use --gpus 1")
-        per_node = 1
+    if cfg.strategy == "single":  # one process, or the tp x sp ranks of one replica (as launch.py runs it)
+        one = cfg.tensor_parallel * cfg.sequence_parallel
+        if (gpus or one) * nodes != one:
+            raise ShardwiseError("strategy 'single' runs one process" + (
+                f" per rank of one tensor_parallel {cfg.tensor_parallel} x sequence_parallel "
+                f"{cfg.sequence_parallel} replica ({one} ranks); use --gpus {one} --nodes 1" if one > 1 else
+                "; drop --strategy single or use --gpus 1"))
+        per_node = one
     if gpus is not None and per_node is not None and gpus != per_node:
         raise ShardwiseError(f"--gpus {gpus} disagrees with nproc_per_node {per_node} "
                              f"({res.where('nproc_per_node')}); give one of them")
@@ -122,7 +126,8 @@ def build(args):
         from shardwise import presets
         from shardwise.plan.decide import sequence_parallel_rows, tensor_parallel_rows
 
-        # under TP the sequence degrees the fsdp presets take at this tp (single cannot average over them)
+        # under TP the sequence degrees the fsdp presets take at this tp (single runs only where tp x sp is every
+        # rank: its rows at the other degrees would be runs launch refuses)
         strategy = configured or plan.recommended
         if job.tp == 1 or presets.base_strategy(strategy) == "fsdp":
             plan.sp_rows = sequence_parallel_rows(spec, job, setup, strategy, cfg)
@@ -236,8 +241,9 @@ def render(plan, sim=None) -> str:
     par = plan.parallel
     chosen = ""
     if par.get("chosen"):
-        chosen = (f" with --tensor-parallel {par['tensor_parallel']}" if par["tensor_parallel"] > 1 else
-                  f" with --sequence-parallel {par['sequence_parallel']} (--sp-mode {par['sp_mode']})")
+        chosen = " with" + (f" --tensor-parallel {par['tensor_parallel']}" if par["tensor_parallel"] > 1 else "") + (
+            f" --sequence-parallel {par['sequence_parallel']} (--sp-mode {par['sp_mode']})"
+            if par["sequence_parallel"] > 1 else "")
     lines += ["", f"recommended: {plan.recommended}{chosen}"] + [f"  - {r}" for r in plan.reasons]
     t = plan.tree
     lines += ["", f"article's decision tree: {t['path']} (says {t['says']}); planner: {t['planner']} — "

@@ -199,12 +199,14 @@ def opts_for(name: str, cfg=None) -> Opts:
                 offload_params=d.offload_params)
 
 
-def preset_names(setup: Setup, tp: int = 1) -> list[str]:
+def preset_names(setup: Setup, tp: int = 1, sp: int = 1) -> list[str]:
     """The presets `plan` lists; under tensor parallelism only those TP composes with (the fsdp presets, and
-    single when the tp group is the whole world: pure TP)."""
+    single when tp x sp is the whole world: pure TP, or TP x SP with the gradients averaged over the sequence
+    ranks, as launch.py allows single)."""
     names = [name for name, p in presets.PRESETS.items() if p.planned_for(setup.world, setup.nodes)]
     if tp > 1:
-        names = [n for n in names if presets.base_strategy(n) == "fsdp"] + (["single"] if setup.world == tp else [])
+        names = [n for n in names if presets.base_strategy(n) == "fsdp"] + (["single"] if setup.world == tp * sp
+                                                                            else [])
     return names
 
 
@@ -241,7 +243,7 @@ def plan_model(spec: ModelSpec, job: Job, setup: Setup, configured: str | None =
     when data parallelism alone does not fit: choose_parallel; `escalate` False plans the job's degrees only)."""
     if setup.world < 1 or setup.gpus_per_node < 1 or setup.nodes < 1:
         raise ShardwiseError(f"a plan needs at least one rank (gpus {setup.gpus_per_node}, nodes {setup.nodes})")
-    names = preset_names(setup, job.tp)
+    names = preset_names(setup, job.tp, job.sp)
     if configured and configured in presets.PRESETS and configured not in names:
         names.append(configured)
     plans = [plan_strategy(spec, job, setup, n, opts_for(n, cfg)) for n in names]
@@ -454,7 +456,7 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
         for combo in itertools.combinations(levers, k):
             changes = {key: v for _, ch in combo for key, v in ch.items()}
             add(1, " ".join(t for t, _ in combo), dataclasses.replace(j, **changes))
-    for name in preset_names(plan.setup, j.tp):
+    for name in preset_names(plan.setup, j.tp, j.sp):
         if name != strategy_name and "offload" not in name:
             add(0, f"--strategy {name}", name=name)
             if not j.checkpointing:
@@ -470,6 +472,10 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
         if sp.base == "fsdp" and j.tuner == "full":
             for d in tp_degrees(plan.spec, s.gpus_per_node):
                 add(1, f"--tensor-parallel {d}", dataclasses.replace(j, tp=d))
+            # both together only where neither alone fits (as --strategy auto: choose_parallel)
+            if not any(c[2].fits for c in cands if c[1].startswith(("--sequence-parallel", "--tensor-parallel"))):
+                for t, d in tp_sp_pairs(plan.spec, j, s):
+                    add(1, f"--tensor-parallel {t} --sequence-parallel {d}", dataclasses.replace(j, tp=t, sp=d))
     sharded = strategy_name if sp.base in ("fsdp", "deepspeed") else "fsdp"
     for mult in (2, 4, 8):
         if s.accelerator == "cuda":
@@ -501,6 +507,16 @@ def tp_sp_ok(spec: ModelSpec, job: Job, world: int, tp: int) -> bool:
     return world % (tp * job.sp) == 0 and (job.sp == 1 or job.sp_mode != "ulysses" or (spec.num_heads // tp) % job.sp == 0)
 
 
+def tp_sp_pairs(spec: ModelSpec, job: Job, setup: Setup) -> list[tuple[int, int]]:
+    """(tp, sp) pairs, both > 1, these ranks and this model take together: tp a degree of the node
+    (memory.tp_degrees), sp one of the ranks at that tp (sp_degrees: tp x sp divides the ranks; under --sp-mode
+    ulysses sp divides the heads / tp of each tensor rank, tp_sp_ok); by tp x sp, then tp."""
+    pairs = [(t, d) for t in tp_degrees(spec, setup.gpus_per_node)
+             for d in sp_degrees(spec, dataclasses.replace(job, tp=t), setup.world)
+             if tp_sp_ok(spec, dataclasses.replace(job, sp=d), setup.world, t)]
+    return sorted(pairs, key=lambda p: (p[0] * p[1], p[0]))
+
+
 def sp_mode_label(spec: ModelSpec, job: Job) -> str:
     """How a sequence-parallel degree splits attention: 'ulysses', 'ring', or 'ulysses U x ring R'."""
     from shardwise.plan.comm import sp_split
@@ -530,11 +546,12 @@ def sequence_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, strategy: st
 
 
 def tensor_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, cfg=None) -> list[dict]:
-    """The fsdp presets (and single as pure TP where the tp group is every rank) at every tensor-parallel degree
-    the node and the model allow (memory.tp_degrees; 1 first, for comparison). With sequence parallelism (job.sp)
-    the degrees whose tp x sp divides the ranks and whose heads per tp rank the sp mode takes (tp_sp_ok), and only
-    the fsdp presets (single cannot average over the sequence ranks). None for LoRA/QLoRA (refused before launch)
-    or where no degree divides."""
+    """The fsdp presets (and single where tp x sp is every rank) at every tensor-parallel degree the node and the
+    model allow (memory.tp_degrees; 1 first, for comparison). With sequence parallelism (job.sp) the degrees whose
+    tp x sp divides the ranks and whose heads per tp rank the sp mode takes (tp_sp_ok); single there only where
+    tp x sp is the whole world, as launch.py runs it (its gradients averaged over the sequence ranks, counted in
+    its step: comm.collectives), and those rows also carry the attention exchanges (`exchange_gb_per_step`).
+    None for LoRA/QLoRA (refused before launch) or where no degree divides."""
     degrees = [d for d in tp_degrees(spec, setup.gpus_per_node) if tp_sp_ok(spec, job, setup.world, d)]
     if job.tuner != "full" or not degrees or setup.world < 2:
         return []
@@ -542,11 +559,12 @@ def tensor_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, cfg=None) -> l
     for d in [1] + degrees:
         sub = plan_model(spec, dataclasses.replace(job, tp=d), setup, cfg=cfg, escalate=False)
         for sp in sub.strategies:
-            if sp.base == "fsdp" or (sp.base == "single" and d > 1 and job.sp == 1):
+            if sp.base == "fsdp" or (sp.base == "single" and d > 1 and d * job.sp == setup.world):
                 rows.append({"tp": d, "strategy": sp.strategy, "mem_gib": round(sp.memory.total / GiB, 4),
                              "fits": sp.fits, "step_time_s": round(sp.timing.step_s, 5),
                              "tokens_per_s": round(sp.timing.tokens_per_s, 1),
-                             "tp_comm_gb_per_step": _exchange_gb(sp, "tp")})
+                             "tp_comm_gb_per_step": _exchange_gb(sp, "tp"),
+                             **({"exchange_gb_per_step": _exchange_gb(sp, "sp")} if job.sp > 1 else {})})
     return rows
 
 
@@ -564,23 +582,68 @@ def _fastest_simplest(fitting: list) -> StrategyPlan:
     return min(close, key=lambda s: presets.PRESETS[s.strategy].simplicity)
 
 
-def _first_fit(plan: Plan, kind: str, cfg) -> tuple[int, StrategyPlan, bool] | None:
+def _first_fit(plan: Plan, kind: str, cfg) -> tuple[tuple[int, StrategyPlan, bool] | None, tuple[int, float] | None]:
     """The smallest degree of `kind` (sp | tp) at which a preset without offload fits, the preset, and whether a
-    smaller degree was tried."""
+    smaller degree was tried (None when no degree fits); and the leanest degree tried with its per-rank bytes
+    (what the reasons cite when none fits; None when there is no degree to try)."""
     spec, job, setup = plan.spec, plan.job, plan.setup
     if kind == "tp":
         if job.tuner != "full":  # TP with LoRA is refused before launch
-            return None
+            return None, None
         degrees = tp_degrees(spec, setup.gpus_per_node)
     else:
         degrees = sp_degrees(spec, job, setup.world)
+    lean = None
     for n, d in enumerate(degrees):
         sub = plan_model(spec, dataclasses.replace(job, **{kind: d}), setup, cfg=cfg, escalate=False)
         # TP: the fsdp presets (FSDP over the data-parallel ranks, TP inside the node), as issue 20 asks
-        ok = [s for s in sub.strategies if s.fits and not offloads(s.opts) and (kind == "sp" or s.base == "fsdp")]
+        plain = [s for s in sub.strategies if not offloads(s.opts) and (kind == "sp" or s.base == "fsdp")]
+        ok = [s for s in plain if s.fits]
         if ok:
-            return d, _fastest_simplest(ok), n > 0
+            return (d, _fastest_simplest(ok), n > 0), lean
+        if plain and (lean is None or min(s.memory.total for s in plain) < lean[1]):
+            lean = (d, min(s.memory.total for s in plain))
+    return None, lean
+
+
+def _pair_fit(plan: Plan, cfg) -> tuple[int, int, StrategyPlan, bool] | None:
+    """Tensor and sequence parallelism together, for when neither alone fits: the smallest tp x sp (tp_sp_pairs)
+    at which an fsdp preset without offload fits (TP composes with FSDP only; full fine-tuning only, as TP), and
+    among the pairs of that product the fastest, within TIE the simplest (_fastest_simplest; between pairs of one
+    preset, the faster). (tp, sp, the preset, whether a smaller product was tried), or None."""
+    spec, job, setup = plan.spec, plan.job, plan.setup
+    if job.tuner != "full":
+        return None
+    pairs = tp_sp_pairs(spec, job, setup)
+    for total in sorted({t * d for t, d in pairs}):
+        fit = []
+        for t, d in (p for p in pairs if p[0] * p[1] == total):
+            sub = plan_model(spec, dataclasses.replace(job, tp=t, sp=d), setup, cfg=cfg, escalate=False)
+            fit += [(t, d, s) for s in sub.strategies if s.fits and not offloads(s.opts) and s.base == "fsdp"]
+        if fit:
+            fit.sort(key=lambda f: -f[2].tokens_per_s)  # equally simple: the faster first, which min() keeps
+            pick = _fastest_simplest([f[2] for f in fit])
+            t, d, _ = next(f for f in fit if f[2] is pick)
+            return t, d, pick, total > pairs[0][0] * pairs[0][1]
     return None
+
+
+def _tp_how(spec: ModelSpec, d: int) -> str:
+    return (f"tensor parallel {d} splits every weight, its gathered copy and the activations over {d} ranks of a "
+            f"node ({spec.num_heads // d} heads and {text.plural(spec.num_kv_heads // d, 'KV head')} per rank)")
+
+
+def _tp_why(spec: ModelSpec, mem: float) -> str:
+    return ("the numbers agree: the model is above 70B" if spec.total_params > 70e9 else
+            f"the tree reaches tensor parallelism above 70B; this model has {text.count(spec.total_params)}"
+            f" params, but data parallelism alone does not fit {mem:.1f} GiB per rank")
+
+
+def _alone(kind: str, lean: tuple[int, float] | None) -> str:
+    name = {"sp": "sequence", "tp": "tensor"}[kind]
+    if lean is None:
+        return f"no {name}-parallel degree these ranks and this model allow"
+    return f"{name} parallelism alone (the leanest, {name} parallel {lean[0]}, needs {_gib(lean[1] / GiB)})"
 
 
 def choose_parallel(plan: Plan, cfg=None) -> None:
@@ -588,7 +651,9 @@ def choose_parallel(plan: Plan, cfg=None) -> None:
     does: activations at least half of the smallest preset's peak mean the sequence is what does not fit
     (sequence parallelism first, the tree's "long sequences -> Ulysses/Ring"); otherwise the model's states and
     gathered weights (tensor parallelism first: every weight, its gathered copy and the activations divide by tp;
-    the tree's "> 70B -> Megatron/tensor parallel"). Chosen over an offload preset that fits only when faster.
+    the tree's "> 70B -> Megatron/tensor parallel"). When neither alone fits at any degree, both together: the
+    smallest tp x sp that fits (_pair_fit), TP dividing the weights inside a node and SP the sequence of each tensor
+    rank. Chosen over an offload preset that fits only when faster.
     Sets plan.recommended, plan.reasons, plan.parallel and the tree's `parallel` entry."""
     job, spec, setup = plan.job, plan.spec, plan.setup
     if job.tp > 1 or job.sp > 1 or setup.world < 2:
@@ -604,9 +669,9 @@ def choose_parallel(plan: Plan, cfg=None) -> None:
         # each sequence, which would also shrink the data-parallel degree and so the global batch
         return
     order = ("sp", "tp") if long_seq else ("tp", "sp")
-    found, kind = None, order[0]
+    found, kind, leanest = None, order[0], {}
     for kind in order:
-        found = _first_fit(plan, kind, cfg)
+        found, leanest[kind] = _first_fit(plan, kind, cfg)
         if found:
             break
     mem = setup.device_mem_gib
@@ -617,36 +682,50 @@ def choose_parallel(plan: Plan, cfg=None) -> None:
              "does not fit")
     head = (f"data parallelism alone does not fit in {mem:.1f} GiB per rank without offload (the smallest, "
             f"{lean.strategy}, needs {_gib(m.total / GiB)}); {cause}")
-    if found is None:
+    pair = None if found else _pair_fit(plan, cfg)
+    if found is None and pair is None:
         if not any(s.fits for s in plan.strategies):  # (where an offload preset fits, recommend() said why)
             plan.reasons.append(head + "; no sequence- or tensor-parallel degree these ranks and this model "
-                                       "allow fits either")
+                                       "allow fits either, alone or together")
         return
-    d, pick, tried_smaller = found
-    if kind != order[0]:
-        cause += ("; but no sequence-parallel degree fits (the states stay), so tensor parallelism, which divides "
-                  "them too" if kind == "tp" else "; but no tensor-parallel degree fits, so sequence parallelism")
-        head = (f"data parallelism alone does not fit in {mem:.1f} GiB per rank without offload (the smallest, "
-                f"{lean.strategy}, needs {_gib(m.total / GiB)}); {cause}")
-    j = dataclasses.replace(job, **{kind: d})
-    if kind == "tp":
-        what = f"{pick.strategy} + tensor parallel {d}"
-        how = (f"tensor parallel {d} splits every weight, its gathered copy and the activations over {d} ranks of a "
-               f"node ({spec.num_heads // d} heads and {text.plural(spec.num_kv_heads // d, 'KV head')} per rank); it adds "
-               f"{_exchange_gb(pick, 'tp'):.2f} GB of all-gathers and reduce-scatters per rank per step on the "
-               "intra-node link, not hidden behind compute")
-        tree = {"path": TREE_TP, "says": "tensor parallel",
-                "why": ["the numbers agree: the model is above 70B" if spec.total_params > 70e9 else
-                        f"the tree reaches tensor parallelism above 70B; this model has {text.count(spec.total_params)}"
-                        f" params, but data parallelism alone does not fit {mem:.1f} GiB per rank"]}
+    if pair is not None:
+        t, d, pick, tried_smaller = pair
+        j = dataclasses.replace(job, tp=t, sp=d)
+        head += (f"; but neither {_alone('sp', leanest.get('sp'))} nor {_alone('tp', leanest.get('tp'))} fits, so "
+                 f"both together: tensor parallelism divides the weights and sequence parallelism the tokens")
+        what = f"{pick.strategy} + tensor parallel {t} x sequence parallel {d} ({sp_mode_label(spec, j)})"
+        how = (f"{_tp_how(spec, t)}, and sequence parallel {d} gives each rank {job.seq_len // d} of the "
+               f"{job.seq_len} tokens of a sequence ({sp_mode_label(spec, j)} over each tensor rank's "
+               f"{spec.num_heads // t} heads): {t} x {d} = {t * d} ranks hold one copy of the model and its sequence, "
+               f"data-parallel degree {j.dp}; it adds {_exchange_gb(pick, 'tp'):.2f} GB of all-gathers and "
+               f"reduce-scatters on the intra-node link and {_exchange_gb(pick, 'sp'):.2f} GB of attention "
+               "exchanges per rank per step, not hidden behind compute")
+        tree = {"path": f"{TREE_TP}, and {TREE_SP}", "paths": [TREE_TP, TREE_SP],
+                "says": "tensor parallel + sequence parallel",
+                "why": [_tp_why(spec, mem),
+                        "the sequence is what does not fit" if long_seq else
+                        "the sequence is not what takes most of the memory, but neither alone fits: both split it"]}
     else:
-        what = f"{pick.strategy} + sequence parallel {d} ({sp_mode_label(spec, j)})"
-        how = (f"sequence parallel {d} gives each rank {job.seq_len // d} of the {job.seq_len} tokens of a sequence; "
-               f"it adds {_exchange_gb(pick, 'sp'):.2f} GB of attention exchanges per rank per step")
-        tree = {"path": TREE_SP, "says": "sequence parallel", "why": ["the numbers agree: the sequence is what does "
-                                                                      "not fit" if long_seq else
-                                                                      "the numbers reach it though the sequence "
-                                                                      "is not what takes most of the memory"]}
+        d, pick, tried_smaller = found
+        if kind != order[0]:
+            cause += ("; but no sequence-parallel degree fits (the states stay), so tensor parallelism, which "
+                      "divides them too" if kind == "tp" else "; but no tensor-parallel degree fits, so sequence "
+                                                              "parallelism")
+            head = (f"data parallelism alone does not fit in {mem:.1f} GiB per rank without offload (the smallest, "
+                    f"{lean.strategy}, needs {_gib(m.total / GiB)}); {cause}")
+        j = dataclasses.replace(job, **{kind: d})
+        if kind == "tp":
+            what = f"{pick.strategy} + tensor parallel {d}"
+            how = (f"{_tp_how(spec, d)}; it adds {_exchange_gb(pick, 'tp'):.2f} GB of all-gathers and "
+                   "reduce-scatters per rank per step on the intra-node link, not hidden behind compute")
+            tree = {"path": TREE_TP, "says": "tensor parallel", "why": [_tp_why(spec, mem)]}
+        else:
+            what = f"{pick.strategy} + sequence parallel {d} ({sp_mode_label(spec, j)})"
+            how = (f"sequence parallel {d} gives each rank {job.seq_len // d} of the {job.seq_len} tokens of a "
+                   f"sequence; it adds {_exchange_gb(pick, 'sp'):.2f} GB of attention exchanges per rank per step")
+            tree = {"path": TREE_SP, "says": "sequence parallel",
+                    "why": ["the numbers agree: the sequence is what does not fit" if long_seq else
+                            "the numbers reach it though the sequence is not what takes most of the memory"]}
     offload = [s for s in plan.strategies if s.fits and offloads(s.opts)]
     if offload:
         o = max(offload, key=lambda s: s.tokens_per_s)
@@ -654,7 +733,7 @@ def choose_parallel(plan: Plan, cfg=None) -> None:
             plan.reasons.append(head + f"; {what} fits ({_gib(pick.memory.total / GiB)}) but {o.strategy} is faster "
                                        f"({o.tokens_per_s:,.0f} vs {pick.tokens_per_s:,.0f} tokens/s)")
             return
-    smaller = "; no smaller degree fits" if tried_smaller else ""
+    smaller = ("; no smaller product fits" if pair else "; no smaller degree fits") if tried_smaller else ""
     plan.recommended = pick.strategy
     plan.reasons = [head,
                     f"{what} fits: {_gib(pick.memory.total / GiB)} of {mem:.1f} GiB per rank "
