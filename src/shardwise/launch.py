@@ -144,8 +144,34 @@ class _Cancelled(Exception):
     """The workers' group ended (a failure, a signal) before this run's prepare wrote anything."""
 
 
+class _WriteGate:
+    """Between a prepare on a thread (launch._Early) and the main thread: either the prepare passes `enter` and
+    writes the run directory (then the main thread waits for it to end), or the main thread cancels first and the
+    prepare writes nothing (then nobody waits for it: a long tokenization does not hold up a failed or interrupted
+    launch)."""
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+        self.cancelled = False
+        self.writing = False
+
+    def enter(self) -> None:
+        with self._lock:
+            if self.cancelled:
+                raise _Cancelled()
+            self.writing = True
+
+    def cancel(self) -> bool:
+        """Cancel; True when the prepare is already writing (wait for it)."""
+        with self._lock:
+            self.cancelled = True
+            return self.writing
+
+
 def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: bool, t0: float = 0.0,
-             cancelled=None) -> Prepared:
+             gate: _WriteGate | None = None) -> Prepared:
     from safetensors.torch import save_file
 
     from shardwise.data.cache import encode_cached
@@ -207,8 +233,8 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
                              f"{global_batch}; lower --micro-batch-size or --grad-accum, or add data")
 
     # -- nothing has been written until here ---------------------------------------------
-    if cancelled is not None and cancelled.is_set():
-        raise _Cancelled()
+    if gate is not None:
+        gate.enter()
     out = cfg.output_dir
     if node0:
         os.makedirs(out, exist_ok=True)
@@ -535,20 +561,23 @@ class _Early:
         self.pointer = os.path.join(self.dir, "job")
         self.prepared: Prepared | None = None
         self.error: BaseException | None = None
-        self.cancelled = threading.Event()
+        self.gate = _WriteGate()
         self.thread = threading.Thread(target=self._run, name="shardwise-prepare", daemon=True)
 
     def _run(self) -> None:
         job = None
         try:
-            p = _prepare(self.res, self.cfg, self.lock, self.force, self.t0, cancelled=self.cancelled)
+            p = _prepare(self.res, self.cfg, self.lock, self.force, self.t0, gate=self.gate)
             shutil.rmtree(rundir.error_dir(p.output_dir), ignore_errors=True)
             _say_run_dir(p)
             self.prepared, job = p, p.job_path
         except BaseException as e:  # noqa: BLE001 - re-raised by finish() in the main thread
             self.error = e
         finally:
-            rundir.atomic_write(self.pointer, json.dumps({"job": job}))
+            try:
+                rundir.atomic_write(self.pointer, json.dumps({"job": job}))
+            except OSError:
+                pass  # the launch ended without waiting for this prepare (finish(failed=True)); nobody reads it
 
     def worker_args(self) -> list[str]:
         model = os.path.abspath(os.path.expanduser(self.cfg.model)) if self.cfg.model != "tiny" else "tiny"
@@ -556,10 +585,10 @@ class _Early:
 
     def finish(self, failed: bool = False) -> Prepared:
         """Wait for the prepare; its error (a ShardwiseError: one line) is the run's. With `failed` (the group
-        ended in a failure or a signal) it stops before writing anything, if it has not yet."""
-        if failed:
-            self.cancelled.set()
-        self.thread.join()
+        ended in a failure or a signal) the prepare is cancelled: if it is writing the run directory, that ends
+        first; if not, it writes nothing and is not waited for."""
+        if not failed or self.gate.cancel():
+            self.thread.join()
         shutil.rmtree(self.dir, ignore_errors=True)
         if self.error is not None and not isinstance(self.error, _Cancelled):
             raise self.error

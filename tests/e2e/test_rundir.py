@@ -230,4 +230,41 @@ def test_resume_after_sigterm_to_the_launcher_exits_0_and_leaves_no_agent_temp_d
     assert done.returncode == 0 and "interrupted" not in done.stderr
     assert rundir.read_interrupted(str(out)) is None
     assert [r["step"] for r in read_metrics(str(out))] == list(range(1, 101))
-    assert not [n for n in os.listdir(tmp) if n.startswith(("torchelastic_", "shardwise-agent-"))], os.listdir(tmp)
+    assert not [n for n in os.listdir(tmp) if n.startswith(("torchelastic_", "shardwise-agent-", "shardwise-job-"))], \
+        os.listdir(tmp)
+
+
+def test_a_signal_while_the_launcher_still_prepares_stops_the_early_workers_and_writes_nothing(tmp_path):
+    """The agent starts the workers while the launcher checks and tokenizes (launch._Early). SIGTERM in that window
+    (the workers are up, the data still being tokenized): the launcher leaves with 128 + 15; no worker is left and
+    the output directory was never made."""
+    import psutil
+
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    data = write_jsonl(str(tmp_path / "big.jsonl"), chat_records(6000) * 20)  # seconds of tokenizing
+    out = tmp_path / "out"
+    p = _popen("train", *COMMON, "--data", data, "--no-data-cache", "--strategy", "ddp", "--nproc-per-node", "2",
+               "--micro-batch-size", "2", "--max-steps", "2", "--output-dir", str(out), env={"TMPDIR": str(tmp)})
+    launcher = psutil.Process(p.pid)
+
+    def workers():
+        try:
+            return [c for c in launcher.children(recursive=True) if "shardwise.train.worker" in " ".join(c.cmdline())]
+        except psutil.Error:
+            return []
+
+    try:
+        _wait_for(lambda: len(workers()) == 2, [p])
+        started = workers()
+        assert not out.exists()  # still preparing: nothing written yet
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted by signal 15" in err and "Traceback" not in err, err
+    assert not out.exists(), "a run cancelled while preparing wrote its directory"
+    assert not [w for w in started if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+    assert not [n for n in os.listdir(tmp) if n.startswith(("shardwise-job-", "shardwise-agent-"))], os.listdir(tmp)
