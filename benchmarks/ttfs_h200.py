@@ -11,7 +11,11 @@ process (process start from /proc, as shardwise.phases does): imports, data (tok
 Trainer built, first step (the end of step 1, after a CUDA synchronize). Both also report the wall time of the
 whole process as seen from here.
 
-    python benchmarks/ttfs_h200.py --out DIR [--steps 6] [--runs 1]
+    python benchmarks/ttfs_h200.py --out DIR [--steps 6] [--runs 1] [--shardwise single,ddp,ddp-serial]
+
+--shardwise lists the shardwise variants run before the Trainer in each round: `single` (one process: the launcher
+trains in-process), `ddp` (one rank through torchrun's elastic agent, which starts the worker while the launcher
+still checks and tokenizes) and `ddp-serial` (the same with SHARDWISE_EARLY_WORKERS=0: prepared first, then started).
 """
 
 from __future__ import annotations
@@ -68,20 +72,23 @@ HF_PHASES = (("imports", "process_start", "imported"), ("data", "imported", "dat
              ("first_step", "trainer_built", "first_step"), ("training", "first_step", "trained"))
 
 
-def run_shardwise(model_dir: str, data: str, steps: int, work: str, tag: str) -> dict:
-    out = os.path.join(work, f"sw-{tag}")
-    cmd = [sys.executable, "-m", "shardwise", "train", "--model", model_dir, "--data", data, "--strategy", "single",
+def run_shardwise(model_dir: str, data: str, steps: int, work: str, tag: str, variant: str = "single") -> dict:
+    out = os.path.join(work, f"sw-{variant}-{tag}")
+    strategy = variant.split("-")[0]
+    env = {**os.environ, "SHARDWISE_EARLY_WORKERS": "0" if variant.endswith("-serial") else "1"}
+    cmd = [sys.executable, "-m", "shardwise", "train", "--model", model_dir, "--data", data, "--strategy", strategy,
+           "--nproc-per-node", "1",
            "--seq-len", str(SEQ), "--micro-batch-size", str(MB), "--max-steps", str(steps), "--log-every", "1",
            "--mixed-precision", "bf16", "--output-dir", out, "--overwrite", "--no-save-final", "--seed", "0"]
     t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.time() - t0
     if p.returncode != 0:
-        return {"runner": "shardwise single", "error": (p.stderr.strip().splitlines() or ["?"])[-1][:400],
+        return {"runner": f"shardwise {variant}", "error": (p.stderr.strip().splitlines() or ["?"])[-1][:400],
                 "wall_s": round(wall, 2)}
     with open(os.path.join(out, "summary.json")) as fh:
         summary = json.load(fh)
-    return {"runner": "shardwise single", "wall_s": round(wall, 2), "phases_s": summary.get("phases_s"),
+    return {"runner": f"shardwise {variant}", "wall_s": round(wall, 2), "phases_s": summary.get("phases_s"),
             "time_to_first_step_s": (summary.get("phases_s") or {}).get("time_to_first_step"),
             "command": " ".join(cmd[1:])}
 
@@ -112,6 +119,7 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/ttfs-h200")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--runs", type=int, default=1, help="Pairs of runs (shardwise, then HF Trainer).")
+    ap.add_argument("--shardwise", default="single", help="Comma-separated: single, ddp, ddp-serial.")
     ap.add_argument("--smoke", action="store_true", help="A tiny model, 2 x 64 tokens (a CPU check of the script).")
     a = ap.parse_args()
     global MB, SEQ
@@ -126,7 +134,8 @@ def main() -> int:
     print(f"setup {time.time() - t0:.0f}s", flush=True)
     results = []
     for i in range(a.runs):
-        for runner in (run_shardwise, run_hf):
+        runners = [lambda *x, v=v: run_shardwise(*x, variant=v) for v in a.shardwise.split(",")] + [run_hf]
+        for runner in runners:
             r = {**runner(model_dir, data, a.steps, a.work, str(i)), "run": i}
             results.append(r)
             print(json.dumps(r), flush=True)

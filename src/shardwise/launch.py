@@ -125,7 +125,7 @@ def _begin(res: Resolved) -> tuple[Config, rundir.RunLock | None, float]:
     """The first checks: the runtime values, --strategy auto's choice, the output directory (node 0 takes the run's
     lock where a run was there). Enough to know how many workers start and how; writes nothing."""
     t0 = time.time()
-    quiet_libraries()
+    quiet_libraries(transformers=False)  # _prepare imports it (on a thread, with early workers)
     cfg = resolve_runtime(res)
     if cfg.strategy == "auto":
         cfg = choose_strategy(cfg, res)
@@ -172,6 +172,7 @@ class _WriteGate:
 
 def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: bool, t0: float = 0.0,
              gate: _WriteGate | None = None) -> Prepared:
+    quiet_libraries()
     from safetensors.torch import save_file
 
     from shardwise.data.cache import encode_cached
@@ -744,7 +745,6 @@ def _train(p: Prepared | None, early: _Early | None = None) -> int:
             _say_run_dir(p)
             summary = launch(p)
         else:
-            quiet_libraries()
             early.thread.start()
             try:
                 _agent(early.cfg, early.worker_args())

@@ -273,8 +273,10 @@ def locked(output_dir: str) -> bool:
 # ----------------------------------------------------------------------------- process setup
 
 
-def quiet_libraries() -> None:
-    """Progress bars and accelerator banners of the libraries we drive are noise here."""
+def quiet_libraries(transformers: bool = True) -> None:
+    """Progress bars and accelerator banners of the libraries we drive are noise here. `transformers=False` sets
+    the environment only (transformers reads it when imported): the launcher starts the workers before it imports
+    transformers (launch._begin)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -286,6 +288,8 @@ def quiet_libraries() -> None:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
     except ImportError:
         pass
+    if not transformers:
+        return
     try:
         from transformers.utils import logging as hf_logging
 
