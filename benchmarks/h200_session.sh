@@ -159,6 +159,10 @@ curve17() {
 }
 setup
 LOGF="$OUT/logs-$(date +%H%M%S).txt"
+# ninth session (2026-12-01, issue 17 item 3): the workers start while the launcher prepares (launch._Early); the
+# time to first step of one rank through the agent with it (ddp) and without (ddp-serial), beside single and the
+# HF Trainer, two rounds (the first pays the cold compile)
+ttfs9() { python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 2 --shardwise single,ddp,ddp-serial; }
 for part in "$@"; do
   [ "$part" = setup ] && continue
   echo "=== $part $(date +%T)"
