@@ -163,6 +163,22 @@ LOGF="$OUT/logs-$(date +%H%M%S).txt"
 # time to first step of one rank through the agent with it (ddp) and without (ddp-serial), beside single and the
 # HF Trainer, two rounds (the first pays the cold compile)
 ttfs9() { python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 2 --shardwise single,ddp,ddp-serial; }
+# where the single run's time goes on the H200 beside the phases (wrap ~4 s, ~6 s after the run's last mark before the
+# process is gone): a py-spy profile of a warm run (py-spy's wheel carried in .whl/), then the exit with inductor's
+# compile workers off (TORCHINDUCTOR_COMPILE_THREADS=1) and on
+probe9() {
+  python3 benchmarks/ttfs_h200.py --out /tmp/probe-warm --steps 6 --runs 1 --shardwise single > /dev/null
+  local args="train --model /tmp/ttfs-h200/anchor-1.1b --data /tmp/ttfs-h200/text-6.jsonl --strategy single
+    --nproc-per-node 1 --seq-len 2048 --micro-batch-size 8 --max-steps 6 --log-every 1 --mixed-precision bf16
+    --overwrite --no-save-final --seed 0"
+  /tmp/site/bin/py-spy record -r 200 --subprocesses -f speedscope -o "$OUT/single-warm.speedscope.json" -- \
+    python3 -m shardwise $args --output-dir /tmp/probe-spy | grep phases
+  for threads in 1 16 1 16; do
+    local t0; t0=$(date +%s.%N)
+    TORCHINDUCTOR_COMPILE_THREADS=$threads python3 -m shardwise $args --output-dir /tmp/probe-$threads | grep phases
+    echo "compile_threads $threads: wall $(python3 -c "import time; print(round(time.time() - $t0, 2))") s"
+  done
+}
 for part in "$@"; do
   [ "$part" = setup ] && continue
   echo "=== $part $(date +%T)"
