@@ -80,6 +80,7 @@ def exit_without_teardown(rc: int) -> None:
     import logging
 
     try:
+        stop_compile_workers()
         atexit._run_exitfuncs()
         logging.shutdown()
     finally:
@@ -89,3 +90,33 @@ def exit_without_teardown(rc: int) -> None:
             except (OSError, ValueError):
                 pass
         os._exit(rc)
+
+
+def stop_compile_workers() -> None:
+    """Kill inductor's compile workers, if this process started them (torch.compile starts a sidecar process,
+    torch/_inductor/compile_worker, at its first compile). torch's atexit handler shuts them down by asking and
+    waiting; after a short run whose workers were still starting that wait was 6-10 s on the H200 with 16 of them,
+    against 0.3 s with compile_threads 1 (benchmarks/results/time_to_first_step_h200_2026-12-01.md). Only for a
+    process whose run is complete: nothing is waiting on a compile."""
+    try:
+        import psutil
+    except ImportError:
+        return
+    import logging
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    killed = []
+    for child in children:
+        try:
+            if any("compile_worker" in part for part in child.cmdline()[:3]):
+                child.kill()
+                killed.append(child)
+        except psutil.Error:
+            pass
+    if killed:
+        psutil.wait_procs(killed, timeout=5)  # gone (the sidecar reaped here) before its shutdown is asked for
+        # the shutdown then writes to a closed pipe; it ignores that, with a warning we do not need
+        logging.getLogger("torch._inductor.compile_worker.subproc_pool").setLevel(logging.ERROR)

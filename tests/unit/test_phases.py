@@ -16,3 +16,29 @@ def test_durations_are_the_gaps_between_marks_and_skip_missing_ones():
 
 def test_process_start_is_in_the_past():
     assert phases.process_start() <= time.time()
+
+
+def test_a_finished_process_kills_inductors_compile_workers_rather_than_wait_for_them():
+    """torch's atexit handler waits for inductor's compile workers to stop (6-10 s on the H200 after a short run);
+    a finished run's process kills them first, and the handler then has nothing to wait for and says nothing."""
+    import subprocess
+    import sys
+
+    script = """
+import sys, time, psutil
+import torch._inductor.config as config
+config.compile_threads = 2
+from torch._inductor.async_compile import AsyncCompile
+AsyncCompile.warm_pool()  # what torch.compile's first compile starts
+workers = [c for c in psutil.Process().children(recursive=True) if "compile_worker" in " ".join(c.cmdline()[:3])]
+assert workers, "no compile worker started"
+from shardwise.phases import exit_without_teardown, stop_compile_workers
+stop_compile_workers()
+alive = [w.pid for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+print("ALIVE", alive, flush=True)
+exit_without_teardown(0)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ALIVE []" in r.stdout, r.stdout
+    assert "Traceback" not in r.stderr and "pool shutdown" not in r.stderr, r.stderr[-3000:]
