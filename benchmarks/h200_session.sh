@@ -179,6 +179,14 @@ probe9() {
     echo "compile_threads $threads: wall $(python3 -c "import time; print(round(time.time() - $t0, 2))") s"
   done
 }
+# probe9's profile: 14 of the 37 s of a warm single run were Python compiling source to bytecode (SourceLoader.
+# source_to_code): this machine's site-packages come without .pyc files and every process compiles them again, the
+# HF Trainer's imports too. A user's machine caches them after the first import; PYTHONPYCACHEPREFIX gives this one
+# a cache, so rounds 1-2 measure what a user's re-run sees (round 0 fills the caches). After the compile-worker kill.
+ttfs9b() {
+  PYTHONPYCACHEPREFIX=/tmp/pycache python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 3 \
+    --shardwise single,ddp,ddp-serial
+}
 for part in "$@"; do
   [ "$part" = setup ] && continue
   echo "=== $part $(date +%T)"

@@ -12,6 +12,11 @@ records; then runs
 external tool, e.g. `/usr/bin/time -v`, or pairs of commands A/B).
 
     python benchmarks/time_to_first_step.py --runs 3
+    python benchmarks/time_to_first_step.py --runs 4 --base-src /work/wt/base/src --swift benchmarks/swift_tiny_job.sh
+
+Each round runs the variants one after another, in this order: `base` (--base-src: shardwise from another source
+tree, e.g. a worktree of an older commit, by PYTHONPATH), `shardwise` (this tree), `swift` (--swift: ms-swift's
+`swift sft` on the same job, benchmarks/swift_tiny_job.sh). --json writes every run.
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/shardwise-ttfs")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--setup-only", action="store_true")
+    ap.add_argument("--base-src", default="", help="Also time shardwise from this src/ directory (an A/B).")
+    ap.add_argument("--swift", default="", help="Also time this ms-swift script on the same job.")
+    ap.add_argument("--json", default="", help="Write every run here.")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     model_dir, data = build(a.work)
@@ -72,13 +80,26 @@ def main() -> int:
     if a.setup_only:
         print(" ".join(cmd))
         return 0
+    variants = ([("base", {"PYTHONPATH": os.path.abspath(a.base_src)})] if a.base_src else []) + [("shardwise", {})]
+    results = []
     for i in range(a.runs):
-        t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        wall = time.perf_counter() - t0
-        with open(os.path.join(a.work, "run", "summary.json")) as fh:
-            phases = json.load(fh).get("phases_s", {})
-        print(json.dumps({"run": i + 1, "wall_s": round(wall, 2), "phases_s": phases}), flush=True)
+        for name, env in variants:
+            t0 = time.perf_counter()
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **env})
+            wall = time.perf_counter() - t0
+            with open(os.path.join(a.work, "run", "summary.json")) as fh:
+                phases = json.load(fh).get("phases_s", {})
+            results.append({"run": i + 1, "variant": name, "wall_s": round(wall, 2), "phases_s": phases})
+            print(json.dumps(results[-1]), flush=True)
+        if a.swift:
+            out = os.path.join(a.work, f"swift-{os.getpid()}-{i}")  # the script refuses an existing directory
+            t0 = time.perf_counter()
+            subprocess.run(["bash", a.swift, out], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            results.append({"run": i + 1, "variant": "swift", "wall_s": round(time.perf_counter() - t0, 2)})
+            print(json.dumps(results[-1]), flush=True)
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump({"load_before": os.getloadavg(), "results": results}, fh, indent=1)
     return 0
 
 
