@@ -187,6 +187,19 @@ ttfs9b() {
   PYTHONPYCACHEPREFIX=/tmp/pycache python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 3 \
     --shardwise single,ddp,ddp-serial
 }
+# ttfs9b's bytecode cache changed nothing (HF imports still 15 s): is writing bytecode switched off here? Print the
+# flags, time one import twice with writing forced on into a cache of our own, then single and the Trainer so
+pyc9() {
+  env | grep -i -E "PYTHON(DONTWRITE|PYCACHE|OPTIM)" || echo "no PYTHON* bytecode variables"
+  python3 -c "import sys; print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pycache_prefix)"
+  python3 -c "import torch, transformers, os; print(os.path.dirname(torch.__file__), os.access(os.path.dirname(torch.__file__), os.W_OK))"
+  for i in 1 2; do
+    env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pycache2 python3 -X importtime -c "import torch, transformers.trainer" 2>&1 \
+      | tail -1
+  done
+  env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pycache2 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 \
+    --runs 2 --shardwise single
+}
 for part in "$@"; do
   [ "$part" = setup ] && continue
   echo "=== $part $(date +%T)"
