@@ -1,11 +1,13 @@
 """Config -> prepared run -> workers.
 
 Everything a user can get wrong is checked here, in the launching process, before any
-worker starts and before anything is written: config, hardware fit, model directory, every
-data record. Then the run directory is written (config.yaml, the tokenized data, the job)
-and the workers start: in this process for a one-process `single` run, otherwise through
+worker runs the job and before anything is written: config, hardware fit, model directory,
+every data record. Then the run directory is written (config.yaml, the tokenized data, the
+job) and the workers train: in this process for a one-process `single` run, otherwise through
 torchrun's elastic agent (`torch.distributed.launcher.api.elastic_launch`) with c10d
-rendezvous, so the same command works on one machine, across machines and under Slurm.
+rendezvous, so the same command works on one machine, across machines and under Slurm. On
+one node the agent starts the workers while the checks run (_Early): they import, then wait
+for the job, or leave when a check failed.
 """
 
 from __future__ import annotations
