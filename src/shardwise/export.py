@@ -10,7 +10,7 @@ import shutil
 import tempfile
 
 from shardwise.errors import ShardwiseError
-from shardwise.models.load import save_pretrained
+from shardwise.models.save import save_pretrained
 
 
 def add_parser(sub) -> None:

@@ -173,13 +173,12 @@ class _WriteGate:
 
 
 def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: bool, t0: float = 0.0,
-             gate: _WriteGate | None = None) -> Prepared:
+             gate: _WriteGate | None = None, loaded: tuple | None = None, marks: dict | None = None) -> Prepared:
     quiet_libraries()
     from safetensors.torch import save_file
 
     from shardwise.data.cache import encode_cached
     from shardwise.data.encode import ChatOptions, check_options
-    from shardwise.data.sources import load_records
     from shardwise.data.templates import use_chat_template
     from shardwise.models.load import load_tokenizer
     from shardwise.train import checkpoint as ckpt
@@ -216,8 +215,9 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     check_fit(cfg, res, world, force)
     tokenizer = load_tokenizer(model_dir, cfg.trust_remote_code)
     use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
-    records, stats = load_records(cfg, res.where)
-    records, val = validation_records(cfg, res, records)
+    if loaded is None:
+        loaded = read_data(cfg, res)
+    records, stats, val = loaded
     opts = ChatOptions.from_config(cfg)
     check_options(tokenizer, opts, any(r.kind == "chat" for r in records + val))  # not hidden by a cache hit
     encoded, tensors, hit = encode_cached(records, tokenizer, model_dir, cfg.seq_len, cfg.packing, opts,
@@ -291,20 +291,41 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     job = {"config": dataclasses.asdict(cfg), "model_dir": model_dir, "data_file": data_file,
            "output_dir": out, "resume": cfg.resume, "val_file": val_file,
            "timeline": {"process_start": phases.process_start(), "prepare_start": t0 or time.time(),
-                        "prepared": time.time()}}
+                        **(marks or {}), "prepared": time.time()}}
     job_path = os.path.join(prep, "job.json")
     rundir.atomic_write(job_path, json.dumps(job, indent=1))
     return Prepared(cfg, out, job_path, world, lock)
 
 
-def check_model(cfg: Config, res: Resolved) -> str:
-    """The model directory, checked: usable, weights complete and shaped as config.json says,
-    seq_len within its positions.
+def read_data(cfg: Config, res: Resolved) -> tuple[list, object, list]:
+    """(training records, their read statistics, validation records), every record checked."""
+    from shardwise.data.sources import load_records
+
+    records, stats = load_records(cfg, res.where)
+    records, val = validation_records(cfg, res, records)
+    return records, stats, val
+
+
+def first_checks(cfg: Config, res: Resolved) -> tuple[list, object, list]:
+    """Before early workers start (_Early): what users most often get wrong and that needs neither a model class
+    nor the tokenizer (the ranks for `single`, the model directory and its weights' headers, seq_len, every data
+    record), so such a run is refused without starting a worker. Returns read_data's records for _prepare, which
+    checks everything else."""
+    check_single(cfg, res, cfg.nproc_per_node * cfg.nnodes)
+    check_model(cfg, res, shapes=False)
+    return read_data(cfg, res)
+
+
+def check_model(cfg: Config, res: Resolved, shapes: bool = True) -> str:
+    """The model directory, checked: usable, weights complete and (with `shapes`: the model built on the meta
+    device) shaped as config.json says, seq_len within its positions.
     Also used by `shardwise ui` before it starts a run."""
     from shardwise.models.load import check_shapes, check_weights, max_positions, resolve_model_dir
 
     model_dir = resolve_model_dir(cfg.model, cfg.seed)
-    check_shapes(model_dir, check_weights(model_dir), cfg.trust_remote_code)
+    weights = check_weights(model_dir)
+    if shapes:
+        check_shapes(model_dir, weights, cfg.trust_remote_code)
     limit = max_positions(model_dir)
     if limit and cfg.seq_len > limit:
         raise ShardwiseError(f"{res.where('seq_len')}: seq_len {cfg.seq_len} is larger than the model supports "
@@ -555,22 +576,24 @@ class _Early:
     directory is written, or holds null when the checks failed (they leave; this process reports the one line;
     nothing was written). The agent keeps the main thread (it installs signal handlers)."""
 
-    def __init__(self, res: Resolved, cfg: Config, lock, force: bool, t0: float):
+    def __init__(self, res: Resolved, cfg: Config, lock, force: bool, t0: float, loaded: tuple):
         import tempfile
         import threading
 
-        self.res, self.cfg, self.lock, self.force, self.t0 = res, cfg, lock, force, t0
+        self.res, self.cfg, self.lock, self.force, self.t0, self.loaded = res, cfg, lock, force, t0, loaded
         self.dir = tempfile.mkdtemp(prefix="shardwise-job-")
         self.pointer = os.path.join(self.dir, "job")
         self.prepared: Prepared | None = None
         self.error: BaseException | None = None
         self.gate = _WriteGate()
+        self.marks: dict[str, float] = {}  # the job's timeline: agent_start (the agent called, the workers to come)
         self.thread = threading.Thread(target=self._run, name="shardwise-prepare", daemon=True)
 
     def _run(self) -> None:
         job = None
         try:
-            p = _prepare(self.res, self.cfg, self.lock, self.force, self.t0, gate=self.gate)
+            p = _prepare(self.res, self.cfg, self.lock, self.force, self.t0, gate=self.gate, loaded=self.loaded,
+                         marks=self.marks)
             shutil.rmtree(rundir.error_dir(p.output_dir), ignore_errors=True)
             _say_run_dir(p)
             self.prepared, job = p, p.job_path
@@ -583,8 +606,10 @@ class _Early:
                 pass  # the launch ended without waiting for this prepare (finish(failed=True)); nobody reads it
 
     def worker_args(self) -> list[str]:
+        from shardwise.strategies.parallelize import compile_enabled
+
         model = os.path.abspath(os.path.expanduser(self.cfg.model)) if self.cfg.model != "tiny" else "tiny"
-        return ["--wait", self.pointer, model]
+        return ["--wait", self.pointer, model] + (["--compile"] if compile_enabled(self.cfg) else [])
 
     def finish(self, failed: bool = False) -> Prepared:
         """Wait for the prepare; its error (a ShardwiseError: one line) is the run's. With `failed` (the group
@@ -718,7 +743,7 @@ def train(res: Resolved, force: bool = False) -> int:
     cfg, lock, t0 = _begin(res)
     try:
         if early_workers(cfg):
-            return _train(None, _Early(res, cfg, lock, force, t0))
+            return _train(None, _Early(res, cfg, lock, force, t0, first_checks(cfg, res)))
         return _train(_prepare(res, cfg, lock, force, t0))
     finally:
         if lock is not None:
@@ -747,6 +772,7 @@ def _train(p: Prepared | None, early: _Early | None = None) -> int:
             _say_run_dir(p)
             summary = launch(p)
         else:
+            early.marks["agent_start"] = time.time()
             early.thread.start()
             try:
                 _agent(early.cfg, early.worker_args())

@@ -36,11 +36,11 @@ def test_summary_holds_every_phase_and_they_add_up(ref, request):
 
 
 def test_the_agent_starts_the_workers_while_the_launcher_prepares(ddp_ref, single_ref):
-    # under the agent each rank is a new interpreter: it starts (and imports torch, transformers and the model's
-    # classes) while the launcher still checks and tokenizes, so no time is spent starting it after `prepared`; in
-    # one process the worker starts where the launcher hands over, its imports already done
+    # under the agent each rank is a new interpreter: the agent is started (and the workers import torch,
+    # transformers and the model's classes) while the launcher still checks and tokenizes; how much of that is
+    # hidden depends on the machine's cores. In one process the worker starts where the launcher hands over
     marks = json.loads((ddp_ref.out / ".prep" / "timeline.json").read_text())
-    assert marks["worker_process_start"] < marks["prepared"], marks
-    assert _phases(ddp_ref)["worker_start"] == 0.0
+    assert marks["prepare_start"] < marks["agent_start"] < marks["prepared"], marks
+    assert marks["worker_start"] == max(marks["worker_process_start"], marks["prepared"])
     single = json.loads((single_ref.out / ".prep" / "timeline.json").read_text())
-    assert single["worker_process_start"] < single["prepare_start"]  # the launcher's own process
+    assert "agent_start" not in single and single["worker_process_start"] < single["prepare_start"]

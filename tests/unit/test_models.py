@@ -115,7 +115,7 @@ def test_saving_a_model_does_not_import_deepspeed(tmp_path, tiny_dir):
     script = f"""
 import sys
 from transformers import AutoModelForCausalLM
-from shardwise.models.load import save_pretrained
+from shardwise.models.save import save_pretrained
 m = AutoModelForCausalLM.from_pretrained({tiny_dir!r})
 save_pretrained(m, {str(tmp_path / 'ours')!r})
 assert "deepspeed" not in sys.modules, "our save imported deepspeed"

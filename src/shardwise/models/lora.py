@@ -96,7 +96,7 @@ def merged_state_dict(full: dict, cfg) -> dict:
 
 def save_final(peft_model, full: dict, tokenizer, path: str, cfg) -> None:
     """Rank 0: the adapter directory at `path`, plus path/merged with `merge_lora`."""
-    from shardwise.models.load import save_pretrained
+    from shardwise.models.save import save_pretrained
 
     save_pretrained(peft_model, path, state_dict=full)
     if getattr(cfg, "merge_lora", False):

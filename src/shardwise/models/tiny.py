@@ -11,7 +11,7 @@ import shutil
 import tempfile
 
 from shardwise.errors import ShardwiseError
-from shardwise.models.load import save_pretrained
+from shardwise.models.save import save_pretrained
 
 TINY_RECIPE_VERSION = 1
 # 4 decoder layers, GQA (4 query / 2 KV heads), SwiGLU MLP: ~1.3M params with a 512-token vocab.

@@ -24,8 +24,9 @@ from shardwise.data.encode import Encoded
 from shardwise.data.templates import use_chat_template
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import peak_flops
-from shardwise.models.load import load_model, load_tokenizer, save_pretrained
+from shardwise.models.load import load_model, load_tokenizer
 from shardwise.models.moe import aux_loss_weight
+from shardwise.models.save import save_pretrained
 from shardwise.models.sequence_parallel import DENSE_MASK_LIMIT, apply_sequence_parallel, model_heads
 from shardwise.models.speed import install_fused_loss, token_loss_sum
 from shardwise.rundir import atomic_write_json, record_interrupted

@@ -95,15 +95,18 @@ def preload_model_classes(model: str) -> None:
         pass
 
 
-def wait_for_job(pointer: str, model: str, poll_s: float = 0.01) -> str | None:
+def wait_for_job(pointer: str, model: str, compile_blocks: bool = False, poll_s: float = 0.01) -> str | None:
     """A worker started before its launcher finished checking and tokenizing (launch._Early): do the imports a
-    job needs, then wait for `pointer` to name the job (None: the launcher's checks failed, nothing to run)."""
+    job needs (with `compile_blocks`, inductor's too: torch.compile imports it when the blocks are wrapped, 1.6 s
+    on the H200), then wait for `pointer` to name the job (None: the launcher's checks failed, nothing to run)."""
     import time
 
     set_up_process()
     import shardwise.train.loop  # noqa: F401 - torch, transformers and the engine, while the launcher prepares
 
     preload_model_classes(model)
+    if compile_blocks:
+        import torch._inductor.compile_fx  # noqa: F401
     while not os.path.exists(pointer):
         time.sleep(poll_s)
     with open(pointer) as fh:
@@ -114,8 +117,8 @@ def wait_for_job(pointer: str, model: str, poll_s: float = 0.01) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     die_with_launcher()
-    if argv and argv[0] == "--wait":  # started early: the job is being prepared
-        job = wait_for_job(argv[1], argv[2] if len(argv) > 2 else "")
+    if argv and argv[0] == "--wait":  # started early: the job is being prepared (--wait POINTER MODEL [--compile])
+        job = wait_for_job(argv[1], argv[2] if len(argv) > 2 else "", "--compile" in argv[3:])
         if job is None:
             return 0  # the launcher reports why, in one line
         argv = [job]
