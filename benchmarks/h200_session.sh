@@ -200,6 +200,14 @@ pyc9() {
   env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pycache2 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 \
     --runs 2 --shardwise single
 }
+# after 3eff932 (first checks before the agent; waiting workers import inductor): with bytecode cached as on a
+# user's machine, ddp on one rank with and without early workers, single, the Trainer
+ttfs9c() {
+  export PYTHONPYCACHEPREFIX=/tmp/pycache3
+  env -u PYTHONDONTWRITEBYTECODE python3 -c "import torch, transformers.trainer, torch._inductor.compile_fx, shardwise.train.loop"
+  env -u PYTHONDONTWRITEBYTECODE python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 2 \
+    --shardwise ddp,ddp-serial,single
+}
 for part in "$@"; do
   [ "$part" = setup ] && continue
   echo "=== $part $(date +%T)"
