@@ -210,8 +210,9 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
 
     model_dir = check_model(cfg, res)
     resume_notes = ckpt.check_resume(resume_from, cfg, model_dir) if resume_from else []
-    check_tensor_parallel(cfg, res, world, model_dir)
-    check_sequence_parallel(cfg, res, world, model_dir)
+    if loaded is None:  # else first_checks() checked the degrees
+        check_tensor_parallel(cfg, res, world, model_dir)
+        check_sequence_parallel(cfg, res, world, model_dir)
     check_fit(cfg, res, world, force)
     tokenizer = load_tokenizer(model_dir, cfg.trust_remote_code)
     use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
@@ -308,11 +309,14 @@ def read_data(cfg: Config, res: Resolved) -> tuple[list, object, list]:
 
 def first_checks(cfg: Config, res: Resolved) -> tuple[list, object, list]:
     """Before early workers start (_Early): what users most often get wrong and that needs neither a model class
-    nor the tokenizer (the ranks for `single`, the model directory and its weights' headers, seq_len, every data
-    record), so such a run is refused without starting a worker. Returns read_data's records for _prepare, which
-    checks everything else."""
-    check_single(cfg, res, cfg.nproc_per_node * cfg.nnodes)
-    check_model(cfg, res, shapes=False)
+    nor the tokenizer (the ranks for `single`, the model directory and its weights' headers, seq_len, the tensor-
+    and sequence-parallel degrees against its heads, every data record), so such a run is refused without
+    starting a worker. Returns read_data's records for _prepare, which checks everything else."""
+    world = cfg.nproc_per_node * cfg.nnodes
+    check_single(cfg, res, world)
+    model_dir = check_model(cfg, res, shapes=False)
+    check_tensor_parallel(cfg, res, world, model_dir)
+    check_sequence_parallel(cfg, res, world, model_dir)
     return read_data(cfg, res)
 
 
