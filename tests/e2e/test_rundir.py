@@ -171,6 +171,18 @@ def _wait_for(cond, procs, timeout=300):
         time.sleep(0.05)
 
 
+def _sigterm_when(p, ready, timeout=600) -> str:
+    """Wait until `ready()`, send SIGTERM to the launcher `p` and return its stderr once it has left; `p` is killed
+    if anything before that fails."""
+    try:
+        _wait_for(ready, [p])
+        p.send_signal(signal.SIGTERM)
+        return p.communicate(timeout=timeout)[1]
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 def test_two_runs_into_one_directory_one_runs_the_other_is_refused_naming_its_pid(tmp_path, chat_data, refuse):
     """14.7: two real runs started together into one directory; --overwrite into the live one
     is refused too and deletes nothing; the first completes normally."""
@@ -214,13 +226,7 @@ def test_resume_after_sigterm_to_the_launcher_exits_0_and_leaves_no_agent_temp_d
             "--micro-batch-size", "2", "--max-steps", "100", "--output-dir", str(out))
     env = {"TMPDIR": str(tmp)}
     p = _popen(*args, env=env)
-    try:
-        _wait_for(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip(), [p])
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=600)
-    finally:
-        if p.poll() is None:
-            p.kill()
+    err = _sigterm_when(p, lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip())
     assert p.returncode == 128 + signal.SIGTERM, err
     assert "resume with: shardwise train" in err
     assert rundir.read_interrupted(str(out))  # kept for `shardwise ui` until the next run starts
@@ -254,15 +260,16 @@ def test_a_signal_while_the_launcher_still_prepares_stops_the_early_workers_and_
         except psutil.Error:
             return []
 
-    try:
-        _wait_for(lambda: len(workers()) == 2, [p])
-        started = workers()
+    started = []
+
+    def both_up() -> bool:
+        started[:] = workers()
+        if len(started) != 2:
+            return False
         assert not out.exists()  # still preparing: nothing written yet
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
+        return True
+
+    err = _sigterm_when(p, both_up, timeout=120)
     assert p.returncode == 128 + signal.SIGTERM, err
     assert "interrupted by signal 15" in err and "Traceback" not in err, err
     assert not out.exists(), "a run cancelled while preparing wrote its directory"

@@ -18,7 +18,7 @@ def _no_deepspeed_import():
         try:
             from accelerate.utils import other
         except ImportError:
-            other = None
+            pass
     real = getattr(other, "is_deepspeed_available", None)
     if real is None:
         yield
