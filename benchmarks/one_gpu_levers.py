@@ -153,7 +153,7 @@ def _run_variant(variant: str, a, env, repeat: int = 0) -> dict:
         sdist.ensure_same_weights(model, env)
         strategy = strategies.get(cfg.strategy)(cfg, env)
         model, optimizer = strategy.setup(model)
-        batch = pa.make_batch(c, 1, 0, pa.MODELS[a.model][0])
+        batch = pa.make_batch(c, 1, 0, pa.vocab_of(a.model))
         faults = Faults(0)
         model.train()
 
@@ -191,7 +191,8 @@ def _run_variant(variant: str, a, env, repeat: int = 0) -> dict:
         tokens = a.micro_batch_size * a.seq_len * a.steps
         out["step_s"] = round(elapsed / a.steps, 4)
         out["tokens_per_s"] = round(tokens / elapsed)
-        L, H = pa.MODELS[a.model][3], pa.MODELS[a.model][1]
+        spec = pa.spec_for(a.model)
+        L, H = spec.num_layers, spec.hidden_size
         out["mfu"] = round(flops_per_token(n_params, L, H, a.seq_len) * tokens / elapsed / 989e12, 4)
         if cuda and repeat == 0 and variant in a.profile.split(","):
             out["profile"] = profile(one, a.warmup + a.steps)
@@ -241,7 +242,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--model", default="llama-1.1B", choices=sorted(pa.MODELS))
+    ap.add_argument("--model", default="llama-1.1B", choices=sorted(pa.MODELS) + sorted(pa.PRESET_MODELS))
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--ckpt", action="store_true", help="gradient checkpointing on")
@@ -359,7 +360,7 @@ def loss_curves(a, env, meta: dict) -> dict:
     """Each --curve variant trained --curve-steps steps on curve_batches (same data, seed and schedule)."""
     variants = [v for v in a.curve.split(",") if v]
     t0 = time.time()
-    batches = curve_batches(a.curve_steps, a.curve_micro_batch, a.seq_len, pa.MODELS[a.model][0])
+    batches = curve_batches(a.curve_steps, a.curve_micro_batch, a.seq_len, pa.vocab_of(a.model))
     out = {"meta": {**meta, "curve_steps": a.curve_steps, "curve_micro_batch": a.curve_micro_batch,
                     "curve_lr": a.curve_lr, "curve_warmup": CURVE_WARMUP, "data_s": round(time.time() - t0, 1)},
            "curves": {}}
