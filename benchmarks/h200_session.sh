@@ -20,7 +20,7 @@
 #                                                    spflex spplain sppacked spprobe longmin (sixth session, x2;
 #                                                    not run: the device budget was spent)
 #                                                    scale2 (x2) scale8a scale8b long8 (x8; issue 21, not run yet)
-#                                                    f8probe f8runs1 f8runs2 (tenth session; carries torchao)
+#                                                    f8probe f8runs1 f8runs2 f8diag f8diag2 f8runs3 (tenth session; carries torchao)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
 set -u
@@ -227,6 +227,19 @@ f8runs2() {
     --variants single,single+float8 --repeat 1 --steps 6 --warmup 2 --json "$OUT/f8runs_03b.json"
   timeout -k 10 150 python3 benchmarks/one_gpu_levers.py --model llama-1.1B --micro-batch-size 8 --ckpt \
     --variants single,single+float8 --repeat 1 --steps 6 --warmup 2 --json "$OUT/f8runs_ckpt.json"
+}
+f8diag() {  # fsdp + float8 on the 28-block 3B shape ran slower than fsdp (343.9 vs 320.4 ms): recompiles? the kernels?
+  TORCH_LOGS=recompiles timeout -k 10 300 python3 benchmarks/one_gpu_levers.py --model llama-3B --micro-batch-size 4 \
+    --variants fsdp+float8,fsdp,single+float8 --repeat 1 --steps 6 --warmup 2 --profile fsdp+float8,single+float8 \
+    --json "$OUT/f8diag.json"
+}
+f8diag2() {  # f8diag's fsdp+float8 was 268.8 ms when run first: f8runs1's order again, twice, recompiles logged
+  TORCH_LOGS=recompiles timeout -k 10 400 python3 benchmarks/one_gpu_levers.py --model llama-3B --micro-batch-size 4 \
+    --variants single,single+float8,fsdp,fsdp+float8 --repeat 2 --steps 6 --warmup 2 --json "$OUT/f8diag2.json"
+}
+f8runs3() {  # f8runs1's Qwen rows again on a warm machine (f8runs1 ran on a fresh one, its fsdp + float8 rows cold)
+  timeout -k 10 300 python3 benchmarks/one_gpu_levers.py --model qwen2.5-1.5B --micro-batch-size 3 --seq-len 3072 \
+    --variants single,single+float8,fsdp,fsdp+float8 --repeat 2 --steps 6 --warmup 2 --json "$OUT/f8runs3_qwen.json"
 }
 for part in "$@"; do
   [ "$part" = setup ] && continue

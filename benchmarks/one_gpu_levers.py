@@ -120,7 +120,7 @@ def _job(c: dict, cfg, accelerator: str):
     return Job(world=1, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
                compute=c["compute"], param_dtype=cfg.param_dtype, checkpointing=mode == "full",
                selective_checkpointing=mode == "selective", accelerator=accelerator, fused_loss=cfg.fused_loss,
-               compile=c["compile"])
+               compile=c["compile"], float8=bool(cfg.float8))
 
 
 def _run_variant(variant: str, a, env, repeat: int = 0) -> dict:

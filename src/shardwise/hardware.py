@@ -13,13 +13,15 @@ from dataclasses import dataclass
 
 # Dense peak TFLOP/s by (device name substring, dtype), from the vendors' datasheets
 # (NVIDIA A100/H100/H200/L40S/A10/4090 datasheets; the "without sparsity" figures).
+# fp8: the float8 tensor cores of Hopper and Ada (float8 matmuls with fp32 accumulation, as torch._scaled_mm runs
+# them); a GPU without the key has none (float8 is refused there).
 PEAK_TFLOPS = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6, "fp8": 733.0},
     "A10": {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2},
-    "4090": {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6},
+    "4090": {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6, "fp8": 330.3},
 }
 
 
@@ -40,6 +42,14 @@ def peak_flops(device_name: str, dtype: str = "bf16") -> float | None:
     for key, table in PEAK_TFLOPS.items():
         if key in device_name:
             return table.get(dtype, table["bf16"]) * 1e12
+    return None
+
+
+def fp8_peak_flops(device_name: str) -> float | None:
+    """Dense float8 peak FLOP/s of one device, or None when it has no float8 tensor cores (or is unknown)."""
+    for key, table in PEAK_TFLOPS.items():
+        if key in device_name:
+            return table["fp8"] * 1e12 if "fp8" in table else None
     return None
 
 

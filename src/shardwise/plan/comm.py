@@ -14,6 +14,7 @@ from shardwise.plan.memory import (
     QLORA_BYTES_PER_PARAM,
     Job,
     Opts,
+    float8_linears,
     local_params,
     local_root_params,
     reshards,
@@ -52,6 +53,12 @@ LORA_FORWARD_SHARE = 0.5
 # twelve zero3 rows, full and LoRA, checkpointing on and off, Qwen2.5-1.5B and 1.14B Llama shapes; docs/planner.md).
 ZERO3_EAGER_S_PER_MODULE_PASS = 8.5e-4
 ZERO3_COMPILED_S_PER_MODULE_PASS = 1.35e-3
+# float8 linears (float8_time): their matmuls run at the GPU's float8 peak at the job's MFU; each element they cast
+# to float8 (the input and the output gradient of every matmul pass, the weight once per pass) costs this many bytes
+# of device-memory traffic: the amax reduction, the scaled cast, the transposed copy for the weight gradient, and
+# whatever else keeps the float8 matmuls from twice the bf16 rate. Fitted on one row, the 1.14B anchor under single
+# on one H200 (2026-12-01: 229.2 -> 198.0 ms a step); docs/planner.md "float8" has the rows it was checked on.
+FLOAT8_CAST_BYTES = 9.1
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,7 @@ class Compute:
     peak_flops: float
     mfu: float
     device_mem_bw: float = HBM_BYTES_PER_S
+    fp8_peak_flops: float = 0.0  # float8 tensor cores (0: none)
 
 
 @dataclass
@@ -320,6 +328,21 @@ def elementwise_time(spec: ModelSpec, job: Job, comp: Compute, o_base: str = "si
     return t
 
 
+def float8_time(spec: ModelSpec, job: Job, comp: Compute) -> float:
+    """Seconds float8 changes in one micro-batch (negative: faster): the converted linears' matmul passes (forward,
+    input and weight gradients, and the recomputed forward under full checkpointing) at the float8 rate instead of
+    the bf16 one, plus their casts (FLOAT8_CAST_BYTES per element cast: every pass's input-side operand and the
+    weight; the backward passes cast the output gradient)."""
+    if not job.float8 or job.accelerator != "cuda" or not comp.fp8_peak_flops:
+        return 0.0
+    conv, T, L = float8_linears(spec), job.tokens, spec.num_layers
+    fwd = 2 if job.checkpointing else 1  # forward passes
+    flops = (fwd + 2) * 2 * T * L * sum(i * o for i, o in conv.values())
+    mm = flops / (comp.fp8_peak_flops * comp.mfu) - flops / (comp.peak_flops * comp.mfu)
+    casts = L * sum(fwd * (T * i + i * o) + T * o for i, o in conv.values())
+    return mm + FLOAT8_CAST_BYTES * casts / comp.device_mem_bw
+
+
 def zero3_hooked_modules(spec: ModelSpec, job: Job) -> int:
     """Submodules of one block that hold parameters, each fetched and released by ZeRO-3's hooks: the projections
     and the norms; LoRA adds each adapted projection's lora_A and lora_B."""
@@ -362,7 +385,7 @@ def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, co
     rate = comp.peak_flops * comp.mfu
     t_fwd, t_bwd = f_fwd / rate, f_bwd / rate
     ga = job.grad_accum
-    compute = ga * (t_fwd + t_bwd)
+    compute = ga * (t_fwd + t_bwd + float8_time(spec, job, comp))
     overlap = 1.0 if (o.prefetch or o.base != "fsdp") else 0.5
     exposed = 0.0
     other = 0.0

@@ -20,7 +20,7 @@ SHARED_KEYS = ["model", "strategy", "seq_len", "micro_batch_size", "grad_accum",
                "fsdp.reshard_after_forward", "fsdp.keep_gathered_one_rank", "fsdp.hybrid", "fsdp.shard_group_size",
                "fsdp.cpu_offload", "fsdp.wrap", "fsdp.prefetch", "deepspeed.stage", "deepspeed.offload_optimizer",
                "deepspeed.offload_params", "compile", "fused_loss", "sequence_parallel", "tensor_parallel", "sp_mode",
-               "activation_checkpointing"]
+               "activation_checkpointing", "float8"]
 
 
 def add_parser(subparsers) -> None:
@@ -99,6 +99,11 @@ def build(args):
                        ranks_per_node=per_node if gpus is None else None)
     spec = resolve_model(cfg.model)
     job = job_from_config(cfg, setup)
+    if job.float8 and not setup.fp8_peak_flops:
+        where = setup.device_name if setup.accelerator == "cuda" else "this CPU-only plan"
+        raise ShardwiseError(f"{res.where('float8')}: float8 runs on float8 tensor cores (Hopper, Ada: H100, H200, "
+                             f"L40S, RTX 4090); {where} has none: drop --float8, or plan for such a GPU "
+                             "(--gpu-type H100 --gpus N --gpu-memory GIB)")
     heads = spec.num_heads // job.tp  # each tp rank's, which Ulysses splits
     if job.sp > 1 and (setup.world % (job.sp * job.tp) or (job.sp_mode == "ulysses" and heads % job.sp)):
         raise ShardwiseError(f"{res.where('sequence_parallel')}: sequence_parallel {job.sp}"

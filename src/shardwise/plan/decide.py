@@ -58,6 +58,7 @@ class Setup:
     mfu: float | None  # None: by the job, EAGER_MFU or COMPILED_MFU (GPU); given by --mfu or CPU_MFU otherwise
     notes: list = field(default_factory=list)
     measured_busbw: float | None = None  # bytes/s from doctor.json, replaces intra when set
+    fp8_peak_flops: float = 0.0  # float8 tensor cores (0: none, or a CPU)
 
     @property
     def world(self) -> int:
@@ -199,11 +200,12 @@ def opts_for(name: str, cfg=None) -> Opts:
                 offload_params=d.offload_params)
 
 
-def preset_names(setup: Setup, tp: int = 1, sp: int = 1) -> list[str]:
+def preset_names(setup: Setup, tp: int = 1, sp: int = 1, float8: bool = False) -> list[str]:
     """The presets `plan` lists; under tensor parallelism only those TP composes with (the fsdp presets, and
     single when tp x sp is the whole world: pure TP, or TP x SP with the gradients averaged over the sequence
-    ranks, as launch.py allows single)."""
-    names = [name for name, p in presets.PRESETS.items() if p.planned_for(setup.world, setup.nodes)]
+    ranks, as launch.py allows single); with float8 not the DeepSpeed ones (the config refuses them)."""
+    names = [name for name, p in presets.PRESETS.items() if p.planned_for(setup.world, setup.nodes)
+             and not (float8 and presets.base_strategy(name) == "deepspeed")]
     if tp > 1:
         names = [n for n in names if presets.base_strategy(n) == "fsdp"] + (["single"] if setup.world == tp * sp
                                                                             else [])
@@ -220,7 +222,8 @@ def offloads(o: Opts) -> bool:
 def plan_strategy(spec: ModelSpec, job: Job, setup: Setup, name: str, opts: Opts) -> StrategyPlan:
     mem = estimate(spec, job, opts)
     n = max(1, shard_ranks(job, opts) // job.tp)  # data-parallel sharding: over the ranks of one tp position
-    timing = step_time(spec, job, opts, n, setup.links(), Compute(setup.peak_flops, setup.mfu_for(job)))
+    timing = step_time(spec, job, opts, n, setup.links(),
+                       Compute(setup.peak_flops, setup.mfu_for(job), fp8_peak_flops=setup.fp8_peak_flops))
     fits_dev = mem.total / GiB <= setup.device_mem_gib
     host_need = mem.host * setup.gpus_per_node / GiB
     fits_host = host_need <= setup.host_mem_gib * 0.9
@@ -243,7 +246,7 @@ def plan_model(spec: ModelSpec, job: Job, setup: Setup, configured: str | None =
     when data parallelism alone does not fit: choose_parallel; `escalate` False plans the job's degrees only)."""
     if setup.world < 1 or setup.gpus_per_node < 1 or setup.nodes < 1:
         raise ShardwiseError(f"a plan needs at least one rank (gpus {setup.gpus_per_node}, nodes {setup.nodes})")
-    names = preset_names(setup, job.tp, job.sp)
+    names = preset_names(setup, job.tp, job.sp, job.float8)
     if configured and configured in presets.PRESETS and configured not in names:
         names.append(configured)
     plans = [plan_strategy(spec, job, setup, n, opts_for(n, cfg)) for n in names]
@@ -382,6 +385,16 @@ def assumptions(plan: Plan) -> list[str]:
                    "embedding and head vocabulary-sharded with loss_parallel (no fused chunked head: the logits are "
                    "T x V/tp per rank); per layer 2 all-gathers + 2 reduce-scatters of T x h each way on the "
                    "intra-node link, not overlapped; FLOPs per rank / tp")
+    if j.float8:
+        from shardwise.plan.comm import FLOAT8_CAST_BYTES
+        from shardwise.plan.memory import float8_linears
+
+        names = ", ".join(n.removesuffix("_proj") for n in float8_linears(plan.spec)) or "none"
+        out.append(f"float8 linears in every block ({names}; the narrow ones stay bf16): their matmuls at "
+                   f"{text.flops(s.fp8_peak_flops)} (float8) at the same MFU, {FLOAT8_CAST_BYTES:g} bytes of memory "
+                   "traffic per element cast; " + ("their inputs recomputed in backward rather than saved, no bf16 "
+                                                   "weight copies" if j.compile else
+                                                   "eager blocks: activations as in bf16, no bf16 weight copies"))
     if j.sp > 1:
         from shardwise.plan.comm import sp_split
 
@@ -456,13 +469,13 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
         for combo in itertools.combinations(levers, k):
             changes = {key: v for _, ch in combo for key, v in ch.items()}
             add(1, " ".join(t for t, _ in combo), dataclasses.replace(j, **changes))
-    for name in preset_names(plan.setup, j.tp, j.sp):
+    for name in preset_names(plan.setup, j.tp, j.sp, j.float8):
         if name != strategy_name and "offload" not in name:
             add(0, f"--strategy {name}", name=name)
             if not j.checkpointing:
                 add(0, f"--strategy {name} --gradient-checkpointing", dataclasses.replace(j, checkpointing=True), name)
     for name in ("fsdp-offload", "zero3-offload"):
-        if name != strategy_name and (j.tp == 1 or presets.base_strategy(name) == "fsdp"):
+        if name != strategy_name and ((j.tp == 1 and not j.float8) or presets.base_strategy(name) == "fsdp"):
             add(1, f"--strategy {name}", name=name)
     s = plan.setup
     if j.sp == 1 and j.tp == 1 and s.world > 1:  # split the sequence, or the weights (TP: fsdp, full fine-tune)
@@ -551,9 +564,9 @@ def tensor_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, cfg=None) -> l
     tp x sp divides the ranks and whose heads per tp rank the sp mode takes (tp_sp_ok); single there only where
     tp x sp is the whole world, as launch.py runs it (its gradients averaged over the sequence ranks, counted in
     its step: comm.collectives), and those rows also carry the attention exchanges (`exchange_gb_per_step`).
-    None for LoRA/QLoRA (refused before launch) or where no degree divides."""
+    None for LoRA/QLoRA or float8 (refused before launch) or where no degree divides."""
     degrees = [d for d in tp_degrees(spec, setup.gpus_per_node) if tp_sp_ok(spec, job, setup.world, d)]
-    if job.tuner != "full" or not degrees or setup.world < 2:
+    if job.tuner != "full" or job.float8 or not degrees or setup.world < 2:
         return []
     rows = []
     for d in [1] + degrees:
@@ -588,7 +601,7 @@ def _first_fit(plan: Plan, kind: str, cfg) -> tuple[tuple[int, StrategyPlan, boo
     (what the reasons cite when none fits; None when there is no degree to try)."""
     spec, job, setup = plan.spec, plan.job, plan.setup
     if kind == "tp":
-        if job.tuner != "full":  # TP with LoRA is refused before launch
+        if job.tuner != "full" or job.float8:  # TP with LoRA or float8 is refused before launch
             return None, None
         degrees = tp_degrees(spec, setup.gpus_per_node)
     else:
@@ -612,7 +625,7 @@ def _pair_fit(plan: Plan, cfg) -> tuple[int, int, StrategyPlan, bool] | None:
     among the pairs of that product the fastest, within TIE the simplest (_fastest_simplest; between pairs of one
     preset, the faster). (tp, sp, the preset, whether a smaller product was tried), or None."""
     spec, job, setup = plan.spec, plan.job, plan.setup
-    if job.tuner != "full":
+    if job.tuner != "full" or job.float8:
         return None
     pairs = tp_sp_pairs(spec, job, setup)
     for total in sorted({t * d for t, d in pairs}):

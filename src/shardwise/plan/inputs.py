@@ -37,7 +37,7 @@ def job_from_config(cfg, setup: Setup) -> Job:
                fused_loss=cfg.fused_loss, compile=compile_on(cfg.compile, setup.accelerator),
                sp=getattr(cfg, "sequence_parallel", 1), tp=getattr(cfg, "tensor_parallel", 1),
                sp_mode=getattr(cfg, "sp_mode", "auto"),
-               selective_checkpointing=_ac(cfg) == "selective")
+               selective_checkpointing=_ac(cfg) == "selective", float8=bool(getattr(cfg, "float8", False)))
 
 
 def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, nodes: int = 1,
@@ -123,4 +123,5 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
         mfu = CPU_MFU if accel == "cpu" else None  # GPU: by the job (compiled or eager blocks), Setup.mfu_for
     return Setup(gpus_per_node=count, nodes=nodes, accelerator=accel, device_name=name, device_mem_gib=mem,
                  host_mem_gib=host, intra_gbps=intra, intra_label=intra_label, inter_gbps=inter,
-                 inter_label=inter_label, peak_flops=peak, mfu=mfu, notes=notes, measured_busbw=measured_bw)
+                 inter_label=inter_label, peak_flops=peak, mfu=mfu, notes=notes, measured_busbw=measured_bw,
+                 fp8_peak_flops=(hardware.fp8_peak_flops(name) or 0.0) if accel == "cuda" else 0.0)

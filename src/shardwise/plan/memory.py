@@ -96,6 +96,7 @@ class Job:
     sp_mode: str = "auto"  # ulysses | ring | auto (Ulysses gcd(heads, sp), ring for the rest; config `sp_mode`)
     # op-level selective checkpointing (config activation_checkpointing selective; `checkpointing` is the full one)
     selective_checkpointing: bool = False
+    float8: bool = False  # the blocks' large linears as torchao float8 linears (config `float8`; float8_linears)
 
     @property
     def gpus_per_node(self) -> int:
@@ -298,6 +299,64 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     return d
 
 
+# float8 (config `float8`, models/float8.py): which block linears the engine converts. Its rule, restated here because
+# the planner imports no torch (tests/unit/test_plan_float8.py checks both agree): both dimensions multiples of 16,
+# and not the narrow ones (out_features <= 1024 with in_features <= 4096).
+FLOAT8_NARROW_OUT, FLOAT8_NARROW_IN = 1024, 4096
+
+
+def float8_linears(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """(in, out) of the block linears the engine runs as float8 linears (models/float8.py `wanted`)."""
+    return {n: (i, o) for n, (i, o) in spec.linear_shapes().items()
+            if not (i % 16 or o % 16) and not (o <= FLOAT8_NARROW_OUT and i <= FLOAT8_NARROW_IN)}
+
+
+def float8_block_bytes(spec: ModelSpec, job: Job) -> float:
+    """What float8 changes in one compiled block's saved activations (bytes; negative: less). Measured on the
+    compiled graphs (benchmarks/float8_probe.py, docs/planner.md "float8"): the partitioner recomputes a converted
+    linear's float8 input in backward from what the block saves anyway, so
+    - q, k and v all converted: the first norm's output is no longer saved (-c*h); only some of them: their float8
+      copy of it is saved besides (+h);
+    - gate and up converted: the second norm's output is no longer saved (-c*h);
+    - down converted: its input, silu(gate) * up, is recomputed from gate and up (-c*i);
+    - o: nothing (its input is the attention output, which attention's backward keeps).
+    Eager blocks (compile off) save each linear's high-precision input as before: no change. MoE blocks: not
+    measured, no change counted."""
+    if not job.float8 or not job.compile or spec.num_experts:
+        return 0.0
+    conv, h, c = float8_linears(spec), spec.hidden_size, job.c
+    d = 0.0
+    qkv = [n for n in ("q_proj", "k_proj", "v_proj") if n in conv]
+    d += -c * h if len(qkv) == 3 else (h if qkv else 0.0)
+    gate_up = [n for n in ("gate_proj", "up_proj") if n in conv]
+    d += -c * h if len(gate_up) == 2 else (h if gate_up else 0.0)
+    if "down_proj" in conv:
+        d -= c * spec.intermediate_size
+    return d * job.tokens
+
+
+def float8_backward_bytes(spec: ModelSpec, job: Job) -> float:
+    """A converted linear's backward transients beside a block's backward: the float8 casts of its output gradient
+    and of its (recomputed) input, each also transposed for the weight gradient, and the recomputed input itself
+    where the block did not save it (float8_block_bytes); the largest linear's, bytes. On the 1.14B anchor with full
+    checkpointing (end of backward sets the peak) this predicts +0.28 GiB; measured +0.24 GiB (H200, 2026-12-01)."""
+    if not job.float8:
+        return 0.0
+    conv, c = float8_linears(spec), job.c
+    recomputed = set()  # inputs float8_block_bytes no longer counts as saved
+    if job.compile and not spec.num_experts:
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("down_proj",)):
+            if all(n in conv for n in group):
+                recomputed.update(group)
+    return job.tokens * max((2 * (i + o) + (c * i if n in recomputed else 0) for n, (i, o) in conv.items()),
+                            default=0)
+
+
+def float8_params(spec: ModelSpec) -> float:
+    """Parameters of the linears float8 converts, whole model."""
+    return spec.num_layers * sum(i * o for i, o in float8_linears(spec).values())
+
+
 # Past this sequence length a packed sequence on CUDA (or any sequence-parallel one) is attended through
 # FlexAttention's block mask, not a dense (B, 1, S, S) mask (models/sequence_parallel.py, train/loop.py).
 DENSE_MASK_MAX_SEQ = 8192
@@ -449,7 +508,7 @@ def block_activations(spec: ModelSpec, job: Job, o: Opts) -> float:
     33.3 / 36.1 GiB, and the factor on everything would predict 26.8 / 30.1 (docs/planner.md)."""
     d = layer_activations(spec, job, o)
     adapters = d.pop("lora_inputs", 0.0)
-    return sum(d.values()) * compile_factor(job, o) + adapters
+    return sum(d.values()) * compile_factor(job, o) + adapters + float8_block_bytes(spec, job)
 
 
 def selective_block_activations(spec: ModelSpec, job: Job, o: Opts) -> float:
@@ -529,7 +588,9 @@ def replica_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> No
         # not; the fused head runs with autocast off and casts its weight itself: counted in its terms). Under
         # LoRA the frozen base is already in the compute dtype: only the adapters' weights are cast.
         head = spec.vocab_size * spec.hidden_size if fused_head(spec, job) else 0
-        st.extraA["autocast_weights"] = c * ((spec.linear_params - head) / job.tp if job.tuner == "full" else P_t)
+        # float8 linears cast their fp32 weights to float8 themselves (for backward again): no bf16 copies of those
+        f8 = float8_params(spec) if job.float8 else 0.0
+        st.extraA["autocast_weights"] = c * ((spec.linear_params - head - f8) / job.tp if job.tuner == "full" else P_t)
 
 
 def fsdp_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> None:
@@ -665,7 +726,8 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     moment_a = states + act_end + sum(extraA.values()) + accum_grads
     # end of backward: all grads, the first block's activations and their gradients (or the recomputed block)
     # a block's backward: its saved activations (recomputed under checkpointing) plus the gradients in flight
-    workspace = per_layer + job.tokens * (3 * spec.mlp_width * job.c + 8 * spec.hidden_size) / job.tp
+    workspace = (per_layer + job.tokens * (3 * spec.mlp_width * job.c + 8 * spec.hidden_size) / job.tp
+                 + float8_backward_bytes(spec, job))
     step_tmp = 0.0
     if o.base in ("single", "ddp", "fsdp") and not (o.base == "fsdp" and o.cpu_offload and offload_moves):
         # torch AdamW: fused on GPU needs no full-size temporaries; foreach (CPU) makes one sqrt(v) list
