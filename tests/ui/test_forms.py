@@ -39,6 +39,9 @@ def test_the_command_to_copy_resolves_to_the_form_config(tmp_path):
     ({"nodes": "0"}, "nodes", "--nodes must be >= 1"),
     ({"grad_accum": "1.5"}, "grad_accum", "flag --grad-accum: 'grad_accum' must be an int, got '1.5'"),
     ({"model": "./no/such/dir"}, "model", "--model './no/such/dir': no such directory"),
+    # the message also names --gpu-memory and --gpu-type (what to do): its `flag --float8:` prefix decides
+    ({"float8": True, "gpu_type": "A100", "gpus": "2", "gpu_memory": "80"}, "float8",
+     "flag --float8: float8 runs on float8 tensor cores"),
 ])
 def test_plan_errors_are_the_cli_lines_next_to_their_field(values, field, text):
     with pytest.raises(forms.FormError) as e:

@@ -78,9 +78,8 @@ def fields() -> list[Field]:
               _choices("sp_mode")),
         Field("tensor_parallel", "tensor parallel degree", "--tensor-parallel", "--tensor-parallel", default="1",
               help=_help("tensor_parallel")),
+        Field("float8", "float8 linears (Hopper/Ada GPU)", "--float8", "--float8", "bool", "false", _help("float8")),
         # what only a launch needs
-        Field("float8", "float8 linears (Hopper/Ada GPU)", None, "--float8", "bool", "false", _help("float8"),
-              launch_only=True),
         Field("data", "data", None, "--data", default="demo", help=_help("data"), launch_only=True),
         Field("max_steps", "max steps", None, "--max-steps", default="30", help=_help("max_steps"), launch_only=True),
         Field("lr", "learning rate", None, "--lr", default="0.003", help=_help("lr"), launch_only=True),
@@ -111,7 +110,13 @@ class FormError(ShardwiseError):
 
 
 def field_of(message: str, which: str) -> str | None:
-    """The form field whose flag the message names (longest flag first)."""
+    """The form field whose flag the message names: the one a `flag --x:` prefix names (config's `where`), else the
+    longest flag it mentions."""
+    lead = re.match(r"flag (--[a-z0-9-]+)", message)
+    if lead:
+        for f in FIELDS_BY_NAME.values():
+            if lead.group(1) in (f.plan_flag, f.train_flag):
+                return f.name
     candidates = []
     for f in FIELDS_BY_NAME.values():
         flag = f.plan_flag if which == "plan" else f.train_flag
