@@ -20,7 +20,7 @@
 #                                                    spflex spplain sppacked spprobe longmin (sixth session, x2;
 #                                                    not run: the device budget was spent)
 #                                                    scale2 (x2) scale8a scale8b long8 (x8; issue 21, not run yet)
-#                                                    f8probe f8runs1 f8runs2 f8diag f8diag2 f8runs3 (tenth session; carries torchao)
+#                                                    f8probe f8runs1 f8runs2 f8diag f8diag2 f8runs3 f8qprof (tenth session; carries torchao)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
 set -u
@@ -240,6 +240,11 @@ f8diag2() {  # f8diag's fsdp+float8 was 268.8 ms when run first: f8runs1's order
 f8runs3() {  # f8runs1's Qwen rows again on a warm machine (f8runs1 ran on a fresh one, its fsdp + float8 rows cold)
   timeout -k 10 300 python3 benchmarks/one_gpu_levers.py --model qwen2.5-1.5B --micro-batch-size 3 --seq-len 3072 \
     --variants single,single+float8,fsdp,fsdp+float8 --repeat 2 --steps 6 --warmup 2 --json "$OUT/f8runs3_qwen.json"
+}
+f8qprof() {  # why fsdp + float8 gains 1-3% on the Qwen shape where single + float8 gains 9%: the kernels of both
+  timeout -k 10 300 python3 benchmarks/one_gpu_levers.py --model qwen2.5-1.5B --micro-batch-size 3 --seq-len 3072 \
+    --variants single+float8,fsdp+float8,fsdp --repeat 1 --steps 6 --warmup 2 --profile single+float8,fsdp+float8,fsdp \
+    --json "$OUT/f8qprof.json"
 }
 for part in "$@"; do
   [ "$part" = setup ] && continue
