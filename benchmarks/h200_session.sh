@@ -210,7 +210,7 @@ ttfs9c() {
     --shardwise ddp,ddp-serial,single
 }
 # tenth session (issue 17: the planner's float8 terms; carries .whl/torchao 0.17.0): what float8 changes in one block
-# (saved activations, autocast's weight cache, forward + backward time) over five block shapes, then whole runs on
+# (saved activations, autocast's weight cache, forward + backward time) over four block shapes, then whole runs on
 # shapes and settings the planner's float8 terms were not fitted on (its out-of-sample check)
 f8probe() {
   timeout -k 10 400 python3 benchmarks/float8_probe.py --shapes llama-0.3B,llama-1.1B,llama-8B,qwen2.5-1.5B \

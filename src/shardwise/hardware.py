@@ -46,10 +46,11 @@ def peak_flops(device_name: str, dtype: str = "bf16") -> float | None:
 
 
 def fp8_peak_flops(device_name: str) -> float | None:
-    """Dense float8 peak FLOP/s of one device, or None when it has no float8 tensor cores (or is unknown)."""
+    """Dense float8 peak FLOP/s of one device: 0.0 for a known GPU without float8 tensor cores, None when the
+    device is not in the table (as peak_flops)."""
     for key, table in PEAK_TFLOPS.items():
         if key in device_name:
-            return table["fp8"] * 1e12 if "fp8" in table else None
+            return table.get("fp8", 0.0) * 1e12
     return None
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.plan.memory import Job, float8_block_bytes, float8_linears, float8_params
+from shardwise.plan.memory import Job, float8_block_bytes, float8_linears
 from shardwise.plan.model_presets import find_preset
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -85,8 +85,17 @@ def test_float8_block_terms_reproduce_the_measured_compiled_blocks(shape, weight
     job = Job(micro_batch=1, seq_len=T, compute="bf16", param_dtype="fp32" if weights == "autocast" else "bf16",
               compile=True, float8=True)
     predicted = float8_block_bytes(spec, job)
-    if weights == "autocast":
-        predicted -= 2 * float8_params(spec) / spec.num_layers
+    if weights == "autocast":  # the planner's autocast_weights term, with float8 minus without, per block
+        from dataclasses import replace
+
+        from shardwise.plan.decide import opts_for
+        from shardwise.plan.memory import estimate
+
+        def copies(j):
+            return estimate(spec, j, opts_for("single")).detail["buffer.autocast_weights"]
+
+        predicted += (copies(job) - copies(replace(job, float8=False))) / spec.num_layers
+        assert predicted < float8_block_bytes(spec, job)
     measured = f8["block_act_bytes"] - bf16["block_act_bytes"]
     assert measured < 0
     assert abs(predicted - measured) <= 0.01 * bf16["block_act_bytes"], (predicted / T, measured / T)
@@ -117,8 +126,8 @@ def _measured(name: str) -> dict:
 @pytest.mark.parametrize("run", RUNS, ids=["anchor", "anchor-ckpt", "llama-0.3B", "llama-3B", "qwen2.5-1.5B"])
 def test_float8_runs_within_goals_and_the_change_predicted(run):
     """Every measured row, bf16 and float8, single and fsdp: peak within 10% and step time within 20% (issue 16's
-    goals); and the change float8 makes to the peak within 0.3 GiB of the measured one, which the planner without
-    float8 misses by the whole saving on the rows where float8 saves more than 1 GiB."""
+    goals); and the changes float8 makes, to the peak within 0.3 GiB and to the step time within 12 ms of the
+    measured ones."""
     name, model, mb, seq, ckpt = run
     pa = _pa()
     measured = _measured(name)
@@ -133,13 +142,19 @@ def test_float8_runs_within_goals_and_the_change_predicted(run):
             assert abs(sp.timing.step_s / t - 1) <= SPEED_TOL, (strategy, sp.timing.step_s, t)
         change = (f8.memory.peak_tensors - plain.memory.peak_tensors) / GiB
         assert abs(change - (m1 - m0)) <= 0.3, (strategy, change, m1 - m0)
+        # the step-time change too: within 12 ms of the measured one (-2.8 to -50.2 ms on these rows; the float8
+        # time term left out misses the anchor by 31 ms)
+        dt = f8.timing.step_s - plain.timing.step_s
+        assert abs(dt - (t1 - t0)) <= 0.012, (strategy, dt, t1 - t0)
+        # where float8 saves more than 1 GiB, the float8 plan is nearer the float8 run than the plan that ignores it
         if m0 - m1 > 1.0:
-            assert abs(plain.memory.peak_tensors / GiB - m1) > 1.0  # float8 ignored: off by the saving
+            assert abs(f8.memory.peak_tensors / GiB - m1) < abs(plain.memory.peak_tensors / GiB - m1)
 
 
 def test_plan_cli_float8_drops_deepspeed_presets_and_refuses_a_gpu_without_float8(capsys, tmp_path, monkeypatch):
-    """`plan --float8`: the DeepSpeed presets (refused with float8 before launch) are not offered, single is faster
-    and leaner than without; a GPU without float8 tensor cores is one line naming the flag."""
+    """`plan --float8`: the DeepSpeed presets (refused with float8 before launch) are not offered, ddp is faster
+    and leaner than without; a GPU known to lack float8 tensor cores is one line naming the flag, while one the
+    table does not know is planned as the default GPU (as for its bf16 peak)."""
     from shardwise import cli
     from shardwise.errors import ShardwiseError
     from shardwise.plan import command as plan_cmd
@@ -158,6 +173,9 @@ def test_plan_cli_float8_drops_deepspeed_presets_and_refuses_a_gpu_without_float
     assert f.timing.step_s < b.timing.step_s and f.memory.peak_tensors < b.memory.peak_tensors
     with pytest.raises(ShardwiseError, match=r"^flag --float8: float8 runs on float8 tensor cores .*A100 has none"):
         plan("--gpu-type", "A100", "--float8")
+    unknown = plan("--gpu-type", "B200", "--float8")
+    assert unknown.setup.fp8_peak_flops == f8.setup.fp8_peak_flops > 0
+    assert any("'B200' unknown: assumed H100" in n for n in unknown.setup.notes)
 
 
 def test_the_float8_terms_are_zero_without_float8():
@@ -165,3 +183,35 @@ def test_the_float8_terms_are_zero_without_float8():
     job = Job(micro_batch=2, seq_len=4096, compile=True)
     assert float8_block_bytes(spec, job) == 0
     assert float8_linears(spec)  # the rule itself does not depend on the flag
+
+
+def test_nothing_float8_refuses_is_offered_with_it(tmp_path, monkeypatch):
+    """With float8 on, neither the tensor-parallel rows, nor --strategy auto's escalation, nor the fit advice offers
+    what the config refuses with float8 (TP, adapters), unless the advice drops float8 and says so; the planner's
+    float8 terms also stay out of any LoRA or TP job. Llama-3.1-8B, micro-batch 1, checkpointing, bf16 weights, on
+    8 H100s: at 64k in 12 GiB only TP fits (auto picks TP 8 without float8), at 2k in 8 GiB only QLoRA does."""
+    import dataclasses
+
+    from shardwise import cli
+    from shardwise.plan import command as plan_cmd
+    from shardwise.plan.decide import fit_advice
+    from shardwise.plan.memory import float8_backward_bytes
+
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
+
+    def plan(mem, seq, *extra):
+        args = cli.build_parser().parse_args(["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--gpu-type", "H100",
+                                              "--micro-batch-size", "1", "--gradient-checkpointing", "--param-dtype",
+                                              "bf16", "--gpu-memory", mem, "--seq-len", seq, *extra])
+        return plan_cmd.build(args)[0]
+
+    bf16, f8 = plan("12", "65536"), plan("12", "65536", "--float8")
+    assert bf16.tp_rows and not f8.tp_rows
+    assert bf16.parallel["tensor_parallel"] == 8 and f8.parallel.get("tensor_parallel", 1) == 1
+    assert "Cheapest change that fits: --tensor-parallel 8 --no-float8 " in fit_advice(f8, "fsdp")
+    assert "Cheapest change that fits: --tensor-parallel 8 " in fit_advice(bf16, "fsdp")
+    assert "Cheapest change that fits: --tuner qlora --no-float8 " in fit_advice(plan("8", "2048", "--float8"), "fsdp")
+    spec, job = f8.spec, f8.job
+    assert float8_block_bytes(spec, job) < 0 and float8_backward_bytes(spec, job) > 0
+    for other in (dataclasses.replace(job, tuner="lora"), dataclasses.replace(job, tp=2)):
+        assert float8_block_bytes(spec, other) == 0 and float8_backward_bytes(spec, other) == 0

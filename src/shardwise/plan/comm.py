@@ -53,10 +53,10 @@ LORA_FORWARD_SHARE = 0.5
 # twelve zero3 rows, full and LoRA, checkpointing on and off, Qwen2.5-1.5B and 1.14B Llama shapes; docs/planner.md).
 ZERO3_EAGER_S_PER_MODULE_PASS = 8.5e-4
 ZERO3_COMPILED_S_PER_MODULE_PASS = 1.35e-3
-# float8 linears (float8_time): their matmuls run at the GPU's float8 peak at the job's MFU; each element they cast
-# to float8 (the input and the output gradient of every matmul pass, the weight once per pass) costs this many bytes
-# of device-memory traffic: the amax reduction, the scaled cast, the transposed copy for the weight gradient, and
-# whatever else keeps the float8 matmuls from twice the bf16 rate. Fitted on one row, the 1.14B anchor under single
+# float8 linears (float8_time): their matmuls run at the GPU's float8 peak at the job's MFU; each element counted as
+# cast to float8 (each forward pass's input and weight, and the output gradient once) costs this many bytes of
+# device-memory traffic. It stands for the amax reductions, the scaled casts, backward's recasts of the input and
+# the weight, the transposed copies, and whatever else keeps the float8 matmuls from twice the bf16 rate. Fitted on one row, the 1.14B anchor under single
 # on one H200 (2026-12-01: 229.2 -> 198.0 ms a step); docs/planner.md "float8" has the rows it was checked on.
 FLOAT8_CAST_BYTES = 9.1
 
@@ -331,9 +331,10 @@ def elementwise_time(spec: ModelSpec, job: Job, comp: Compute, o_base: str = "si
 def float8_time(spec: ModelSpec, job: Job, comp: Compute) -> float:
     """Seconds float8 changes in one micro-batch (negative: faster): the converted linears' matmul passes (forward,
     input and weight gradients, and the recomputed forward under full checkpointing) at the float8 rate instead of
-    the bf16 one, plus their casts (FLOAT8_CAST_BYTES per element cast: every pass's input-side operand and the
-    weight; the backward passes cast the output gradient)."""
-    if not job.float8 or job.accelerator != "cuda" or not comp.fp8_peak_flops:
+    the bf16 one, plus their casts (FLOAT8_CAST_BYTES per element counted: each forward pass's input and weight,
+    the output gradient once). Nothing for LoRA/QLoRA or tensor parallelism (refused with float8)."""
+    if (not job.float8 or job.tuner != "full" or job.tp != 1 or job.accelerator != "cuda"
+            or not comp.fp8_peak_flops):
         return 0.0
     conv, T, L = float8_linears(spec), job.tokens, spec.num_layers
     fwd = 2 if job.checkpointing else 1  # forward passes

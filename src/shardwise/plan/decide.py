@@ -390,11 +390,13 @@ def assumptions(plan: Plan) -> list[str]:
         from shardwise.plan.memory import float8_linears
 
         names = ", ".join(n.removesuffix("_proj") for n in float8_linears(plan.spec)) or "none"
-        out.append(f"float8 linears in every block ({names}; the narrow ones stay bf16): their matmuls at "
+        out.append(f"float8 linears in every block ({names}; the narrow ones left as they are): their matmuls at "
                    f"{text.flops(s.fp8_peak_flops)} (float8) at the same MFU, {FLOAT8_CAST_BYTES:g} bytes of memory "
-                   "traffic per element cast; " + ("their inputs recomputed in backward rather than saved, no bf16 "
-                                                   "weight copies" if j.compile else
-                                                   "eager blocks: activations as in bf16, no bf16 weight copies"))
+                   "traffic per element cast; no bf16 weight copies; " + (
+                       "activations as without float8 (selective checkpointing with float8 is not measured)"
+                       if j.selective_checkpointing else
+                       "their inputs recomputed in backward rather than saved" if j.compile else
+                       "eager blocks: activations as without float8"))
     if j.sp > 1:
         from shardwise.plan.comm import sp_split
 
@@ -483,12 +485,15 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
             for d in sp_degrees(plan.spec, j, s.world):
                 add(1, f"--sequence-parallel {d}", dataclasses.replace(j, sp=d))
         if sp.base == "fsdp" and j.tuner == "full":
+            # float8 is not built with TP: those variants drop it, and say so
+            no8, off = (" --no-float8", {"float8": False}) if j.float8 else ("", {})
             for d in tp_degrees(plan.spec, s.gpus_per_node):
-                add(1, f"--tensor-parallel {d}", dataclasses.replace(j, tp=d))
+                add(1, f"--tensor-parallel {d}{no8}", dataclasses.replace(j, tp=d, **off))
             # both together only where neither alone fits (as --strategy auto: choose_parallel)
             if not any(c[2].fits for c in cands if c[1].startswith(("--sequence-parallel", "--tensor-parallel"))):
                 for t, d in tp_sp_pairs(plan.spec, j, s):
-                    add(1, f"--tensor-parallel {t} --sequence-parallel {d}", dataclasses.replace(j, tp=t, sp=d))
+                    add(1, f"--tensor-parallel {t} --sequence-parallel {d}{no8}",
+                        dataclasses.replace(j, tp=t, sp=d, **off))
     sharded = strategy_name if sp.base in ("fsdp", "deepspeed") else "fsdp"
     for mult in (2, 4, 8):
         if s.accelerator == "cuda":
@@ -496,8 +501,9 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
             add(2, f"{more.world} GPUs ({more.nodes} nodes) with --strategy {sharded}",
                 dataclasses.replace(j, world=more.world, nodes=more.nodes), sharded, more)
     adapters = {"full": ["lora", "qlora"], "lora": ["qlora"]}.get(j.tuner, []) if j.tp == 1 else []  # TP: full only
-    for tuner in adapters:
-        add(3, f"--tuner {tuner}", dataclasses.replace(j, tuner=tuner))
+    for tuner in adapters:  # float8 is full fine-tuning only: an adapter drops it
+        add(3, f"--tuner {tuner}" + (" --no-float8" if j.float8 else ""), dataclasses.replace(j, tuner=tuner,
+                                                                                             float8=False))
     ok = [c for c in cands if c[2].fits]
     if not ok:
         return head + "; no change found that fits (alone, or param dtype, checkpointing and micro-batch together): use a smaller model, more or larger GPUs"
@@ -698,8 +704,11 @@ def choose_parallel(plan: Plan, cfg=None) -> None:
     pair = None if found else _pair_fit(plan, cfg)
     if found is None and pair is None:
         if not any(s.fits for s in plan.strategies):  # (where an offload preset fits, recommend() said why)
-            plan.reasons.append(head + "; no sequence- or tensor-parallel degree these ranks and this model "
-                                       "allow fits either, alone or together")
+            plan.reasons.append(head + ("; no sequence-parallel degree these ranks and this model allow fits "
+                                        "either, and tensor parallelism is not built with float8 (drop --float8 to "
+                                        "plan it)" if job.float8 else
+                                        "; no sequence- or tensor-parallel degree these ranks and this model "
+                                        "allow fits either, alone or together"))
         return
     if pair is not None:
         t, d, pick, tried_smaller = pair

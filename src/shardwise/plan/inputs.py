@@ -90,6 +90,7 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
     doctor = hardware.load_doctor() if use_doctor else None
     measured_bw = None
     peak = hardware.peak_flops(name, "bf16") if accel == "cuda" else None
+    fp8 = (hardware.fp8_peak_flops(name) or 0.0) if accel == "cuda" else 0.0
     if doctor and doctor.get("accelerator") == accel:
         ar = (doctor.get("collectives") or {}).get("all_reduce") or []
         if ar and intra_gbps is None and nodes == 1:
@@ -105,6 +106,7 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
             notes.append(f"CPU matmul rate assumed {peak / 1e9:.0f} GFLOP/s per rank (run `shardwise doctor` to measure)")
         else:
             peak = hardware.peak_flops(DEFAULT_GPU, "bf16")
+            fp8 = hardware.fp8_peak_flops(DEFAULT_GPU)  # float8 too: the GPU is planned as the default one
             notes.append(f"peak FLOP/s of '{name}' unknown: assumed {DEFAULT_GPU} ({text.flops(peak)})")
     if intra_gbps is not None:
         intra, intra_label = intra_gbps, f"given: {intra_gbps:g} Gb/s"
@@ -124,4 +126,4 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
     return Setup(gpus_per_node=count, nodes=nodes, accelerator=accel, device_name=name, device_mem_gib=mem,
                  host_mem_gib=host, intra_gbps=intra, intra_label=intra_label, inter_gbps=inter,
                  inter_label=inter_label, peak_flops=peak, mfu=mfu, notes=notes, measured_busbw=measured_bw,
-                 fp8_peak_flops=(hardware.fp8_peak_flops(name) or 0.0) if accel == "cuda" else 0.0)
+                 fp8_peak_flops=fp8)

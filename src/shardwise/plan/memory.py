@@ -320,9 +320,10 @@ def float8_block_bytes(spec: ModelSpec, job: Job) -> float:
     - gate and up converted: the second norm's output is no longer saved (-c*h);
     - down converted: its input, silu(gate) * up, is recomputed from gate and up (-c*i);
     - o: nothing (its input is the attention output, which attention's backward keeps).
-    Eager blocks (compile off) save each linear's high-precision input as before: no change. MoE blocks: not
-    measured, no change counted."""
-    if not job.float8 or not job.compile or spec.num_experts:
+    Eager blocks (compile off): torchao's float8 linear saves its high-precision input and weight, as a bf16 linear
+    does (read from its source, not measured): no change. Not measured, so no change counted: MoE blocks, selective
+    checkpointing (its policy decides what is kept). float8 is refused with LoRA/QLoRA and tensor parallelism."""
+    if not _float8_applies(job) or not job.compile or spec.num_experts or job.selective_checkpointing:
         return 0.0
     conv, h, c = float8_linears(spec), spec.hidden_size, job.c
     d = 0.0
@@ -340,16 +341,21 @@ def float8_backward_bytes(spec: ModelSpec, job: Job) -> float:
     and of its (recomputed) input, each also transposed for the weight gradient, and the recomputed input itself
     where the block did not save it (float8_block_bytes); the largest linear's, bytes. On the 1.14B anchor with full
     checkpointing (end of backward sets the peak) this predicts +0.28 GiB; measured +0.24 GiB (H200, 2026-12-01)."""
-    if not job.float8:
+    if not _float8_applies(job):
         return 0.0
     conv, c = float8_linears(spec), job.c
     recomputed = set()  # inputs float8_block_bytes no longer counts as saved
-    if job.compile and not spec.num_experts:
+    if job.compile and not spec.num_experts and not job.selective_checkpointing:
         for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("down_proj",)):
             if all(n in conv for n in group):
                 recomputed.update(group)
     return job.tokens * max((2 * (i + o) + (c * i if n in recomputed else 0) for n, (i, o) in conv.items()),
                             default=0)
+
+
+def _float8_applies(job: Job) -> bool:
+    """float8 as the engine runs it: full fine-tuning without tensor parallelism (the config refuses the rest)."""
+    return job.float8 and job.tuner == "full" and job.tp == 1
 
 
 def float8_params(spec: ModelSpec) -> float:
@@ -589,7 +595,7 @@ def replica_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> No
         # LoRA the frozen base is already in the compute dtype: only the adapters' weights are cast.
         head = spec.vocab_size * spec.hidden_size if fused_head(spec, job) else 0
         # float8 linears cast their fp32 weights to float8 themselves (for backward again): no bf16 copies of those
-        f8 = float8_params(spec) if job.float8 else 0.0
+        f8 = float8_params(spec) if _float8_applies(job) else 0.0
         st.extraA["autocast_weights"] = c * ((spec.linear_params - head - f8) / job.tp if job.tuner == "full" else P_t)
 
 
