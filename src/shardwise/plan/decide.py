@@ -620,8 +620,9 @@ def _first_fit(plan: Plan, kind: str, cfg) -> tuple[tuple[int, StrategyPlan, boo
         ok = [s for s in plain if s.fits]
         if ok:
             return (d, _fastest_simplest(ok), n > 0), lean
-        if plain and (lean is None or min(s.memory.total for s in plain) < lean[1]):
-            lean = (d, min(s.memory.total for s in plain))
+        least = min((s.memory.total for s in plain), default=None)
+        if least is not None and (lean is None or least < lean[1]):
+            lean = (d, least)
     return None, lean
 
 
