@@ -20,7 +20,7 @@
 #                                                    spflex spplain sppacked spprobe longmin (sixth session, x2;
 #                                                    not run: the device budget was spent)
 #                                                    scale2 (x2) scale8a scale8b long8 (x8; issue 21, not run yet)
-#                                                    f8probe f8runs1 f8runs2 f8diag f8diag2 f8runs3 f8qprof (tenth session; carries torchao)
+#                                                    f8probe f8runs1 f8runs2 f8diag f8diag2 f8runs3 f8qprof f8cli (tenth session; carries torchao)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
 set -u
@@ -245,6 +245,10 @@ f8qprof() {  # why fsdp + float8 gains 1-3% on the Qwen shape where single + flo
   timeout -k 10 300 python3 benchmarks/one_gpu_levers.py --model qwen2.5-1.5B --micro-batch-size 3 --seq-len 3072 \
     --variants single+float8,fsdp+float8,fsdp --repeat 1 --steps 6 --warmup 2 --profile single+float8,fsdp+float8,fsdp \
     --json "$OUT/f8qprof.json"
+}
+f8cli() {  # float8 through the `shardwise train` CLI (the anchor, single and fsdp), for test_plan_measured's rows
+  timeout -k 10 400 python3 benchmarks/strategies_gpu.py --strategies single,fsdp --steps 20 --tag f8cli --out "$OUT" \
+    -- --float8
 }
 for part in "$@"; do
   [ "$part" = setup ] && continue
