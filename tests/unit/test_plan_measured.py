@@ -70,6 +70,11 @@ ROWS = [
       "--gradient-checkpointing"], "fsdp", 11.3e3, 67.4),
     ("same, 1 x 65536 per GPU", ["--model", "llama-3.1-8b", "--gpus", "2", "--micro-batch-size", "1",
                                  "--seq-len", "65536", "--gradient-checkpointing"], "fsdp", 8.2e3, 75.8),
+    # 2026-12-01, `shardwise train --float8` (benchmarks/results/strategies-gpu-2026-12-01-f8cli.md, torchao 0.17.0)
+    ("1 H200, 1.14B Llama, 8 x 2048, --float8", ["--model", "{llama}", "--gpus", "1", "--micro-batch-size", "8",
+                                                 "--seq-len", "2048", "--float8"], "single", 84.7e3, 30.47),
+    ("same", ["--model", "{llama}", "--gpus", "1", "--micro-batch-size", "8", "--seq-len", "2048", "--float8"],
+     "fsdp", 83.3e3, 31.08),
 ]
 SPEED_TOL, MEM_TOL = 0.20, 0.10
 
