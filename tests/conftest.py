@@ -6,6 +6,14 @@ import pytest
 # One cache (the built tiny model) for the whole session, shared with every subprocess.
 os.environ.setdefault("SHARDWISE_CACHE_DIR", tempfile.mkdtemp(prefix="shardwise-test-cache-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread per torch process: this process, its spawned ranks and every `shardwise` it starts (which
+# passes OMP_NUM_THREADS on to its workers). The suite runs processes side by side (two xdist workers, two
+# ConcurrentRuns at a time) on 2 cores; the launcher's own default gives a one-process run cpu_count threads, and
+# two such runs together (or one beside a 2-rank run) oversubscribe the cores, where OpenMP's spinning threads
+# turned 12 steps of `single` from 0.8 s of training into 10-13 s each (two alone: 20.5 s wall, 39 CPU-s; with one
+# thread: 7.4 s, 12 CPU-s) and, in a whole -n 2 run, into two minutes. The tiny models gain nothing from a
+# second thread (0.84 vs 0.82 s alone). Set before torch is imported (OpenMP reads it once).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
