@@ -51,6 +51,33 @@ def test_cli_refuses_zero_without_deepspeed_before_launch(tmp_path):
 # -- DeepSpeed config: one source of truth ----------------------------------------------------
 
 
+def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
+    """DeepSpeed's autotuner imports mlflow when the package is imported (2.6 CPU-s of 4.7 here); ZeRO runs import
+    deepspeed without it (strategies/deepspeed.import_deepspeed), and a run reporting to mlflow can still import it
+    afterwards. In a fresh interpreter: another test may have imported either in this one."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("mlflow")
+    import subprocess
+
+    script = """
+import sys
+from shardwise.strategies.deepspeed import import_deepspeed
+ds = import_deepspeed()
+assert ds is sys.modules["deepspeed"] and ds.initialize
+assert "mlflow" not in sys.modules, "mlflow imported with deepspeed"
+from deepspeed.autotuning import autotuner
+assert autotuner.has_mlflow is False
+import mlflow
+assert mlflow.log_metric
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # and a plain `import deepspeed` does import it: what the helper avoids is real
+    r = subprocess.run([sys.executable, "-c", "import sys, deepspeed; assert 'mlflow' in sys.modules"],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_deepspeed_config_is_generated_from_ours(tmp_path):
     from shardwise.strategies.deepspeed import ds_config
 
