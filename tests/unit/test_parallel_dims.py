@@ -139,17 +139,18 @@ def test_sequence_parallel_dims_shard_and_average_over_the_sequence_ranks_too():
 def test_build_model_leaves_checkpointing_and_compile_to_the_strategy(tiny_dir):
     """build_model loads and adds adapters; the strategy's parallelize pipeline enables
     activation checkpointing and compiles each block (compile is lazy: nothing runs here)."""
+    from shardwise.models.checkpointing import is_checkpointing
     from shardwise.models.speed import decoder_blocks
     from shardwise.train.loop import build_model
 
     cfg = cfg_of(strategy="single", model=tiny_dir, gradient_checkpointing=True, compile="on", mixed_precision="no")
     model = build_model(cfg, tiny_dir)
     blocks = decoder_blocks(model)
-    assert not model.is_gradient_checkpointing
+    assert not is_checkpointing(model)
     assert all(b._compiled_call_impl is None for b in blocks)
     strategy = strategies.get("single")(cfg, DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo"))
     wrapped, _ = strategy.setup(model)
-    assert wrapped.is_gradient_checkpointing
+    assert is_checkpointing(wrapped)
     assert all(b._compiled_call_impl is not None for b in blocks)
     assert (strategy.dims.dp_size, strategy.dims.dp_rank) == (1, 0)
 

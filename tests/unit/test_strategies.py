@@ -54,7 +54,8 @@ def test_cli_refuses_zero_without_deepspeed_before_launch(tmp_path):
 def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
     """DeepSpeed's autotuner imports mlflow when the package is imported (2.6 CPU-s of 4.7 here); ZeRO runs import
     deepspeed without it (strategies/deepspeed.import_deepspeed), and a run reporting to mlflow can still import it
-    afterwards. In a fresh interpreter: another test may have imported either in this one."""
+    afterwards (a plain `import deepspeed` imports it: has_mlflow would be True). In a fresh interpreter: another
+    test may have imported either in this one."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("mlflow")
     import subprocess
@@ -71,10 +72,6 @@ import mlflow
 assert mlflow.log_metric
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
-    # and a plain `import deepspeed` does import it: what the helper avoids is real
-    r = subprocess.run([sys.executable, "-c", "import sys, deepspeed; assert 'mlflow' in sys.modules"],
-                       capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
 
 

@@ -67,6 +67,23 @@ def checkpoint_selectively(block: nn.Module) -> None:
     block.forward = checkpointed_forward
 
 
+def enable_full(model: nn.Module) -> None:
+    """transformers' own non-reentrant checkpointing of every decoder block, by its current name
+    (`activation_checkpointing_enable`; transformers before it, e.g. 5.17 on the GPU machines, has only
+    `gradient_checkpointing_enable`, which later versions keep as a deprecated alias)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def is_checkpointing(model: nn.Module) -> bool:
+    """Whether transformers' block checkpointing is on (`is_activation_checkpointing`, or its older name)."""
+    if hasattr(model, "is_activation_checkpointing"):
+        return model.is_activation_checkpointing
+    return model.is_gradient_checkpointing
+
+
 def checkpoint_blocks(model: nn.Module, mode: str) -> str:
     """Apply `mode` (off, full, selective) to the model's decoder blocks; returns what was done."""
     from shardwise.models.speed import decoder_blocks
@@ -74,7 +91,7 @@ def checkpoint_blocks(model: nn.Module, mode: str) -> str:
     if mode == "off":
         return "activation checkpointing: off"
     if mode == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_full(model)
         return "activation checkpointing: every block (full)"
     if mode != "selective":
         raise ValueError(mode)

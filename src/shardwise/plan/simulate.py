@@ -184,7 +184,9 @@ def build_model(spec: ModelSpec, dtype: torch.dtype, checkpointing: bool):
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
     model.config.use_cache = False
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from shardwise.models.checkpointing import enable_full
+
+        enable_full(model)
     return model
 
 
@@ -213,7 +215,9 @@ def build_lora_model(spec: ModelSpec, job: Job, param: torch.dtype, compute: tor
             if b is not None:
                 mod._buffers[k] = torch.empty(b.shape, dtype=b.dtype)
     if job.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from shardwise.models.checkpointing import enable_full
+
+        enable_full(model)
     return model
 
 
