@@ -14,7 +14,7 @@ from dataclasses import dataclass
 # Dense peak TFLOP/s by (device name substring, dtype), from the vendors' datasheets
 # (NVIDIA A100/H100/H200/L40S/A10/4090 datasheets; the "without sparsity" figures).
 # fp8: the float8 tensor cores of Hopper and Ada (float8 matmuls with fp32 accumulation, as torch._scaled_mm runs
-# them); a GPU without the key has none (float8 is refused there).
+# them); a listed GPU without the key has none (`plan --float8` refuses it).
 PEAK_TFLOPS = {
     "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
     "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},

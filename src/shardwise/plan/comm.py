@@ -56,8 +56,9 @@ ZERO3_COMPILED_S_PER_MODULE_PASS = 1.35e-3
 # float8 linears (float8_time): their matmuls run at the GPU's float8 peak at the job's MFU; each element counted as
 # cast to float8 (each forward pass's input and weight, and the output gradient once) costs this many bytes of
 # device-memory traffic. It stands for the amax reductions, the scaled casts, backward's recasts of the input and
-# the weight, the transposed copies, and whatever else keeps the float8 matmuls from twice the bf16 rate. Fitted on one row, the 1.14B anchor under single
-# on one H200 (2026-12-01: 229.2 -> 198.0 ms a step); docs/planner.md "float8" has the rows it was checked on.
+# the weight, the transposed copies, and whatever else keeps the float8 matmuls from twice the bf16 rate. Fitted on
+# one row, the 1.14B anchor under single on one H200 (2026-12-01: 229.2 -> 198.0 ms a step); docs/planner.md
+# "float8" has the rows it was checked on.
 FLOAT8_CAST_BYTES = 9.1
 
 
