@@ -12,6 +12,7 @@ SMALL_UNIT = 1e8  # the article: min_num_params=1e8 for size-based wrapping
 ROOMY = 0.20  # "plenty of memory": at least 20% of the device left
 SLOW_INTRA_GBPS = 400.0  # below this the GPUs of a node talk over PCIe (or gloo)
 SLOW_INTER_GBPS = 800.0  # below this (per node) cross-node parameter gathers hurt
+FLOAT8_WORTH = 0.05  # suggest --float8 where it is predicted at least this much faster
 
 
 def _where(res, key: str) -> str:
@@ -100,4 +101,20 @@ def lint(plan: Plan, res=None) -> list[dict]:
                 f"{m.peak_tensors / GiB:.1f} GiB at the peak with gradient checkpointing off; turning it on keeps "
                 f"{ck.activations / GiB:.1f} GiB (total ~{ck.total / GiB:.1f} GiB) for ~25-30% more compute"
                 + ("" if tight else " — not needed while it fits, useful to raise the micro-batch"))
+
+    # 6. float8 tensor cores left unused (an opt-in lever: worth saying only where it is predicted to pay)
+    if (setup.fp8_peak_flops and not job.float8 and job.tuner == "full" and job.tp == 1 and job.compute == "bf16"
+            and o.base in ("single", "ddp", "fsdp") and setup.accelerator == "cuda"):
+        from dataclasses import replace
+
+        from shardwise.plan.decide import plan_strategy
+
+        f8 = plan_strategy(spec, replace(job, float8=True), setup, name, o)
+        gain = f8.tokens_per_s / sp.tokens_per_s - 1 if sp.tokens_per_s else 0.0
+        if gain >= FLOAT8_WORTH:
+            add("float8-off", "info",
+                f"{setup.device_name} has float8 tensor cores: --float8 (pip install 'shardwise[float8]') is "
+                f"predicted at {f8.tokens_per_s:,.0f} vs {sp.tokens_per_s:,.0f} tokens/s ({gain:+.0%}) and "
+                f"{(sp.memory.total - f8.memory.total) / GiB:.1f} GiB less per rank; it rounds the blocks' large "
+                "matmuls to float8 (docs/speed.md has its loss curve against bf16)")
     return out
