@@ -311,29 +311,44 @@ def float8_linears(spec: ModelSpec) -> dict[str, tuple[int, int]]:
             if not (i % 16 or o % 16) and not (o <= FLOAT8_NARROW_OUT and i <= FLOAT8_NARROW_IN)}
 
 
+# the block linears that share one input (q/k/v: the first norm's output; gate/up: the second's; down: its own)
+FLOAT8_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+def _float8_applies(job: Job) -> bool:
+    """float8 as the engine runs it: full fine-tuning without tensor parallelism (the config refuses the rest)."""
+    return job.float8 and job.tuner == "full" and job.tp == 1
+
+
+def _float8_input_groups(spec: ModelSpec, job: Job) -> list[tuple[tuple[str, ...], int, bool]]:
+    """(group, its input's width, whether all of it is converted) for each FLOAT8_INPUT_GROUPS group with a converted
+    linear, where the compiled graph's saving is known: compiled dense blocks without selective checkpointing
+    (float8_block_bytes says why); [] elsewhere."""
+    if not _float8_applies(job) or not job.compile or spec.num_experts or job.selective_checkpointing:
+        return []
+    conv = float8_linears(spec)
+    out = []
+    for group in FLOAT8_INPUT_GROUPS:
+        some = [n for n in group if n in conv]
+        if some:
+            out.append((group, conv[some[0]][0], len(some) == len(group)))
+    return out
+
+
 def float8_block_bytes(spec: ModelSpec, job: Job) -> float:
     """What float8 changes in one compiled block's saved activations (bytes; negative: less). Measured on the
     compiled graphs (benchmarks/float8_probe.py, docs/planner.md "float8"): the partitioner recomputes a converted
-    linear's float8 input in backward from what the block saves anyway, so
-    - q, k and v all converted: the first norm's output is no longer saved (-c*h); only some of them: their float8
-      copy of it is saved besides (+h);
-    - gate and up converted: the second norm's output is no longer saved (-c*h);
-    - down converted: its input, silu(gate) * up, is recomputed from gate and up (-c*i);
+    linear's float8 input in backward from what the block saves anyway, so per group of linears sharing an input
+    (_float8_input_groups)
+    - all converted: that input is no longer saved (q/k/v, gate/up: -c*h, the norms' outputs; down: -c*i, its input
+      silu(gate) * up is recomputed from gate and up);
+    - only some (q without k and v): their float8 copy of it is saved besides (+h);
     - o: nothing (its input is the attention output, which attention's backward keeps).
     Eager blocks (compile off): torchao's float8 linear saves its high-precision input and weight, as a bf16 linear
     does (read from its source, not measured): no change. Not measured, so no change counted: MoE blocks, selective
     checkpointing (its policy decides what is kept). float8 is refused with LoRA/QLoRA and tensor parallelism."""
-    if not _float8_applies(job) or not job.compile or spec.num_experts or job.selective_checkpointing:
-        return 0.0
-    conv, h, c = float8_linears(spec), spec.hidden_size, job.c
-    d = 0.0
-    qkv = [n for n in ("q_proj", "k_proj", "v_proj") if n in conv]
-    d += -c * h if len(qkv) == 3 else (h if qkv else 0.0)
-    gate_up = [n for n in ("gate_proj", "up_proj") if n in conv]
-    d += -c * h if len(gate_up) == 2 else (h if gate_up else 0.0)
-    if "down_proj" in conv:
-        d -= c * spec.intermediate_size
-    return d * job.tokens
+    c = job.c
+    return job.tokens * sum(-c * width if whole else width for _, width, whole in _float8_input_groups(spec, job))
 
 
 def float8_backward_bytes(spec: ModelSpec, job: Job) -> float:
@@ -343,19 +358,9 @@ def float8_backward_bytes(spec: ModelSpec, job: Job) -> float:
     checkpointing (end of backward sets the peak) this predicts +0.28 GiB; measured +0.24 GiB (H200, 2026-12-01)."""
     if not _float8_applies(job):
         return 0.0
-    conv, c = float8_linears(spec), job.c
-    recomputed = set()  # inputs float8_block_bytes no longer counts as saved
-    if job.compile and not spec.num_experts and not job.selective_checkpointing:
-        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("down_proj",)):
-            if all(n in conv for n in group):
-                recomputed.update(group)
-    return job.tokens * max((2 * (i + o) + (c * i if n in recomputed else 0) for n, (i, o) in conv.items()),
-                            default=0)
-
-
-def _float8_applies(job: Job) -> bool:
-    """float8 as the engine runs it: full fine-tuning without tensor parallelism (the config refuses the rest)."""
-    return job.float8 and job.tuner == "full" and job.tp == 1
+    recomputed = {n for group, _, whole in _float8_input_groups(spec, job) if whole for n in group}
+    return job.tokens * max((2 * (i + o) + (job.c * i if n in recomputed else 0)
+                             for n, (i, o) in float8_linears(spec).items()), default=0)
 
 
 def float8_params(spec: ModelSpec) -> float:
