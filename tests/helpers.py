@@ -11,6 +11,17 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def benchmark_module(name: str):
+    """benchmarks/NAME.py as a module (the scripts are not a package), for tests that predict through its helpers."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None, cwd: str | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
     """`python -m shardwise ARGS` with captured output; raises with the output on failure."""

@@ -19,6 +19,7 @@ import pytest
 
 from shardwise.plan.memory import Job, float8_block_bytes, float8_linears
 from shardwise.plan.model_presets import find_preset
+from tests.helpers import benchmark_module
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 MEM_TOL, SPEED_TOL = 0.10, 0.20  # issue 16's goals for every row
@@ -26,12 +27,7 @@ GiB = 2**30
 
 
 def _pa():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("plan_accuracy", RESULTS.parent / "plan_accuracy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("plan_accuracy")
 
 
 # the probe's block shapes: (hidden, intermediate, heads, kv heads, head_dim), as benchmarks/float8_probe.py builds them

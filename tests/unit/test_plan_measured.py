@@ -24,6 +24,7 @@ import pytest
 
 from shardwise.plan import command as plan_cmd
 from shardwise.plan.decide import plan_model
+from tests.helpers import benchmark_module
 
 # the 1.14B Llama shape of MEASUREMENTS.md: vocab 32000, hidden 2048, intermediate 8192, 16 layers,
 # 16 heads, 8 KV heads, untied
@@ -131,12 +132,7 @@ def _h200_rows() -> list[dict]:
 
 
 def _plan_case():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("plan_accuracy", H200_RUN.parents[1] / "plan_accuracy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.plan_case
+    return benchmark_module("plan_accuracy").plan_case
 
 
 def test_h200_preset_tuner_checkpointing_table_within_goals():
