@@ -9,10 +9,32 @@ import os
 import signal
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
 
-from shardwise.errors import ShardwiseError
-from shardwise.rundir import atomic_write, error_dir, quiet_libraries
+def die_with_launcher() -> None:
+    """SIGKILL this worker when its parent (the launcher, which runs torchrun's elastic
+    agent in-process) dies, even by kill -9: workers start in sessions of their own, so
+    nothing else would stop them. What they leave is the last complete checkpoint.
+    Called when this module is imported, before torch: a launcher stopped by a signal
+    while the agent was still starting the group (it then never learns the workers'
+    PIDs) leaves workers that end here, not ones that import torch first."""
+    launcher = int(os.environ.get("SHARDWISE_LAUNCHER_PID", "0"))
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != launcher:  # the launcher died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    die_with_launcher()
+
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
+from shardwise.errors import ShardwiseError  # noqa: E402
+from shardwise.rundir import atomic_write, error_dir, quiet_libraries  # noqa: E402
 
 
 def warnings_once_on_rank0() -> None:
@@ -59,21 +81,6 @@ def run_job(path: str) -> dict:
     return run(job)
 
 
-def die_with_launcher() -> None:
-    """SIGKILL this worker when its parent (the launcher, which runs torchrun's elastic
-    agent in-process) dies, even by kill -9: workers start in sessions of their own, so
-    nothing else would stop them. What they leave is the last complete checkpoint."""
-    launcher = int(os.environ.get("SHARDWISE_LAUNCHER_PID", "0"))
-    if not launcher or not sys.platform.startswith("linux"):
-        return
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != launcher:  # the launcher died before the line above
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def preload_model_classes(model: str) -> None:
     """Import the transformers module of the model's family (its config.json's model_type; `tiny` is Llama), as
     loading it would. Only transformers' own classes (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES): nothing from the model
@@ -116,7 +123,6 @@ def wait_for_job(pointer: str, model: str, compile_blocks: bool = False, poll_s:
 @record
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    die_with_launcher()
     if argv and argv[0] == "--wait":  # started early: the job is being prepared (--wait POINTER MODEL [--compile])
         job = wait_for_job(argv[1], argv[2] if len(argv) > 2 else "", "--compile" in argv[3:])
         if job is None:
