@@ -285,9 +285,11 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     else:
         width = spec.lora_input_width(job.lora_targets)
         if job.lora_dropout > 0:  # each adapter keeps its own dropped-out input (c) and mask: peft casts the input
-            # to the adapter dtype (w) first; CUDA's fused dropout saves a 1-byte mask, the CPU path (input * noise)
-            # saves the noise in the input's dtype
-            mask = 1 if job.accelerator == "cuda" else job.w
+            # to the adapter's dtype first; CUDA's fused dropout saves a 1-byte mask, the CPU path (input * noise)
+            # saves the noise in the input's dtype: the stored one (w) under autocast, the compute dtype (c) where
+            # the adapters compute in it (FSDP's MixedPrecisionPolicy casts them, DeepSpeed holds them in it)
+            adapter = job.c if o.base in ("fsdp", "deepspeed") else job.w
+            mask = 1 if job.accelerator == "cuda" else adapter
             d["lora_inputs"] = T * width * (c + mask)
         else:
             d["lora_inputs"] = sum(lin_in.values())
