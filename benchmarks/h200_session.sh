@@ -21,6 +21,7 @@
 #                                                    not run: the device budget was spent)
 #                                                    scale2 (x2) scale8a scale8b long8 (x8; issue 21, not run yet)
 #                                                    f8probe f8runs1 f8runs2 f8diag f8diag2 f8runs3 f8qprof f8cli (tenth session; carries torchao)
+#                                                    f8sel (eleventh session; carries torchao)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
 set -u
@@ -249,6 +250,14 @@ f8qprof() {  # why fsdp + float8 gains 1-3% on the Qwen shape where single + flo
 f8cli() {  # float8 through the `shardwise train` CLI (the anchor, single and fsdp), for test_plan_measured's rows
   timeout -k 10 400 python3 benchmarks/strategies_gpu.py --strategies single,fsdp --steps 20 --tag f8cli --out "$OUT" \
     -- --float8
+}
+# eleventh session: float8 where the planner's terms stand unmeasured, on the anchor: with selective checkpointing
+# (compiled; float8_block_bytes counts no saving there) and eager (no compiled graph to drop the inputs)
+f8sel() {
+  timeout -k 10 200 python3 benchmarks/one_gpu_levers.py --variants single+sac,single+sac+float8 --repeat 1 --steps 6 \
+    --warmup 2 --json "$OUT/f8sel.json"
+  timeout -k 10 110 python3 benchmarks/one_gpu_levers.py --eager --variants single,single+float8 --repeat 1 --steps 6 \
+    --warmup 2 --json "$OUT/f8eager.json"
 }
 for part in "$@"; do
   [ "$part" = setup ] && continue
