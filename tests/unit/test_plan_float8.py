@@ -147,6 +147,21 @@ def test_float8_runs_within_goals_and_the_change_predicted(run):
             assert abs(f8.memory.peak_tensors / GiB - m1) < abs(plain.memory.peak_tensors / GiB - m1)
 
 
+def test_float8_with_selective_checkpointing_within_goals():
+    """The anchor with selective checkpointing, bf16 and float8 (float8_runs_h200_2026-12-01-anchor-sac.json): peak
+    within 10% and step time within 20%, and float8's step-time change within 12 ms of the measured one."""
+    pa = _pa()
+    measured = _measured("float8_runs_h200_2026-12-01-anchor-sac.json")
+    c = pa.case("llama-1.1B", "single", 8, 2048, False, "bf16", 1, True, True)
+    plain = pa.plan_case(c, 1, "cuda", selective_checkpointing=True)
+    f8 = pa.plan_case(c, 1, "cuda", selective_checkpointing=True, float8=True)
+    for sp, (t, m) in ((plain, measured["single+sac"]), (f8, measured["single+sac+float8"])):
+        assert abs(sp.memory.peak_tensors / GiB / m - 1) <= MEM_TOL, (sp.memory.peak_tensors / GiB, m)
+        assert abs(sp.timing.step_s / t - 1) <= SPEED_TOL, (sp.timing.step_s, t)
+    dt = f8.timing.step_s - plain.timing.step_s
+    assert abs(dt - (measured["single+sac+float8"][0] - measured["single+sac"][0])) <= 0.012, dt
+
+
 def test_plan_cli_float8_drops_deepspeed_presets_and_refuses_a_gpu_without_float8(capsys, tmp_path, monkeypatch):
     """`plan --float8`: the DeepSpeed presets (refused with float8 before launch) are not offered, ddp is faster
     and leaner than without; a GPU known to lack float8 tensor cores is one line naming the flag, while one the

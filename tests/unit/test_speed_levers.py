@@ -147,6 +147,7 @@ def test_float8_step_refuses_without_cuda_before_touching_the_model():
     ({"strategy": "zero3"}, "float8 linears run under single, ddp or the fsdp presets"),
     ({"tuner": "lora"}, "float8 with tuner lora is not built"),
     ({"mixed_precision": "fp16"}, "not fp16"),
+    ({"compile": "off"}, "float8 without torch.compile runs torchao's scaling and casts unfused"),
 ])
 def test_float8_config_refusals_name_the_key(flags, match):
     given = {"float8": (True, "--float8"), **{k: (v, f"--{k.replace('_', '-')}") for k, v in flags.items()}}

@@ -393,10 +393,8 @@ def assumptions(plan: Plan) -> list[str]:
         out.append(f"float8 linears in every block ({names}; the narrow ones left as they are): their matmuls at "
                    f"{text.flops(s.fp8_peak_flops)} (float8) at the same MFU, {FLOAT8_CAST_BYTES:g} bytes of memory "
                    "traffic per element cast; no bf16 weight copies; " + (
-                       "activations as without float8 (selective checkpointing with float8 is not measured)"
-                       if j.selective_checkpointing else
-                       "their inputs recomputed in backward rather than saved" if j.compile else
-                       "eager blocks: activations as without float8"))
+                       "activations as without float8 under selective checkpointing"
+                       if j.selective_checkpointing else "their inputs recomputed in backward rather than saved"))
     if j.sp > 1:
         from shardwise.plan.comm import sp_split
 

@@ -103,8 +103,9 @@ def lint(plan: Plan, res=None) -> list[dict]:
                 + ("" if tight else " — not needed while it fits, useful to raise the micro-batch"))
 
     # 6. float8 tensor cores left unused (an opt-in lever: worth saying only where it is predicted to pay)
+    # (not with eager blocks: float8 needs the compiled ones, the config refuses it without them)
     if (setup.fp8_peak_flops and not job.float8 and job.tuner == "full" and job.tp == 1 and job.compute == "bf16"
-            and o.base in ("single", "ddp", "fsdp") and setup.accelerator == "cuda"):
+            and o.base in ("single", "ddp", "fsdp") and setup.accelerator == "cuda" and job.compile):
         from dataclasses import replace
 
         from shardwise.plan.decide import plan_strategy
