@@ -13,6 +13,7 @@ in final/merged (W + (alpha / r) * B @ A for every adapted linear).
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -50,7 +51,11 @@ def apply_lora(model, cfg):
         p.requires_grad_(False)
         if p.is_floating_point() and p.dtype != compute:
             p.data = p.data.to(compute)
-    model = get_peft_model(model, lora_config(model, cfg))
+    with warnings.catch_warnings():
+        # peft reads the model's `is_gradient_checkpointing`, which transformers >= 5.2x deprecates in favour of
+        # `is_activation_checkpointing`: a FutureWarning in every LoRA run's log that the user cannot act on
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = get_peft_model(model, lora_config(model, cfg))
     for n, p in model.named_parameters():
         if p.requires_grad:
             p.data = p.data.to(adapter_dtype)
