@@ -63,6 +63,14 @@ def write_text_data(path: str, n_records: int, words_per_record: int, vocab: int
     return path
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def versions() -> dict:
     out = {"python": platform.python_version()}
     for mod in ("torch", "transformers", "accelerate", "deepspeed"):

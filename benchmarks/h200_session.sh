@@ -22,6 +22,7 @@
 #                                                    scale2 (x2) scale8a scale8b long8 (x8; issue 21, not run yet)
 #                                                    f8probe f8runs1 f8runs2 f8diag f8diag2 f8runs3 f8qprof f8cli (tenth session; carries torchao)
 #                                                    f8sel (eleventh session; carries torchao)
+#                                                    zero3hf tp2 autosweep (eleventh session, prepared for x2, not run)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
 set -u
@@ -259,6 +260,22 @@ f8sel() {
   timeout -k 10 110 python3 benchmarks/one_gpu_levers.py --eager --variants single,single+float8 --repeat 1 --steps 6 \
     --warmup 2 --json "$OUT/f8eager.json"
 }
+# prepared in the eleventh session for the nvidia-h200-x2 kind (not run: only one GPU was lent). Carry the DeepSpeed
+# wheels of the header (and accelerate's: `pip download --no-deps -d .whl accelerate` if the device lacks it).
+# issue 17 item 1: the HF Trainer with DeepSpeed ZeRO-3 (torchrun, 2 ranks) before and after shardwise's zero3 and
+# fsdp on both GPUs, the anchor job per GPU (the harness checked on the CPU: vs_hf_trainer.py --smoke --gpus 2)
+zero3hf() {
+  timeout -k 10 580 python3 benchmarks/vs_hf_trainer.py --out "$OUT/zero3hf" --gpus 2 --steps 24 --warmup 8 \
+    --variants hf-trainer-zero3,sw-zero3,sw-fsdp-all,hf-trainer-zero3
+}
+# issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
+tp2() {
+  python3 benchmarks/long_context.py --lengths 8192 --sp 1 --steps 4 --timeout 260 --tag tp2 --out "$OUT" -- \
+    --tensor-parallel 2 --grad-accum 2
+  python3 benchmarks/long_context.py --lengths 8192 --sp 1 --steps 4 --timeout 260 --tag fsdp --out "$OUT"
+}
+# issue 16 item 2 (and its two-GPU accuracy rows: every fitting preset measured beside its prediction)
+autosweep() { timeout -k 10 590 python3 benchmarks/auto_sweep.py --quick --out "$OUT"; }
 for part in "$@"; do
   [ "$part" = setup ] && continue
   echo "=== $part $(date +%T)"
