@@ -26,7 +26,9 @@ def _log(run, *lines) -> None:
 def test_state_follows_the_launcher_and_only_its_newest_attempt(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # a stand-in launcher: its command line names `shardwise train` into this run directory, as the page's does
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "shardwise", "train",
+                             f"--output-dir={run}"])
     try:
         _record(run, proc)
         _log(run, runs.ATTEMPT + "shardwise train ...")

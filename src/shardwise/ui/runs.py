@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -30,12 +31,35 @@ ATTEMPT = "=== shardwise ui started: "
 _children: dict[int, subprocess.Popen] = {}  # launched by this server: reaped here
 
 
-def _read_json(path: str):
+def _open(path: str, mode: str = "r"):
+    """A file a run wrote, for reading: a regular file, not a symlink (a run directory may be
+    copied or shared: a planted link must not show a file from outside it, and a FIFO or a
+    device must not hang or flood the server)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        return open(fd, mode, errors=None if "b" in mode else "replace")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_json(path: str) -> dict | None:
+    """A JSON object the run wrote; None for anything else (missing, unreadable, not an object)."""
+    try:
+        with _open(path) as fh:
+            d = json.load(fh)
+    except (OSError, ValueError, RecursionError):
         return None
+    return d if isinstance(d, dict) else None
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:  # removed while the list was made
+        return 0.0
 
 
 def find(runs_dir: str, max_depth: int = 3) -> list[str]:
@@ -52,7 +76,7 @@ def find(runs_dir: str, max_depth: int = 3) -> list[str]:
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in ("tensorboard", "checkpoints", "final")]
         if depth >= max_depth:
             dirnames[:] = []
-    return sorted(found, key=lambda p: os.path.getmtime(p), reverse=True)
+    return sorted(found, key=_mtime, reverse=True)
 
 
 def resolve(runs_dir: str, name: str) -> str:
@@ -64,34 +88,54 @@ def resolve(runs_dir: str, name: str) -> str:
     return path
 
 
-def _alive(rec: dict | None) -> bool:
+def _runs_into(cmdline: list[str], path: str) -> bool:
+    """Whether a command line is `... shardwise train ... --output-dir=PATH`."""
+    if "shardwise" not in cmdline or "train" not in cmdline:
+        return False
+    outs = [a[len("--output-dir="):] for a in cmdline if a.startswith("--output-dir=")]
+    return any(os.path.realpath(o) == os.path.realpath(path) for o in outs)
+
+
+def _alive(rec: dict | None, path: str) -> bool:
+    """Whether the launcher a record names is alive and is the one started into this run
+    directory (not another process: a record copied with the directory, planted, or of a
+    process id since reused)."""
     if not rec:
         return False
     pid = rec.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
     child = _children.get(pid)
     if child is not None:
         if child.poll() is None:
-            return True
+            return _runs_into(list(child.args), path)
         _children.pop(pid, None)
         return False
     import psutil
 
     try:
         p = psutil.Process(pid)
-        if abs(p.create_time() - rec.get("create_time", 0)) > 1.0:
+        created = rec.get("create_time", 0)
+        if not isinstance(created, (int, float)) or abs(p.create_time() - created) > 1.0:
             return False  # the id was reused by another process
-        return p.status() != psutil.STATUS_ZOMBIE
+        return p.status() != psutil.STATUS_ZOMBIE and _runs_into(p.cmdline(), path)
     except psutil.Error:
         return False
 
 
-def _attempt_lines(path: str) -> list[str]:
-    """The launcher output of the newest attempt (each attempt starts with an ATTEMPT line)."""
+def _attempt_lines(path: str, tail: int = 1 << 20) -> list[str]:
+    """The launcher output of the newest attempt (each attempt starts with an ATTEMPT line),
+    from the log's last `tail` bytes (read every second: a long run's log is not read whole)."""
     try:
-        with open(path, errors="replace") as fh:
-            lines = fh.read().splitlines()
+        with _open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            fh.seek(max(0, size - tail))
+            data = fh.read(tail)
     except OSError:
         return []
+    lines = data.decode(errors="replace").splitlines()
+    if size > tail:
+        lines = lines[1:]  # the first line is cut
     starts = [i for i, line in enumerate(lines) if line.startswith(ATTEMPT)]
     return lines[starts[-1]:] if starts else lines
 
@@ -106,8 +150,10 @@ def _last_line(path: str, prefix: str) -> str | None:
 def state(path: str) -> tuple[str, str]:
     """(running | finished | failed | interrupted | unknown, why)."""
     rec = _read_json(os.path.join(path, RECORD))
-    if _alive(rec):
-        return "running", f"process {rec['pid']} started {time.strftime('%H:%M:%S', time.localtime(rec['started']))}"
+    if _alive(rec, path):
+        started = rec.get("started")
+        since = time.strftime(" started %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else ""
+        return "running", f"process {rec['pid']}{since}"
     log = os.path.join(path, LOG)
     summary = os.path.join(path, "summary.json")
     if rec:  # started by the page: its launcher's last words say how it ended
@@ -117,7 +163,8 @@ def state(path: str) -> tuple[str, str]:
         line = _last_line(log, ERROR_LINE)
         if line:
             return "failed", line[len(ERROR_LINE):]
-        if os.path.isfile(summary) and os.path.getmtime(summary) >= rec.get("started", 0) - 1:
+        started = rec.get("started")
+        if os.path.isfile(summary) and _mtime(summary) >= (started if isinstance(started, (int, float)) else 0) - 1:
             return "finished", "summary.json written"
         return "failed", "the launcher exited without a message (killed?); see " + LOG
     # started from a terminal: what the run directory holds
@@ -127,14 +174,17 @@ def state(path: str) -> tuple[str, str]:
     errors = os.path.join(path, ".prep", "errors")
     if os.path.isdir(errors):
         for f in sorted(os.listdir(errors)):
-            with open(os.path.join(errors, f), errors="replace") as fh:
-                text = fh.read().strip()
+            try:
+                with _open(os.path.join(errors, f)) as fh:
+                    text = fh.read(4096).strip()
+            except OSError:
+                continue
             if text:
                 return "failed", text.splitlines()[0]
     if os.path.isfile(summary):
         return "finished", "summary.json written"
     metrics = os.path.join(path, "metrics.jsonl")
-    if os.path.isfile(metrics) and time.time() - os.path.getmtime(metrics) < 120:
+    if os.path.isfile(metrics) and time.time() - _mtime(metrics) < 120:
         return "running", "metrics.jsonl written in the last 2 minutes (started outside the page)"
     return "unknown", "no summary.json and no record of how it ended (started outside the page)"
 
@@ -143,7 +193,7 @@ def metrics(path: str, offset: int = 0) -> tuple[list[dict], int]:
     """metrics.jsonl records from byte offset on (whole lines only) and the next offset."""
     p = os.path.join(path, "metrics.jsonl")
     try:
-        with open(p, "rb") as fh:
+        with _open(p, "rb") as fh:
             fh.seek(offset)
             data = fh.read()
     except OSError:
@@ -161,9 +211,11 @@ def metrics(path: str, offset: int = 0) -> tuple[list[dict], int]:
 def config_of(path: str) -> dict:
     """config.yaml of a run, flattened to dotted keys."""
     try:
-        with open(os.path.join(path, "config.yaml")) as fh:
+        with _open(os.path.join(path, "config.yaml")) as fh:
             d = yaml.safe_load(fh) or {}
-    except (OSError, yaml.YAMLError):
+    except (OSError, yaml.YAMLError, RecursionError):
+        return {}
+    if not isinstance(d, dict):
         return {}
     flat = {}
     for k, v in d.items():
@@ -215,10 +267,11 @@ def info(runs_dir: str, path: str, detail: bool = False) -> dict:
     st, why = state(path)
     d = {"name": os.path.relpath(path, os.path.abspath(runs_dir)), "path": path, "state": st, "why": why,
          "summary": _read_json(os.path.join(path, "summary.json")),
-         "mtime": os.path.getmtime(path)}
+         "mtime": _mtime(path)}
     cfg = config_of(path)
     d["strategy"] = cfg.get("strategy")
-    d["world"] = (cfg.get("nproc_per_node") or 0) * (cfg.get("nnodes") or 1) or None
+    nproc, nnodes = cfg.get("nproc_per_node"), cfg.get("nnodes", 1)
+    d["world"] = (nproc * (nnodes or 1) or None) if all(type(x) is int for x in (nproc, nnodes or 1)) else None
     if detail:
         d["commands"] = commands(path)
         d["predicted"] = predicted(path)
@@ -260,7 +313,7 @@ def launch(runs_dir: str, train: dict) -> dict:
 def stop(path: str) -> dict:
     """SIGTERM to the launcher: its workers checkpoint and it exits saying how to resume."""
     rec = _read_json(os.path.join(path, RECORD))
-    if not _alive(rec):
+    if not _alive(rec, path):
         raise ShardwiseError(f"{path}: not running (only runs started from this page can be stopped here)")
     os.kill(rec["pid"], signal.SIGTERM)
     return {"pid": rec["pid"], "signal": "SIGTERM"}
@@ -268,7 +321,7 @@ def stop(path: str) -> dict:
 
 def resume(path: str) -> dict:
     """`shardwise train RUN/config.yaml --output-dir RUN --resume auto`, as the CLI prints it."""
-    if _alive(_read_json(os.path.join(path, RECORD))):
+    if _alive(_read_json(os.path.join(path, RECORD)), path):
         raise ShardwiseError(f"{path}: still running; stop it first")
     cfg = os.path.join(path, "config.yaml")
     if not os.path.isfile(cfg):
@@ -289,7 +342,10 @@ def bench_reports(runs_dir: str) -> list[dict]:
         for f in filenames:
             if f.endswith(".json") and f not in ("summary.json", RECORD, "config.json"):
                 p = os.path.join(dirpath, f)
-                if os.path.getsize(p) > 20_000_000:
+                try:
+                    if os.path.islink(p) or os.path.getsize(p) > 20_000_000:
+                        continue  # a link (perhaps dangling, perhaps out of the runs directory) is not listed
+                except OSError:
                     continue
                 d = _read_json(p)
                 if isinstance(d, dict) and str(d.get("schema", "")).startswith("shardwise-bench/"):
@@ -304,6 +360,6 @@ def bench_report(runs_dir: str, name: str) -> dict:
     if os.path.commonpath([root, p]) != root or not p.endswith(".json"):
         raise ShardwiseError(f"bench report '{name}': not a report in {root}")
     d = _read_json(p)
-    if not isinstance(d, dict) or not str(d.get("schema", "")).startswith("shardwise-bench/"):
+    if d is None or not str(d.get("schema", "")).startswith("shardwise-bench/"):
         raise ShardwiseError(f"bench report '{name}': not a shardwise bench report")
     return d

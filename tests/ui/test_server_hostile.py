@@ -1,0 +1,123 @@
+"""`shardwise ui` against hostile or broken input: a real server, real HTTP (urllib), a runs
+directory holding what a broken, copied or planted run leaves, and Chromium for what the page renders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+
+from tests.ui.conftest import UIServer
+
+pytestmark = pytest.mark.timeout(120)
+
+XSS = '<img src=x onerror="window.__pwned=1">'
+
+
+def _call(url: str, body=None, raw: bytes | None = None, headers: dict | None = None, timeout: float = 30):
+    """(status, parsed JSON or text) of a GET, or a POST of `body` as JSON / `raw` bytes."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    h = {"Content-Type": "application/json"} if data is not None else {}
+    h.update(headers or {})
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=h), timeout=timeout) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def _write(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory):
+    """A file outside the runs directory that nothing may show."""
+    p = tmp_path_factory.mktemp("outside") / "secret.txt"
+    p.write_text("TOP-SECRET-LINE\n")
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory, outside):
+    """A runs directory with one good run and runs whose files are malformed, planted or not files at all."""
+    root = str(tmp_path_factory.mktemp("hostile-runs"))
+    _write(f"{root}/good/config.yaml", "strategy: ddp\nnproc_per_node: 2\n")
+    _write(f"{root}/good/summary.json", "{}")
+    _write(f"{root}/list-record/ui-launch.json", "[1, 2]")
+    _write(f"{root}/list-config/config.yaml", "- a\n- b\n")
+    _write(f"{root}/list-marker/.prep/interrupted.json", "[7]")
+    _write(f"{root}/list-marker/config.yaml", "strategy: ddp\n")
+    os.makedirs(f"{root}/dir-error/.prep/errors/rank0")
+    _write(f"{root}/dir-error/metrics.jsonl", "")
+    _write(f"{root}/bad-pid/ui-launch.json", json.dumps({"pid": -1, "create_time": 0, "started": 0}))
+    _write(f"{root}/leak/summary.json", "{}")
+    _write(f"{root}/leak/ui-launch.json", json.dumps({"pid": 2 ** 22 + 17, "create_time": 0, "started": 0}))
+    os.symlink(outside, f"{root}/leak/ui-launch.log")
+    os.symlink(outside, f"{root}/leak/config.yaml")
+    _write(f"{root}/fifo/config.yaml", "strategy: ddp\n")
+    _write(f"{root}/fifo/ui-launch.json", json.dumps({"pid": 2 ** 22 + 17, "create_time": 0, "started": 0}))
+    os.mkfifo(f"{root}/fifo/ui-launch.log")
+    os.symlink("/nonexistent/report.json", f"{root}/dangling.json")
+    _write(f"{root}/html/config.yaml", f"nproc_per_node: '{XSS}'\nstrategy: ddp\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def srv(hostile):
+    s = UIServer(hostile).start()
+    yield s
+    s.stop()
+
+
+def test_broken_and_planted_run_files_do_not_break_the_pages(srv, hostile):
+    """JSON and YAML of the wrong shape, a directory where a file belongs, a FIFO, a dangling
+    symlink: the run list, each run and the bench list still answer (and quickly); a log or
+    config symlinked to a file outside the runs directory is not shown."""
+    t0 = time.monotonic()
+    status, d = _call(srv.base + "/api/runs", timeout=10)
+    assert status == 200, d
+    names = {r["name"]: r for r in d["runs"]}
+    assert {"good", "list-record", "list-config", "list-marker", "dir-error", "leak", "fifo"} <= set(names)
+    assert names["good"]["world"] == 2 and names["html"]["world"] is None
+    for name in names:
+        status, r = _call(srv.base + "/api/run?run=" + name, timeout=10)
+        assert status == 200, (name, r)
+        assert "TOP-SECRET" not in json.dumps(r), (name, r)
+    status, b = _call(srv.base + "/api/bench", timeout=10)
+    assert status == 200 and b["reports"] == [], b
+    assert time.monotonic() - t0 < 30
+
+
+def test_stop_refuses_a_process_the_page_did_not_start(srv, hostile):
+    """A ui-launch.json naming another process (its real pid and start time: copied, planted,
+    or the id of a run long gone) does not let Stop signal that process."""
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        run = os.path.join(hostile, "planted")
+        _write(f"{run}/config.yaml", "strategy: ddp\n")
+        _write(f"{run}/ui-launch.json", json.dumps({
+            "pid": victim.pid, "create_time": psutil.Process(victim.pid).create_time(), "started": time.time(),
+            "argv": ["shardwise", "train", f"--output-dir={run}"]}))
+        status, d = _call(srv.base + "/api/run/stop", {"run": "planted"})
+        assert status == 400 and "not running" in d["error"], (status, d)
+        time.sleep(0.5)
+        assert victim.poll() is None, "the server signalled a process it did not start"
+        status, d = _call(srv.base + "/api/run/stop", {"run": "bad-pid"})
+        assert status == 400, (status, d)
+    finally:
+        victim.kill()
+        victim.wait()
