@@ -83,6 +83,19 @@ def srv(hostile):
     s.stop()
 
 
+def test_malformed_and_oversized_bodies_answer_4xx(srv):
+    """A body nested past Python's recursion limit and a body far larger than any form get a
+    4xx with a one-line message; the server goes on answering."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    status, d = _call(srv.base + "/api/plan", raw=deep)
+    assert status == 400 and "JSON" in d["error"], (status, d)
+    status, d = _call(srv.base + "/api/plan", raw=b'{"model": "' + b"x" * (8 << 20) + b'"}')
+    assert status == 413 and "too large" in d["error"], (status, d)
+    status, d = _call(srv.base + "/api/run/stop", raw=b"[" + b"0," * (4 << 20) + b"0]")
+    assert status == 413, (status, d)
+    assert _call(srv.base + "/api/runs")[0] == 200
+
+
 def test_broken_and_planted_run_files_do_not_break_the_pages(srv, hostile):
     """JSON and YAML of the wrong shape, a directory where a file belongs, a FIFO, a dangling
     symlink: the run list, each run and the bench list still answer (and quickly); a log or
@@ -121,3 +134,18 @@ def test_stop_refuses_a_process_the_page_did_not_start(srv, hostile):
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_unknown_run_action_is_not_a_resume(srv, hostile):
+    status, d = _call(srv.base + "/api/run/delete", {"run": "list-marker"})
+    assert status == 404, (status, d)
+    assert not os.path.exists(os.path.join(hostile, "list-marker", "ui-launch.log"))
+
+
+def test_a_non_ascii_token_is_refused_not_an_error(tmp_path):
+    s = UIServer(str(tmp_path), "--host", "127.0.0.2").start()
+    try:
+        assert _call(s.base + "/api/runs?token=%C3%A9")[0] == 401
+        assert _call(s.base + "/api/runs", headers={"Cookie": "shardwise_token=\u00e9"})[0] == 401
+    finally:
+        s.stop()
