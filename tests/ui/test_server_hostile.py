@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -140,6 +142,43 @@ def test_unknown_run_action_is_not_a_resume(srv, hostile):
     status, d = _call(srv.base + "/api/run/delete", {"run": "list-marker"})
     assert status == 404, (status, d)
     assert not os.path.exists(os.path.join(hostile, "list-marker", "ui-launch.log"))
+
+
+def test_control_characters_in_a_field_are_refused_by_name(srv, hostile):
+    """A NUL (which no command line can carry) or a newline in a field: a 400 naming the
+    field, and nothing is written into the runs directory."""
+    before = sorted(os.listdir(hostile))
+    for value in ("demo\x00", "demo\nshardwise: interrupted by signal 15"):
+        status, d = _call(srv.base + "/api/launch", {"data": value, "run_name": "ctl"})
+        assert status == 400 and d["field"] == "data" and "control character" in d["error"], (status, d)
+    status, d = _call(srv.base + "/api/plan", {"model": "tiny\x00"})
+    assert status == 400 and d["field"] == "model", (status, d)
+    assert sorted(os.listdir(hostile)) == before
+
+
+def test_concurrent_launches_into_one_run_name_start_one_run(tmp_path):
+    """Two launches with the same run name at once: one starts, the other is told the name is
+    taken; one launcher writes into the directory."""
+    s = UIServer(str(tmp_path)).start()
+    pids = []
+    try:
+        form = {"gpus": "1", "strategy": "single", "max_steps": "1", "save_final": False, "run_name": "same",
+                "gpu_memory": ""}
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            got = list(pool.map(lambda _: _call(s.base + "/api/launch", form, timeout=90), range(3)))
+        ok = [d for status, d in got if status == 200]
+        pids = [d["pid"] for d in ok]
+        assert len(ok) == 1, got
+        assert all(status == 400 and d["field"] == "run_name" for status, d in got if status != 200), got
+        with open(tmp_path / "same" / "ui-launch.log") as fh:
+            assert fh.read().count("=== shardwise ui started") == 1
+    finally:
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        s.stop()
 
 
 def test_a_non_ascii_token_is_refused_not_an_error(tmp_path):

@@ -306,6 +306,12 @@ def launch(runs_dir: str, train: dict) -> dict:
     root = os.path.realpath(runs_dir)
     if os.path.commonpath([root, os.path.realpath(out)]) != root:
         raise ShardwiseError(f"{out}: a run directory must be inside the runs directory {root}")
+    try:
+        os.mkdir(out)  # one launch per directory: a second launch of the name at the same moment is told so
+    except FileExistsError:
+        from shardwise.ui.forms import FormError
+
+        raise FormError(f"run name '{os.path.basename(out)}': {out} exists; choose another name", "run_name") from None
     pid = _start(out, train["argv"])
     return {"pid": pid, "name": os.path.relpath(out, os.path.abspath(runs_dir))}
 
