@@ -188,3 +188,31 @@ def test_a_non_ascii_token_is_refused_not_an_error(tmp_path):
         assert _call(s.base + "/api/runs", headers={"Cookie": "shardwise_token=\u00e9"})[0] == 401
     finally:
         s.stop()
+
+
+def test_run_and_bench_pages_show_planted_markup_as_text(tmp_path, browser):
+    """A config.yaml or bench report holding HTML: the pages show it as text, never run it."""
+    _write(f"{tmp_path}/html/config.yaml", f"nproc_per_node: '{XSS}'\nstrategy: ddp\n")
+    _write(f"{tmp_path}/bench/report.json", json.dumps({
+        "schema": "shardwise-bench/1", "created": "2026-12-01", "command": "shardwise bench", "verdict": [],
+        "results": [{"strategy": "ddp", "result": "skipped", "status": "skipped", "world_size": XSS}]}))
+    srv = UIServer(str(tmp_path)).start()
+    ctx = browser.new_context()
+    page = ctx.new_page()
+    page.set_default_timeout(30_000)
+    try:
+        page.goto(srv.base + "/runs")
+        page.wait_for_selector("tr[data-run='html']")
+        page.goto(srv.base + "/bench")
+        page.wait_for_selector("#results tbody tr")
+        assert XSS in page.locator("#results tbody").inner_text()
+        page.wait_for_timeout(300)  # an injected <img src=x> has failed to load by now
+        assert page.evaluate("window.__pwned") is None
+        page.goto(srv.base + "/runs?run=html")
+        page.wait_for_selector("tr[data-run='html']")
+        page.wait_for_function("() => document.getElementById('run-state').textContent !== ''")
+        page.wait_for_timeout(300)  # an injected <img src=x> has failed to load by now
+        assert page.evaluate("window.__pwned") is None
+    finally:
+        ctx.close()
+        srv.stop()
