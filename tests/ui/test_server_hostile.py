@@ -216,3 +216,11 @@ def test_run_and_bench_pages_show_planted_markup_as_text(tmp_path, browser):
     finally:
         ctx.close()
         srv.stop()
+
+
+def test_names_outside_or_unreadable_are_404(srv):
+    """A run or report name that leaves the runs directory, or holds a NUL: a 404 with the one line."""
+    for path in ("/api/run?run=%00", "/api/run?run=..", "/api/run?run=/etc", "/api/diff?a=good&b=%00",
+                 "/api/bench/report?report=%00.json", "/api/bench/report?report=../../etc/x.json"):
+        status, d = _call(srv.base + path)
+        assert status == 404 and "error" in d, (path, status, d)

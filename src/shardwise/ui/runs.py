@@ -82,9 +82,12 @@ def find(runs_dir: str, max_depth: int = 3) -> list[str]:
 def resolve(runs_dir: str, name: str) -> str:
     """A run's directory from its name relative to runs_dir; nothing outside runs_dir."""
     root = os.path.realpath(runs_dir)
-    path = os.path.realpath(os.path.join(root, name))
+    try:
+        path = os.path.realpath(os.path.join(root, name))
+    except ValueError:  # a NUL
+        path = root
     if os.path.commonpath([root, path]) != root or path == root or not os.path.isdir(path):
-        raise ShardwiseError(f"run '{name}': no such run in {root}")
+        raise ShardwiseError(f"run {name!r}: no such run in {root}")
     return path
 
 
@@ -362,9 +365,12 @@ def bench_reports(runs_dir: str) -> list[dict]:
 
 def bench_report(runs_dir: str, name: str) -> dict:
     root = os.path.realpath(runs_dir)
-    p = os.path.realpath(os.path.join(root, name))
+    try:
+        p = os.path.realpath(os.path.join(root, name))
+    except ValueError:  # a NUL
+        p = root
     if os.path.commonpath([root, p]) != root or not p.endswith(".json"):
-        raise ShardwiseError(f"bench report '{name}': not a report in {root}")
+        raise ShardwiseError(f"bench report {name!r}: not a report in {root}")
     d = _read_json(p)
     if d is None or not str(d.get("schema", "")).startswith("shardwise-bench/"):
         raise ShardwiseError(f"bench report '{name}': not a shardwise bench report")
