@@ -224,3 +224,18 @@ def test_names_outside_or_unreadable_are_404(srv):
                  "/api/bench/report?report=%00.json", "/api/bench/report?report=../../etc/x.json"):
         status, d = _call(srv.base + path)
         assert status == 404 and "error" in d, (path, status, d)
+
+
+def test_bad_runs_dir_and_host_are_one_line_naming_the_flag(tmp_path):
+    """A --runs-dir that is a file, and a --host that is not this machine's: the CLI's one line
+    naming the flag at fault (not a traceback, not --port)."""
+    from tests.helpers import run_cli
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    p = run_cli("ui", "--runs-dir", str(afile), "--port", "0", check=False, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "--runs-dir" in p.stderr, p.stderr
+    p = run_cli("ui", "--runs-dir", str(tmp_path), "--host", "no-such-host.invalid", "--port", "0", check=False,
+                timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("shardwise: error: --host no-such-host.invalid"), p.stderr
