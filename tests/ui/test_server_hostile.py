@@ -239,3 +239,19 @@ def test_bad_runs_dir_and_host_are_one_line_naming_the_flag(tmp_path):
     p = run_cli("ui", "--runs-dir", str(tmp_path), "--host", "no-such-host.invalid", "--port", "0", check=False,
                 timeout=60)
     assert p.returncode == 2 and p.stderr.startswith("shardwise: error: --host no-such-host.invalid"), p.stderr
+
+
+def test_a_hand_edited_config_predicts_or_says_the_cli_line(srv, hostile):
+    """The planner's prediction for a run: from a config.yaml as `shardwise train` writes it, the
+    numbers; from a hand-edited one, the line the CLI prints for that file (not a Python TypeError)."""
+    from shardwise import config
+    from tests.helpers import run_cli
+
+    _write(f"{hostile}/written/config.yaml", config.to_yaml(config.load_config(None, {}).cfg))
+    _write(f"{hostile}/edited/config.yaml", "strategy: [1]\n")
+    status, d = _call(srv.base + "/api/run?run=written")
+    assert status == 200 and d["predicted"]["peak_mem_gib"] > 0, d
+    status, d = _call(srv.base + "/api/run?run=edited")
+    p = run_cli("train", os.path.join(hostile, "edited", "config.yaml"), check=False, timeout=60)
+    assert p.returncode == 2
+    assert status == 200 and d["predicted"] == {"error": p.stderr.strip()[len("shardwise: error: "):]}, (d, p.stderr)

@@ -235,25 +235,20 @@ def diff(a: str, b: str) -> list[dict]:
 
 
 def predicted(path: str) -> dict | None:
-    """The planner's peak memory per rank and step time for the run's resolved config."""
-    from shardwise.config import from_dict
+    """The planner's peak memory per rank and step time for the run's config.yaml, read and
+    validated as `shardwise train` reads it (a hand-edited file: the CLI's line for it)."""
+    from shardwise import config
 
-    flat = config_of(path)
-    if not flat:
+    if not config_of(path):
         return None
-    nested: dict = {}
-    for k, v in flat.items():
-        if "." in k:
-            sec, name = k.split(".", 1)
-            nested.setdefault(sec, {})[name] = v
-        else:
-            nested[k] = v
     try:
         from shardwise.plan import plan_run
 
-        cfg = from_dict(nested)
+        cfg = config.load_config(os.path.join(path, "config.yaml")).cfg
         sp = plan_run(cfg, None, (cfg.nproc_per_node or 1) * cfg.nnodes).for_strategy(cfg.strategy)
-    except (ShardwiseError, TypeError, ValueError, KeyError) as e:  # an old or hand-edited config: say so
+    except ShardwiseError as e:
+        return {"error": str(e)}
+    except (TypeError, ValueError, KeyError) as e:  # an old config the planner cannot take: say so
         return {"error": f"{type(e).__name__}: {e}"}
     return {"peak_mem_gib": sp.mem_gib["total"], "step_time_s": sp.step_time_s, "tokens_per_s": sp.tokens_per_s}
 
