@@ -185,7 +185,7 @@ def test_a_non_ascii_token_is_refused_not_an_error(tmp_path):
     s = UIServer(str(tmp_path), "--host", "127.0.0.2").start()
     try:
         assert _call(s.base + "/api/runs?token=%C3%A9")[0] == 401
-        assert _call(s.base + "/api/runs", headers={"Cookie": "shardwise_token=\u00e9"})[0] == 401
+        assert _call(s.base + "/api/runs", headers={"Cookie": f"shardwise_token_{s.port}=\u00e9"})[0] == 401
     finally:
         s.stop()
 
@@ -255,3 +255,22 @@ def test_a_hand_edited_config_predicts_or_says_the_cli_line(srv, hostile):
     p = run_cli("train", os.path.join(hostile, "edited", "config.yaml"), check=False, timeout=60)
     assert p.returncode == 2
     assert status == 200 and d["predicted"] == {"error": p.stderr.strip()[len("shardwise: error: "):]}, (d, p.stderr)
+
+
+def test_two_tokened_servers_on_one_host_keep_their_sessions(tmp_path, browser):
+    """Two `shardwise ui --host` on one machine (two ports): opening the second one's URL does
+    not log the browser out of the first (a cookie is per host, not per port)."""
+    a = UIServer(str(tmp_path / "a"), "--host", "127.0.0.2").start()
+    b = UIServer(str(tmp_path / "b"), "--host", "127.0.0.2").start()
+    ctx = browser.new_context()
+    try:
+        pa, pb = ctx.new_page(), ctx.new_page()
+        pa.goto(a.url)
+        pb.goto(b.url)
+        fetch = "async () => (await fetch('/api/runs')).status"
+        assert pa.evaluate(fetch) == 200
+        assert pb.evaluate(fetch) == 200
+    finally:
+        ctx.close()
+        a.stop()
+        b.stop()

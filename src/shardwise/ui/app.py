@@ -45,7 +45,9 @@ class TokenMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         req = Request(scope)
-        given = req.query_params.get("token") or req.headers.get(TOKEN_HEADER) or req.cookies.get("shardwise_token")
+        # a cookie is per host, not per port: each server's has its port in its name
+        cookie = f"shardwise_token_{(scope.get('server') or ('', 0))[1]}"
+        given = req.query_params.get("token") or req.headers.get(TOKEN_HEADER) or req.cookies.get(cookie)
         if not given or not hmac.compare_digest(given.encode(), self.token.encode()):
             resp = PlainTextResponse("shardwise ui: a token is required (open the URL printed at start)", 401)
             return await resp(scope, receive, send)
@@ -53,7 +55,7 @@ class TokenMiddleware:
             async def send_cookie(message):
                 if message["type"] == "http.response.start":
                     message.setdefault("headers", []).append(
-                        (b"set-cookie", f"shardwise_token={self.token}; HttpOnly; SameSite=Strict; Path=/".encode()))
+                        (b"set-cookie", f"{cookie}={self.token}; HttpOnly; SameSite=Strict; Path=/".encode()))
                 await send(message)
             return await self.app(scope, receive, send_cookie)
         return await self.app(scope, receive, send)
