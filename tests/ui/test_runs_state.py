@@ -66,3 +66,16 @@ def test_runs_started_from_a_terminal(tmp_path):
     assert found["stopped"][0] == "interrupted" and "step 7" in found["stopped"][1]
     assert found["bad"] == ("failed", "rank 1: a collective did not complete within --collective-timeout 60s")
     assert [d["key"] for d in runs.diff(str(tmp_path / "done"), str(tmp_path / "stopped"))] == ["strategy"]
+
+
+def test_commands_to_copy_survive_a_shell(tmp_path):
+    """The resume and export commands shown for a run in a directory with a space and a quote
+    split, in a shell, into the arguments they name."""
+    import shlex
+
+    run = tmp_path / "my runs" / "it's"
+    (run / "checkpoints").mkdir(parents=True)
+    c = runs.commands(str(run))
+    assert shlex.split(c["resume"]) == ["shardwise", "train", f"{run}/config.yaml", "--output-dir", str(run),
+                                        "--resume", "auto"]
+    assert shlex.split(c["export"]) == ["shardwise", "export", str(run), "--out", f"{run}-export"]

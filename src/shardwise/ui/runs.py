@@ -254,10 +254,13 @@ def predicted(path: str) -> dict | None:
 
 
 def commands(path: str) -> dict:
+    """The commands to copy for a run, quoted for a shell."""
+    from shlex import quote
+
     final = os.path.join(path, "final")
-    return {"resume": f"shardwise train {path}/config.yaml --output-dir {path} --resume auto",
-            "export": f"shardwise export {path} --out {path}-export" if os.path.isdir(os.path.join(path, "checkpoints"))
-            else None,
+    return {"resume": f"shardwise train {quote(path + '/config.yaml')} --output-dir {quote(path)} --resume auto",
+            "export": f"shardwise export {quote(path)} --out {quote(path + '-export')}"
+            if os.path.isdir(os.path.join(path, "checkpoints")) else None,
             "final": final if os.path.isdir(final) else None}
 
 
