@@ -274,3 +274,40 @@ def test_two_tokened_servers_on_one_host_keep_their_sessions(tmp_path, browser):
         ctx.close()
         a.stop()
         b.stop()
+
+
+def test_resume_does_not_write_through_a_planted_log_link(srv, hostile, outside):
+    """A run directory whose ui-launch.log links to a file elsewhere: Resume refuses with a line
+    naming the link, and that file is not written."""
+    from shardwise import config
+
+    run = os.path.join(hostile, "linked-log")
+    _write(f"{run}/config.yaml", config.to_yaml(config.load_config(None, {}).cfg))
+    _write(f"{run}/ui-launch.json", json.dumps({"pid": 2 ** 22 + 17, "create_time": 0, "started": 0}))
+    os.symlink(outside, f"{run}/ui-launch.log")
+    before = open(outside).read()
+    status, d = _call(srv.base + "/api/run/resume", {"run": "linked-log"})
+    if status == 200:
+        os.killpg(d["pid"], signal.SIGKILL)
+    assert status == 400 and "ui-launch.log" in d["error"], (status, d)
+    assert open(outside).read() == before
+
+
+def test_launch_record_is_not_written_through_a_planted_link(srv, hostile, outside):
+    """A planted ui-launch.json.tmp linking elsewhere: Resume's record goes into the run
+    directory, and the linked file is left as it was."""
+    from shardwise import config
+
+    run = os.path.join(hostile, "linked-record")
+    _write(f"{run}/config.yaml", config.to_yaml(config.load_config(None, {}).cfg))
+    os.symlink(outside, f"{run}/ui-launch.json.tmp")
+    before = open(outside).read()
+    status, d = _call(srv.base + "/api/run/resume", {"run": "linked-record"})
+    try:
+        assert status == 200, (status, d)
+        assert open(outside).read() == before
+        with open(f"{run}/ui-launch.json") as fh:
+            assert json.load(fh)["pid"] == d["pid"]
+    finally:
+        if status == 200:
+            os.killpg(d["pid"], signal.SIGKILL)

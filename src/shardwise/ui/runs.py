@@ -285,7 +285,12 @@ def _start(out: str, argv: list[str]) -> int:
     os.makedirs(out, exist_ok=True)
     import psutil
 
-    with open(os.path.join(out, LOG), "a") as log:  # every attempt's output, the newest last
+    try:  # not through a link: a copied or planted run directory must not make the server write elsewhere
+        fd = os.open(os.path.join(out, LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise ShardwiseError(f"{os.path.join(out, LOG)}: cannot write the launcher's log there ({e.strerror}; "
+                             "a link is refused); move it away and try again")
+    with open(fd, "a") as log:  # every attempt's output, the newest last
         log.write(f"{ATTEMPT}shardwise train {' '.join(argv)} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         log.flush()
         proc = subprocess.Popen([sys.executable, "-m", "shardwise", "train", *argv], stdin=subprocess.DEVNULL,
@@ -294,8 +299,10 @@ def _start(out: str, argv: list[str]) -> int:
     _children[proc.pid] = proc
     rec = {"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(), "started": time.time(),
            "argv": ["shardwise", "train", *argv]}
-    tmp = os.path.join(out, RECORD + ".tmp")
-    with open(tmp, "w") as fh:
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=RECORD + ".", dir=out)  # a new file: never through a link planted there
+    with open(fd, "w") as fh:
         json.dump(rec, fh)
     os.replace(tmp, os.path.join(out, RECORD))
     return proc.pid
