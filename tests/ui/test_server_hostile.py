@@ -311,3 +311,27 @@ def test_launch_record_is_not_written_through_a_planted_link(srv, hostile, outsi
     finally:
         if status == 200:
             os.killpg(d["pid"], signal.SIGKILL)
+
+
+def test_resume_refuses_a_run_live_from_a_terminal(srv, hostile):
+    """A run whose launcher (started from a terminal: no ui-launch.json) holds the run
+    directory's lock: Resume says it is in use and starts nothing, so the page does not then
+    call the live run failed."""
+    import fcntl
+
+    from shardwise import config, rundir
+
+    run = os.path.join(hostile, "live")
+    _write(f"{run}/config.yaml", config.to_yaml(config.load_config(None, {}).cfg))
+    _write(f"{run}/.prep/interrupted.json", json.dumps({"step": 3, "checkpoint": "c"}))
+    fd = os.open(os.path.join(run, rundir.LOCK), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        status, d = _call(srv.base + "/api/run/resume", {"run": "live"})
+        if status == 200:
+            os.killpg(d["pid"], signal.SIGKILL)
+        assert status == 400 and "in use" in d["error"] and str(os.getpid()) in d["error"], (status, d)
+        assert not os.path.exists(os.path.join(run, "ui-launch.json"))
+    finally:
+        os.close(fd)

@@ -333,6 +333,26 @@ def stop(path: str) -> dict:
     return {"pid": rec["pid"], "signal": "SIGTERM"}
 
 
+def _check_unlocked(path: str) -> None:
+    """A launcher started elsewhere (a terminal) holds the run directory's lock while it lives:
+    a second one into the directory would fail on it and leave the page calling the live run failed."""
+    import fcntl
+
+    from shardwise import rundir
+
+    try:
+        fd = os.open(os.path.join(path, rundir.LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return  # no lock file: no launcher has run here (a link: the launcher's own check answers)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ShardwiseError(f"{path} is in use by another shardwise run (PID {rundir.holder(path) or 'unknown'}); "
+                             "wait for it to finish, or stop it where it was started") from None
+    finally:
+        os.close(fd)
+
+
 def resume(path: str) -> dict:
     """`shardwise train RUN/config.yaml --output-dir RUN --resume auto`, as the CLI prints it."""
     if _alive(_read_json(os.path.join(path, RECORD)), path):
@@ -343,6 +363,7 @@ def resume(path: str) -> dict:
     from shardwise import config
 
     config.load_config(cfg, {"resume": ("auto", "ui"), "output_dir": (path, "ui")})  # validated as the CLI will
+    _check_unlocked(path)
     pid = _start(path, [cfg, f"--output-dir={path}", "--resume=auto"])
     return {"pid": pid}
 
