@@ -79,3 +79,14 @@ def test_commands_to_copy_survive_a_shell(tmp_path):
     assert shlex.split(c["resume"]) == ["shardwise", "train", f"{run}/config.yaml", "--output-dir", str(run),
                                         "--resume", "auto"]
     assert shlex.split(c["export"]) == ["shardwise", "export", str(run), "--out", f"{run}-export"]
+
+
+def test_a_run_is_named_relative_to_a_linked_runs_directory(tmp_path):
+    """A runs directory reached through a symlink: a run resolved by its name is named the same
+    (not '../real/r')."""
+    (tmp_path / "real" / "r").mkdir(parents=True)
+    (tmp_path / "real" / "r" / "summary.json").write_text("{}")
+    link = tmp_path / "runs"
+    link.symlink_to(tmp_path / "real")
+    assert runs.info(str(link), runs.resolve(str(link), "r"))["name"] == "r"
+    assert [runs.info(str(link), p)["name"] for p in runs.find(str(link))] == ["r"]

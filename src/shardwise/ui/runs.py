@@ -266,7 +266,7 @@ def commands(path: str) -> dict:
 
 def info(runs_dir: str, path: str, detail: bool = False) -> dict:
     st, why = state(path)
-    d = {"name": os.path.relpath(path, os.path.abspath(runs_dir)), "path": path, "state": st, "why": why,
+    d = {"name": os.path.relpath(os.path.realpath(path), os.path.realpath(runs_dir)), "path": path, "state": st, "why": why,
          "summary": _read_json(os.path.join(path, "summary.json")),
          "mtime": _mtime(path)}
     cfg = config_of(path)
