@@ -70,6 +70,14 @@ def hostile(tmp_path_factory, outside):
     _write(f"{root}/leak/ui-launch.json", json.dumps({"pid": 2 ** 22 + 17, "create_time": 0, "started": 0}))
     os.symlink(outside, f"{root}/leak/ui-launch.log")
     os.symlink(outside, f"{root}/leak/config.yaml")
+    elsewhere = str(tmp_path_factory.mktemp("elsewhere"))  # a directory outside, shaped like a run's .prep
+    _write(f"{elsewhere}/errors/rank0.txt", open(outside).read())
+    _write(f"{elsewhere}/interrupted.json", json.dumps({"step": "TOP-SECRET", "checkpoint": "c"}))
+    _write(f"{root}/linked-prep/metrics.jsonl", "")
+    os.symlink(elsewhere, f"{root}/linked-prep/.prep")
+    _write(f"{root}/linked-errors/metrics.jsonl", "")
+    os.makedirs(f"{root}/linked-errors/.prep")
+    os.symlink(f"{elsewhere}/errors", f"{root}/linked-errors/.prep/errors")
     _write(f"{root}/fifo/config.yaml", "strategy: ddp\n")
     _write(f"{root}/fifo/ui-launch.json", json.dumps({"pid": 2 ** 22 + 17, "create_time": 0, "started": 0}))
     os.mkfifo(f"{root}/fifo/ui-launch.log")
@@ -106,7 +114,8 @@ def test_broken_and_planted_run_files_do_not_break_the_pages(srv, hostile):
     status, d = _call(srv.base + "/api/runs", timeout=10)
     assert status == 200, d
     names = {r["name"]: r for r in d["runs"]}
-    assert {"good", "list-record", "list-config", "list-marker", "dir-error", "leak", "fifo"} <= set(names)
+    assert {"good", "list-record", "list-config", "list-marker", "dir-error", "leak", "fifo", "linked-prep",
+            "linked-errors"} <= set(names)
     assert names["good"]["world"] == 2 and names["html"]["world"] is None
     for name in names:
         status, r = _call(srv.base + "/api/run?run=" + name, timeout=10)

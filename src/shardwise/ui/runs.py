@@ -171,11 +171,13 @@ def state(path: str) -> tuple[str, str]:
             return "finished", "summary.json written"
         return "failed", "the launcher exited without a message (killed?); see " + LOG
     # started from a terminal: what the run directory holds
-    marker = _read_json(os.path.join(path, ".prep", "interrupted.json"))
+    prep = os.path.join(path, ".prep")
+    errors = os.path.join(prep, "errors")
+    linked = os.path.islink(prep) or os.path.islink(errors)  # a directory elsewhere: not this run's to show
+    marker = None if linked else _read_json(os.path.join(prep, "interrupted.json"))
     if marker:
         return "interrupted", f"stopped by a signal after step {marker.get('step')}; checkpoint {marker.get('checkpoint')}"
-    errors = os.path.join(path, ".prep", "errors")
-    if os.path.isdir(errors):
+    if not linked and os.path.isdir(errors):
         for f in sorted(os.listdir(errors)):
             try:
                 with _open(os.path.join(errors, f)) as fh:
