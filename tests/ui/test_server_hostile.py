@@ -344,3 +344,23 @@ def test_resume_refuses_a_run_live_from_a_terminal(srv, hostile):
         assert not os.path.exists(os.path.join(run, "ui-launch.json"))
     finally:
         os.close(fd)
+
+
+def test_resume_refuses_a_linked_run_lock(srv, hostile, tmp_path):
+    """A run directory whose .shardwise-lock links to a file elsewhere: the launcher would
+    truncate that file to write its PID there; Resume refuses and the file keeps its text."""
+    from shardwise import config, rundir
+
+    run = os.path.join(hostile, "linked-lock")
+    _write(f"{run}/config.yaml", config.to_yaml(config.load_config(None, {}).cfg))
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me\n")
+    os.symlink(precious, os.path.join(run, rundir.LOCK))
+    status, d = _call(srv.base + "/api/run/resume", {"run": "linked-lock"})
+    try:
+        assert status == 400 and rundir.LOCK in d["error"], (status, d)
+    finally:
+        if status == 200:
+            os.killpg(d["pid"], signal.SIGKILL)
+    time.sleep(0.5)
+    assert precious.read_text() == "keep me\n"

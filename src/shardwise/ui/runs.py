@@ -342,10 +342,14 @@ def _check_unlocked(path: str) -> None:
 
     from shardwise import rundir
 
+    lock = os.path.join(path, rundir.LOCK)
+    if os.path.islink(lock):  # the launcher would truncate the link's target to write its PID
+        raise ShardwiseError(f"{lock} is a symlink (to {os.readlink(lock)}); a run's lock file is its own: "
+                             "remove the link, then resume")
     try:
-        fd = os.open(os.path.join(path, rundir.LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return  # no lock file: no launcher has run here (a link: the launcher's own check answers)
+        return  # no lock file: no launcher has run here
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
