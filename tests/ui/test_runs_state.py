@@ -26,7 +26,9 @@ def _log(run, *lines) -> None:
 def test_state_follows_the_launcher_and_only_its_newest_attempt(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # a stand-in launcher: its command line names `shardwise train` into this run directory, as the page's does
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "shardwise", "train",
+                             f"--output-dir={run}"])
     try:
         _record(run, proc)
         _log(run, runs.ATTEMPT + "shardwise train ...")
@@ -64,3 +66,27 @@ def test_runs_started_from_a_terminal(tmp_path):
     assert found["stopped"][0] == "interrupted" and "step 7" in found["stopped"][1]
     assert found["bad"] == ("failed", "rank 1: a collective did not complete within --collective-timeout 60s")
     assert [d["key"] for d in runs.diff(str(tmp_path / "done"), str(tmp_path / "stopped"))] == ["strategy"]
+
+
+def test_commands_to_copy_survive_a_shell(tmp_path):
+    """The resume and export commands shown for a run in a directory with a space and a quote
+    split, in a shell, into the arguments they name."""
+    import shlex
+
+    run = tmp_path / "my runs" / "it's"
+    (run / "checkpoints").mkdir(parents=True)
+    c = runs.commands(str(run))
+    assert shlex.split(c["resume"]) == ["shardwise", "train", f"{run}/config.yaml", "--output-dir", str(run),
+                                        "--resume", "auto"]
+    assert shlex.split(c["export"]) == ["shardwise", "export", str(run), "--out", f"{run}-export"]
+
+
+def test_a_run_is_named_relative_to_a_linked_runs_directory(tmp_path):
+    """A runs directory reached through a symlink: a run resolved by its name is named the same
+    (not '../real/r')."""
+    (tmp_path / "real" / "r").mkdir(parents=True)
+    (tmp_path / "real" / "r" / "summary.json").write_text("{}")
+    link = tmp_path / "runs"
+    link.symlink_to(tmp_path / "real")
+    assert runs.info(str(link), runs.resolve(str(link), "r"))["name"] == "r"
+    assert [runs.info(str(link), p)["name"] for p in runs.find(str(link))] == ["r"]

@@ -26,6 +26,12 @@ from shardwise.ui import forms, runs
 
 STATIC = str(resources.files("shardwise.ui").joinpath("static"))
 TOKEN_HEADER = "x-shardwise-token"
+MAX_BODY = 1 << 20  # bytes; a form is a few hundred
+DRAIN = 64 << 20  # an oversized body is read (and dropped) up to this before the 413
+
+
+class BodyTooLarge(ShardwiseError):
+    pass
 
 
 class TokenMiddleware:
@@ -39,31 +45,47 @@ class TokenMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         req = Request(scope)
-        given = req.query_params.get("token") or req.headers.get(TOKEN_HEADER) or req.cookies.get("shardwise_token")
-        if not given or not hmac.compare_digest(given, self.token):
+        # a cookie is per host, not per port: each server's has its port in its name
+        cookie = f"shardwise_token_{(scope.get('server') or ('', 0))[1]}"
+        given = req.query_params.get("token") or req.headers.get(TOKEN_HEADER) or req.cookies.get(cookie)
+        if not given or not hmac.compare_digest(given.encode(), self.token.encode()):
             resp = PlainTextResponse("shardwise ui: a token is required (open the URL printed at start)", 401)
             return await resp(scope, receive, send)
         if req.query_params.get("token"):
             async def send_cookie(message):
                 if message["type"] == "http.response.start":
                     message.setdefault("headers", []).append(
-                        (b"set-cookie", f"shardwise_token={self.token}; HttpOnly; SameSite=Strict; Path=/".encode()))
+                        (b"set-cookie", f"{cookie}={self.token}; HttpOnly; SameSite=Strict; Path=/".encode()))
                 await send(message)
             return await self.app(scope, receive, send_cookie)
         return await self.app(scope, receive, send)
 
 
 def _error(e: ShardwiseError, status: int = 400) -> JSONResponse:
+    if isinstance(e, BodyTooLarge):
+        status = 413
     return JSONResponse({"error": str(e), "field": getattr(e, "field", None)}, status)
 
 
 async def _body(request: Request) -> dict:
     if request.headers.get("content-type", "").split(";")[0] != "application/json":
         raise ShardwiseError("requests that change something must be JSON (application/json)")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > DRAIN:
+        raise BodyTooLarge(f"the request body is too large ({declared} bytes; a form is a few hundred)")
+    body, seen = bytearray(), 0
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen <= MAX_BODY:
+            body += chunk
+        elif seen > DRAIN:  # past this the client is not sending a form: answer without reading on
+            break
+    if seen > MAX_BODY:  # read to its end (up to DRAIN) so that a client still sending gets the answer
+        raise BodyTooLarge(f"the request body is too large (over {MAX_BODY} bytes; a form is a few hundred)")
     try:
-        d = await request.json()
-    except ValueError:
-        raise ShardwiseError("the request body is not valid JSON")
+        d = json.loads(body)
+    except (ValueError, RecursionError):
+        raise ShardwiseError("the request body is not valid JSON") from None
     if not isinstance(d, dict):
         raise ShardwiseError("the request body must be a JSON object")
     return d
@@ -116,6 +138,8 @@ def create_app(runs_dir: str, token: str | None = None, allowed_hosts: list[str]
 
     async def run_action(request):
         action = request.path_params["action"]
+        if action not in ("stop", "resume"):
+            return JSONResponse({"error": f"/api/run/{action}: no such action (stop, resume)", "field": None}, 404)
         try:
             body = await _body(request)
             path = runs.resolve(runs_dir, str(body.get("run", "")))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import socket
 
 from shardwise.errors import ShardwiseError
@@ -32,6 +34,9 @@ def _socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
+        if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:  # the address, not the port
+            raise ShardwiseError(f"--host {host}: cannot listen on it ({e.strerror}); give an address of this "
+                                 "machine (0.0.0.0: all of them)")
         raise ShardwiseError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); choose another --port")
     sock.listen(128)
     sock.set_inheritable(True)
@@ -55,6 +60,12 @@ def run(args) -> int:
 
     host = args.host or "127.0.0.1"
     token = None if host in LOOPBACK else secrets.token_urlsafe(18)
+    try:
+        os.makedirs(args.runs_dir, exist_ok=True)
+    except OSError as e:
+        why = "not a directory" if os.path.exists(args.runs_dir) else e.strerror
+        raise ShardwiseError(f"--runs-dir {args.runs_dir}: cannot use it as the runs directory ({why}); "
+                             "give a directory (it is created if missing)")
     sock = _socket(host, port)
     port = sock.getsockname()[1]
     allowed = ["127.0.0.1", "localhost", "[::1]"] if token is None else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from dataclasses import dataclass
 
 from shardwise.errors import ShardwiseError
@@ -99,6 +100,7 @@ def fields() -> list[Field]:
 
 FIELDS_BY_NAME = {f.name: f for f in fields()}
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class FormError(ShardwiseError):
@@ -146,6 +148,10 @@ def argv_for(values: dict, which: str) -> list[str]:
         if flag is None:
             continue
         v = _text(values, f.name)
+        bad = CONTROL.search(v)
+        if bad:  # a NUL cannot be on a command line; a newline would forge lines of the launcher's log
+            raise FormError(f"{flag} {v[:bad.start()]!r}...: contains a control character "
+                            f"(U+{ord(bad.group()):04X}); type the value on one line", f.name)
         if f.name == "strategy" and v == "auto" and which == "plan":
             continue  # plan: no configured strategy, compare them all
         if f.kind == "bool":
@@ -187,9 +193,13 @@ def _parse(which: str, argv: list[str]):
         raise ShardwiseError(str(e)) from None
 
 
+_LOCK = threading.Lock()  # one form at a time: the first import of transformers in two threads at once fails
+
+
 def _with_field(fn, which: str):
     try:
-        return fn()
+        with _LOCK:
+            return fn()
     except FormError:
         raise
     except ShardwiseError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -30,12 +31,35 @@ ATTEMPT = "=== shardwise ui started: "
 _children: dict[int, subprocess.Popen] = {}  # launched by this server: reaped here
 
 
-def _read_json(path: str):
+def _open(path: str, mode: str = "r"):
+    """A file a run wrote, for reading: a regular file, not a symlink (a run directory may be
+    copied or shared: a planted link must not show a file from outside it, and a FIFO or a
+    device must not hang or flood the server)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        return open(fd, mode, errors=None if "b" in mode else "replace")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_json(path: str) -> dict | None:
+    """A JSON object the run wrote; None for anything else (missing, unreadable, not an object)."""
+    try:
+        with _open(path) as fh:
+            d = json.load(fh)
+    except (OSError, ValueError, RecursionError):
         return None
+    return d if isinstance(d, dict) else None
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:  # removed while the list was made
+        return 0.0
 
 
 def find(runs_dir: str, max_depth: int = 3) -> list[str]:
@@ -52,46 +76,69 @@ def find(runs_dir: str, max_depth: int = 3) -> list[str]:
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in ("tensorboard", "checkpoints", "final")]
         if depth >= max_depth:
             dirnames[:] = []
-    return sorted(found, key=lambda p: os.path.getmtime(p), reverse=True)
+    return sorted(found, key=_mtime, reverse=True)
 
 
 def resolve(runs_dir: str, name: str) -> str:
     """A run's directory from its name relative to runs_dir; nothing outside runs_dir."""
     root = os.path.realpath(runs_dir)
-    path = os.path.realpath(os.path.join(root, name))
+    try:
+        path = os.path.realpath(os.path.join(root, name))
+    except ValueError:  # a NUL
+        path = root
     if os.path.commonpath([root, path]) != root or path == root or not os.path.isdir(path):
-        raise ShardwiseError(f"run '{name}': no such run in {root}")
+        raise ShardwiseError(f"run {name!r}: no such run in {root}")
     return path
 
 
-def _alive(rec: dict | None) -> bool:
+def _runs_into(cmdline: list[str], path: str) -> bool:
+    """Whether a command line is `... shardwise train ... --output-dir=PATH`."""
+    if "shardwise" not in cmdline or "train" not in cmdline:
+        return False
+    outs = [a[len("--output-dir="):] for a in cmdline if a.startswith("--output-dir=")]
+    return any(os.path.realpath(o) == os.path.realpath(path) for o in outs)
+
+
+def _alive(rec: dict | None, path: str) -> bool:
+    """Whether the launcher a record names is alive and is the one started into this run
+    directory (not another process: a record copied with the directory, planted, or of a
+    process id since reused)."""
     if not rec:
         return False
     pid = rec.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
     child = _children.get(pid)
     if child is not None:
         if child.poll() is None:
-            return True
+            return _runs_into(list(child.args), path)
         _children.pop(pid, None)
         return False
     import psutil
 
     try:
         p = psutil.Process(pid)
-        if abs(p.create_time() - rec.get("create_time", 0)) > 1.0:
+        created = rec.get("create_time", 0)
+        if not isinstance(created, (int, float)) or abs(p.create_time() - created) > 1.0:
             return False  # the id was reused by another process
-        return p.status() != psutil.STATUS_ZOMBIE
+        return p.status() != psutil.STATUS_ZOMBIE and _runs_into(p.cmdline(), path)
     except psutil.Error:
         return False
 
 
-def _attempt_lines(path: str) -> list[str]:
-    """The launcher output of the newest attempt (each attempt starts with an ATTEMPT line)."""
+def _attempt_lines(path: str, tail: int = 1 << 20) -> list[str]:
+    """The launcher output of the newest attempt (each attempt starts with an ATTEMPT line),
+    from the log's last `tail` bytes (read every second: a long run's log is not read whole)."""
     try:
-        with open(path, errors="replace") as fh:
-            lines = fh.read().splitlines()
+        with _open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            fh.seek(max(0, size - tail))
+            data = fh.read(tail)
     except OSError:
         return []
+    lines = data.decode(errors="replace").splitlines()
+    if size > tail:
+        lines = lines[1:]  # the first line is cut
     starts = [i for i, line in enumerate(lines) if line.startswith(ATTEMPT)]
     return lines[starts[-1]:] if starts else lines
 
@@ -106,8 +153,10 @@ def _last_line(path: str, prefix: str) -> str | None:
 def state(path: str) -> tuple[str, str]:
     """(running | finished | failed | interrupted | unknown, why)."""
     rec = _read_json(os.path.join(path, RECORD))
-    if _alive(rec):
-        return "running", f"process {rec['pid']} started {time.strftime('%H:%M:%S', time.localtime(rec['started']))}"
+    if _alive(rec, path):
+        started = rec.get("started")
+        since = time.strftime(" started %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else ""
+        return "running", f"process {rec['pid']}{since}"
     log = os.path.join(path, LOG)
     summary = os.path.join(path, "summary.json")
     if rec:  # started by the page: its launcher's last words say how it ended
@@ -117,24 +166,30 @@ def state(path: str) -> tuple[str, str]:
         line = _last_line(log, ERROR_LINE)
         if line:
             return "failed", line[len(ERROR_LINE):]
-        if os.path.isfile(summary) and os.path.getmtime(summary) >= rec.get("started", 0) - 1:
+        started = rec.get("started")
+        if os.path.isfile(summary) and _mtime(summary) >= (started if isinstance(started, (int, float)) else 0) - 1:
             return "finished", "summary.json written"
         return "failed", "the launcher exited without a message (killed?); see " + LOG
     # started from a terminal: what the run directory holds
-    marker = _read_json(os.path.join(path, ".prep", "interrupted.json"))
+    prep = os.path.join(path, ".prep")
+    errors = os.path.join(prep, "errors")
+    linked = os.path.islink(prep) or os.path.islink(errors)  # a directory elsewhere: not this run's to show
+    marker = None if linked else _read_json(os.path.join(prep, "interrupted.json"))
     if marker:
         return "interrupted", f"stopped by a signal after step {marker.get('step')}; checkpoint {marker.get('checkpoint')}"
-    errors = os.path.join(path, ".prep", "errors")
-    if os.path.isdir(errors):
+    if not linked and os.path.isdir(errors):
         for f in sorted(os.listdir(errors)):
-            with open(os.path.join(errors, f), errors="replace") as fh:
-                text = fh.read().strip()
+            try:
+                with _open(os.path.join(errors, f)) as fh:
+                    text = fh.read(4096).strip()
+            except OSError:
+                continue
             if text:
                 return "failed", text.splitlines()[0]
     if os.path.isfile(summary):
         return "finished", "summary.json written"
     metrics = os.path.join(path, "metrics.jsonl")
-    if os.path.isfile(metrics) and time.time() - os.path.getmtime(metrics) < 120:
+    if os.path.isfile(metrics) and time.time() - _mtime(metrics) < 120:
         return "running", "metrics.jsonl written in the last 2 minutes (started outside the page)"
     return "unknown", "no summary.json and no record of how it ended (started outside the page)"
 
@@ -143,7 +198,7 @@ def metrics(path: str, offset: int = 0) -> tuple[list[dict], int]:
     """metrics.jsonl records from byte offset on (whole lines only) and the next offset."""
     p = os.path.join(path, "metrics.jsonl")
     try:
-        with open(p, "rb") as fh:
+        with _open(p, "rb") as fh:
             fh.seek(offset)
             data = fh.read()
     except OSError:
@@ -161,9 +216,11 @@ def metrics(path: str, offset: int = 0) -> tuple[list[dict], int]:
 def config_of(path: str) -> dict:
     """config.yaml of a run, flattened to dotted keys."""
     try:
-        with open(os.path.join(path, "config.yaml")) as fh:
+        with _open(os.path.join(path, "config.yaml")) as fh:
             d = yaml.safe_load(fh) or {}
-    except (OSError, yaml.YAMLError):
+    except (OSError, yaml.YAMLError, RecursionError):
+        return {}
+    if not isinstance(d, dict):
         return {}
     flat = {}
     for k, v in d.items():
@@ -180,45 +237,44 @@ def diff(a: str, b: str) -> list[dict]:
 
 
 def predicted(path: str) -> dict | None:
-    """The planner's peak memory per rank and step time for the run's resolved config."""
-    from shardwise.config import from_dict
+    """The planner's peak memory per rank and step time for the run's config.yaml, read and
+    validated as `shardwise train` reads it (a hand-edited file: the CLI's line for it)."""
+    from shardwise import config
 
-    flat = config_of(path)
-    if not flat:
+    if not config_of(path):
         return None
-    nested: dict = {}
-    for k, v in flat.items():
-        if "." in k:
-            sec, name = k.split(".", 1)
-            nested.setdefault(sec, {})[name] = v
-        else:
-            nested[k] = v
     try:
         from shardwise.plan import plan_run
 
-        cfg = from_dict(nested)
+        cfg = config.load_config(os.path.join(path, "config.yaml")).cfg
         sp = plan_run(cfg, None, (cfg.nproc_per_node or 1) * cfg.nnodes).for_strategy(cfg.strategy)
-    except (ShardwiseError, TypeError, ValueError, KeyError) as e:  # an old or hand-edited config: say so
+    except ShardwiseError as e:
+        return {"error": str(e)}
+    except (TypeError, ValueError, KeyError) as e:  # an old config the planner cannot take: say so
         return {"error": f"{type(e).__name__}: {e}"}
     return {"peak_mem_gib": sp.mem_gib["total"], "step_time_s": sp.step_time_s, "tokens_per_s": sp.tokens_per_s}
 
 
 def commands(path: str) -> dict:
+    """The commands to copy for a run, quoted for a shell."""
+    from shlex import quote
+
     final = os.path.join(path, "final")
-    return {"resume": f"shardwise train {path}/config.yaml --output-dir {path} --resume auto",
-            "export": f"shardwise export {path} --out {path}-export" if os.path.isdir(os.path.join(path, "checkpoints"))
-            else None,
+    return {"resume": f"shardwise train {quote(path + '/config.yaml')} --output-dir {quote(path)} --resume auto",
+            "export": f"shardwise export {quote(path)} --out {quote(path + '-export')}"
+            if os.path.isdir(os.path.join(path, "checkpoints")) else None,
             "final": final if os.path.isdir(final) else None}
 
 
 def info(runs_dir: str, path: str, detail: bool = False) -> dict:
     st, why = state(path)
-    d = {"name": os.path.relpath(path, os.path.abspath(runs_dir)), "path": path, "state": st, "why": why,
+    d = {"name": os.path.relpath(os.path.realpath(path), os.path.realpath(runs_dir)), "path": path, "state": st, "why": why,
          "summary": _read_json(os.path.join(path, "summary.json")),
-         "mtime": os.path.getmtime(path)}
+         "mtime": _mtime(path)}
     cfg = config_of(path)
     d["strategy"] = cfg.get("strategy")
-    d["world"] = (cfg.get("nproc_per_node") or 0) * (cfg.get("nnodes") or 1) or None
+    nproc, nnodes = cfg.get("nproc_per_node"), cfg.get("nnodes", 1)
+    d["world"] = (nproc * (nnodes or 1) or None) if all(type(x) is int for x in (nproc, nnodes or 1)) else None
     if detail:
         d["commands"] = commands(path)
         d["predicted"] = predicted(path)
@@ -231,7 +287,12 @@ def _start(out: str, argv: list[str]) -> int:
     os.makedirs(out, exist_ok=True)
     import psutil
 
-    with open(os.path.join(out, LOG), "a") as log:  # every attempt's output, the newest last
+    try:  # not through a link: a copied or planted run directory must not make the server write elsewhere
+        fd = os.open(os.path.join(out, LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise ShardwiseError(f"{os.path.join(out, LOG)}: cannot write the launcher's log there ({e.strerror}; "
+                             "a link is refused); move it away and try again")
+    with open(fd, "a") as log:  # every attempt's output, the newest last
         log.write(f"{ATTEMPT}shardwise train {' '.join(argv)} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         log.flush()
         proc = subprocess.Popen([sys.executable, "-m", "shardwise", "train", *argv], stdin=subprocess.DEVNULL,
@@ -240,8 +301,10 @@ def _start(out: str, argv: list[str]) -> int:
     _children[proc.pid] = proc
     rec = {"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(), "started": time.time(),
            "argv": ["shardwise", "train", *argv]}
-    tmp = os.path.join(out, RECORD + ".tmp")
-    with open(tmp, "w") as fh:
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=RECORD + ".", dir=out)  # a new file: never through a link planted there
+    with open(fd, "w") as fh:
         json.dump(rec, fh)
     os.replace(tmp, os.path.join(out, RECORD))
     return proc.pid
@@ -253,6 +316,12 @@ def launch(runs_dir: str, train: dict) -> dict:
     root = os.path.realpath(runs_dir)
     if os.path.commonpath([root, os.path.realpath(out)]) != root:
         raise ShardwiseError(f"{out}: a run directory must be inside the runs directory {root}")
+    try:
+        os.mkdir(out)  # one launch per directory: a second launch of the name at the same moment is told so
+    except FileExistsError:
+        from shardwise.ui.forms import FormError
+
+        raise FormError(f"run name '{os.path.basename(out)}': {out} exists; choose another name", "run_name") from None
     pid = _start(out, train["argv"])
     return {"pid": pid, "name": os.path.relpath(out, os.path.abspath(runs_dir))}
 
@@ -260,15 +329,39 @@ def launch(runs_dir: str, train: dict) -> dict:
 def stop(path: str) -> dict:
     """SIGTERM to the launcher: its workers checkpoint and it exits saying how to resume."""
     rec = _read_json(os.path.join(path, RECORD))
-    if not _alive(rec):
+    if not _alive(rec, path):
         raise ShardwiseError(f"{path}: not running (only runs started from this page can be stopped here)")
     os.kill(rec["pid"], signal.SIGTERM)
     return {"pid": rec["pid"], "signal": "SIGTERM"}
 
 
+def _check_unlocked(path: str) -> None:
+    """A launcher started elsewhere (a terminal) holds the run directory's lock while it lives:
+    a second one into the directory would fail on it and leave the page calling the live run failed."""
+    import fcntl
+
+    from shardwise import rundir
+
+    lock = os.path.join(path, rundir.LOCK)
+    if os.path.islink(lock):  # the launcher would truncate the link's target to write its PID
+        raise ShardwiseError(f"{lock} is a symlink (to {os.readlink(lock)}); a run's lock file is its own: "
+                             "remove the link, then resume")
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return  # no lock file: no launcher has run here
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ShardwiseError(f"{path} is in use by another shardwise run (PID {rundir.holder(path) or 'unknown'}); "
+                             "wait for it to finish, or stop it where it was started") from None
+    finally:
+        os.close(fd)
+
+
 def resume(path: str) -> dict:
     """`shardwise train RUN/config.yaml --output-dir RUN --resume auto`, as the CLI prints it."""
-    if _alive(_read_json(os.path.join(path, RECORD))):
+    if _alive(_read_json(os.path.join(path, RECORD)), path):
         raise ShardwiseError(f"{path}: still running; stop it first")
     cfg = os.path.join(path, "config.yaml")
     if not os.path.isfile(cfg):
@@ -276,6 +369,7 @@ def resume(path: str) -> dict:
     from shardwise import config
 
     config.load_config(cfg, {"resume": ("auto", "ui"), "output_dir": (path, "ui")})  # validated as the CLI will
+    _check_unlocked(path)
     pid = _start(path, [cfg, f"--output-dir={path}", "--resume=auto"])
     return {"pid": pid}
 
@@ -289,7 +383,10 @@ def bench_reports(runs_dir: str) -> list[dict]:
         for f in filenames:
             if f.endswith(".json") and f not in ("summary.json", RECORD, "config.json"):
                 p = os.path.join(dirpath, f)
-                if os.path.getsize(p) > 20_000_000:
+                try:
+                    if os.path.islink(p) or os.path.getsize(p) > 20_000_000:
+                        continue  # a link (perhaps dangling, perhaps out of the runs directory) is not listed
+                except OSError:
                     continue
                 d = _read_json(p)
                 if isinstance(d, dict) and str(d.get("schema", "")).startswith("shardwise-bench/"):
@@ -300,10 +397,13 @@ def bench_reports(runs_dir: str) -> list[dict]:
 
 def bench_report(runs_dir: str, name: str) -> dict:
     root = os.path.realpath(runs_dir)
-    p = os.path.realpath(os.path.join(root, name))
+    try:
+        p = os.path.realpath(os.path.join(root, name))
+    except ValueError:  # a NUL
+        p = root
     if os.path.commonpath([root, p]) != root or not p.endswith(".json"):
-        raise ShardwiseError(f"bench report '{name}': not a report in {root}")
+        raise ShardwiseError(f"bench report {name!r}: not a report in {root}")
     d = _read_json(p)
-    if not isinstance(d, dict) or not str(d.get("schema", "")).startswith("shardwise-bench/"):
+    if d is None or not str(d.get("schema", "")).startswith("shardwise-bench/"):
         raise ShardwiseError(f"bench report '{name}': not a shardwise bench report")
     return d

@@ -32,7 +32,7 @@ async function show(name) {
   document.querySelector("#results tbody").innerHTML = d.results.map(r => {
     const m = r.measured || {};
     return `<tr><td>${sw.esc(r.strategy)}</td><td>${sw.esc(r.result)}${r.reason ? ` <span class="muted">(${sw.esc(r.reason)})</span>` : ""}</td>
-      <td class="num">${r.world_size || "—"}</td><td class="num">${sw.fmt(m.tokens_per_s && m.tokens_per_s.median, 0)}</td><td class="num">${sw.fmt(pred(r, "tokens_per_s"), 0)}</td>
+      <td class="num">${sw.esc(r.world_size || "—")}</td><td class="num">${sw.fmt(m.tokens_per_s && m.tokens_per_s.median, 0)}</td><td class="num">${sw.fmt(pred(r, "tokens_per_s"), 0)}</td>
       <td class="num">${sw.fmt(m.peak_mem_gib && m.peak_mem_gib.max)}</td><td class="num">${sw.fmt(pred(r, "peak_mem_gib"))}</td><td class="num">${sw.fmt(m.final_loss, 4)}</td></tr>`;
   }).join("");
 }
