@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -791,7 +792,7 @@ def _train(p: Prepared | None, early: _Early | None = None) -> int:
         out = p.output_dir if p is not None else early.cfg.output_dir
         last = ckpt.latest(out)
         print(f"shardwise: interrupted by signal {e.signum}; newest checkpoint: {last or 'none'}; resume with: "
-              f"shardwise train {out}/config.yaml --output-dir {out} --resume auto",
+              f"shardwise train {shlex.quote(out + '/config.yaml')} --output-dir {shlex.quote(out)} --resume auto",
               file=sys.stderr, flush=True)
         return 128 + e.signum
     if summary:
@@ -799,5 +800,5 @@ def _train(p: Prepared | None, early: _Early | None = None) -> int:
         kind = "PEFT adapter directory" if p.cfg.tuner != "full" else "Hugging Face directory"
         final = f", final/ ({kind})" if summary.get("final_model") else ""
         say(f"outputs: {p.output_dir}/metrics.jsonl, summary.json{final}; "
-            f"repeat with: shardwise train {p.output_dir}/config.yaml")
+            f"repeat with: shardwise train {shlex.quote(p.output_dir + '/config.yaml')}")
     return 0

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 
 import pytest
 
@@ -26,9 +27,12 @@ def test_demo_command_trains_and_the_loss_falls(tmp_path):
     assert "the built-in demo (tiny model, synthetic data) with its settings from demo.yaml: " in p.stdout
     assert "lr 0.003" in p.stdout and "seq_len 128" in p.stdout
     # the written config repeats the run; a profiled step is logged on its own whatever log_every (10 here)
-    again = run_cli("train", str(out / "config.yaml"), "--max-steps", "3", "--output-dir", str(tmp_path / "again"),
+    again_dir = tmp_path / "again dir"  # a space: the printed command quotes it
+    again = run_cli("train", str(out / "config.yaml"), "--max-steps", "3", "--output-dir", str(again_dir),
                     "--profile-steps", "1", "--profile-start", "2")
-    recs = read_metrics(str(tmp_path / "again"))
+    repeat = again.stdout.split("repeat with: ", 1)[1].splitlines()[0]
+    assert shlex.split(repeat) == ["shardwise", "train", str(again_dir / "config.yaml")], repeat
+    recs = read_metrics(str(again_dir))
     assert [(r["step"], r.get("profiled", False)) for r in recs] == [(1, False), (2, True), (3, False)]
     assert 0 <= recs[1]["comm_exposed_s"] <= recs[1]["comm_total_s"] and recs[1]["comm_total_s"] > 0
     assert again.returncode == 0
