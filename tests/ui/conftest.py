@@ -19,9 +19,12 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 
 
 class UIServer:
-    """`python -m shardwise ui` in a subprocess; restartable on the same port."""
+    """`python -m shardwise ui` in a subprocess; restartable on the same port. On 127.0.0.1 it runs with --no-token
+    (the pages' own tests; test_ui.py checks the default, a token on 127.0.0.1 too) unless `token` is set."""
 
-    def __init__(self, runs_dir: str, *extra: str):
+    def __init__(self, runs_dir: str, *extra: str, token: bool = False):
+        if not token and "--host" not in extra:
+            extra = (*extra, "--no-token")
         self.runs_dir, self.extra, self.port, self.proc, self.url = runs_dir, extra, "0", None, None
 
     def start(self) -> UIServer:

@@ -7,6 +7,8 @@ import glob
 import json
 import os
 import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +83,31 @@ def test_host_flag_requires_the_printed_token(runs_dir):
         assert _get(s.base + "/api/runs", {"X-Shardwise-Token": token}) == 200
     finally:
         s.stop()
+
+
+def test_loopback_needs_the_token_too_unless_no_token(runs_dir):
+    """On 127.0.0.1 (the default) every user of the machine can connect, and the page starts runs as you: the
+    printed URL carries a token there too; --no-token serves without one, and is refused with --host."""
+    s = UIServer(runs_dir, token=True).start()
+    try:
+        assert s.base.startswith("http://127.0.0.1:")
+        token = s.url.split("token=", 1)[1]
+        assert len(token) >= 20
+        assert _get(s.base + "/api/runs") == 401
+        assert _get(s.base + "/api/runs?token=" + token) == 200
+        assert _get(s.base + "/api/runs", {"X-Shardwise-Token": token, "Host": "evil.example"}) == 400  # rebinding
+    finally:
+        s.stop()
+    s = UIServer(runs_dir).start()  # --no-token
+    try:
+        assert "token=" not in s.url and _get(s.base + "/api/runs") == 200
+    finally:
+        s.stop()
+    p = subprocess.run([sys.executable, "-m", "shardwise", "ui", "--runs-dir", runs_dir, "--host", "127.0.0.2",
+                        "--no-token", "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "shardwise: error: --no-token: only on 127.0.0.1; --host 127.0.0.2 can be reached from other machines, so "
+        "every request needs the token; drop --no-token or --host"], p.stderr
 
 
 def _fill(page, field: str, value: str) -> None:

@@ -1,4 +1,4 @@
-"""`shardwise ui`: serve the Plan / Runs / Bench pages on 127.0.0.1 (or --host, with a token)."""
+"""`shardwise ui`: serve the Plan / Runs / Bench pages on 127.0.0.1 (or --host), behind a token printed at start."""
 
 from __future__ import annotations
 
@@ -17,11 +17,15 @@ def add_parser(subparsers) -> None:
         "ui", help="A local web page to plan, launch, watch and compare runs.",
         description="Serve a web page that plans a run as you type (the planner of `shardwise plan`), starts it "
                     "as `shardwise train` in the background, shows every run of the runs directory with live "
-                    "curves, and charts bench reports. Binds 127.0.0.1 unless --host is given; then every "
-                    "request needs the token printed at start.")
+                    "curves, and charts bench reports. Binds 127.0.0.1 unless --host is given. Every request needs "
+                    "the token in the URL printed at start (the page can start runs as you: on 127.0.0.1 too, "
+                    "since every user of this machine can reach 127.0.0.1); --no-token drops it on 127.0.0.1.")
     p.add_argument("--runs-dir", default="runs", help="Directory of the runs (default: ./runs).")
     p.add_argument("--port", default="7860", help="Port (default 7860; 0: any free port).")
-    p.add_argument("--host", default=None, help="Address to bind instead of 127.0.0.1 (requires the printed token).")
+    p.add_argument("--host", default=None, help="Address to bind instead of 127.0.0.1.")
+    p.add_argument("--no-token", action="store_true",
+                   help="Serve 127.0.0.1 without a token: any process of any user of this machine can then use the "
+                        "page (and start runs as you). Not with --host.")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
@@ -59,7 +63,11 @@ def run(args) -> int:
     import secrets
 
     host = args.host or "127.0.0.1"
-    token = None if host in LOOPBACK else secrets.token_urlsafe(18)
+    loopback = host in LOOPBACK
+    if getattr(args, "no_token", False) and not loopback:
+        raise ShardwiseError(f"--no-token: only on 127.0.0.1; --host {host} can be reached from other machines, "
+                             "so every request needs the token; drop --no-token or --host")
+    token = None if getattr(args, "no_token", False) else secrets.token_urlsafe(18)
     try:
         os.makedirs(args.runs_dir, exist_ok=True)
     except OSError as e:
@@ -68,14 +76,17 @@ def run(args) -> int:
                              "give a directory (it is created if missing)")
     sock = _socket(host, port)
     port = sock.getsockname()[1]
-    allowed = ["127.0.0.1", "localhost", "[::1]"] if token is None else None
+    allowed = ["127.0.0.1", "localhost", "[::1]"] if loopback else None  # DNS rebinding, token or not
     app = create_app(args.runs_dir, token=token, allowed_hosts=allowed)
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
     print(f"shardwise ui: serving {app.state.runs_dir} at {url}", flush=True)
-    if token:
+    if not loopback:
         print(f"shardwise ui: listening on {host} (not only this machine): every request needs the token "
               f"(?token=... or header X-Shardwise-Token)", flush=True)
+    elif token:
+        print("shardwise ui: open the URL above; every request needs its token (?token=..., then a cookie, or "
+              "header X-Shardwise-Token); --no-token serves without one", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
     uvicorn.Server(config).run(sockets=[sock])
     return 0
