@@ -1,0 +1,120 @@
+"""Bad or odd input found by trying the CLI as a new user: each is refused in one line naming
+the key and where it came from (or, for `~`, taken as the user meant it), before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from shardwise import config
+from shardwise.errors import ShardwiseError
+
+
+def flags(*argv):
+    p = argparse.ArgumentParser()
+    config.add_flags(p)
+    return config.flags_from_namespace(p.parse_args(list(argv)))
+
+
+def write(tmp_path, text, name="run.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def one_line(e) -> str:
+    text = str(e.value)
+    assert "\n" not in text and len(text) < 400, text
+    return text
+
+
+# -- `~` in a path is the home directory, as in a shell (not a directory named `~` in the current one) ---------
+
+def test_a_tilde_in_path_keys_is_the_home_directory(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    path = write(tmp_path, "output_dir: ~/runs/a\nval_data: ~/val.jsonl\nchat_template: ~/t.jinja\n"
+                           "data: [~/a.jsonl, {path: ~/b.jsonl, weight: 0.5}]\n")
+    res = config.load_config(path, flags("--resume", "~/runs/a/checkpoints/step_00000002"))
+    c = res.cfg
+    assert c.output_dir == f"{home}/runs/a"
+    assert c.val_data == f"{home}/val.jsonl" and c.chat_template == f"{home}/t.jinja"
+    assert c.data == f"{home}/a.jsonl,{home}/b.jsonl:0.5"
+    assert c.resume == f"{home}/runs/a/checkpoints/step_00000002"
+    res = config.load_config(None, flags("--output-dir=~/x", "--data", "~/a.jsonl:3,demo:0.5", "--model", "~/m"))
+    assert res.cfg.output_dir == f"{home}/x" and res.cfg.data == f"{home}/a.jsonl:3,demo:0.5"
+    assert res.cfg.model == f"{home}/m"
+    assert config.load_config(None, flags("--resume", "auto")).cfg.resume == "auto"
+
+
+# -- a key given twice is a mistake, not "the last one wins" ----------------------------------------------------
+
+def test_a_key_given_twice_in_the_yaml_is_refused_naming_both_lines(tmp_path):
+    with pytest.raises(ShardwiseError) as e:
+        config.load_config(write(tmp_path, "max_steps: 2\nlr: 0.1\nmax_steps: 3\n"))
+    line = one_line(e)
+    assert line.startswith(f"{tmp_path / 'run.yaml'}:3:") and "'max_steps'" in line and "line 1" in line
+    with pytest.raises(ShardwiseError) as e:
+        config.load_config(write(tmp_path, "strategy: fsdp\nfsdp:\n  prefetch: false\n  prefetch: true\n"))
+    line = one_line(e)
+    assert line.startswith(f"{tmp_path / 'run.yaml'}:4:") and "'fsdp.prefetch'" in line and "line 3" in line
+
+
+# -- values that pass the type check but cannot run ------------------------------------------------------------
+
+@pytest.mark.parametrize("item, what", [("{path: a.jsonl, weight: .nan}", "weight"),
+                                        ("{path: a.jsonl, weight: -1}", "weight"),
+                                        ("{path: a.jsonl, weight: 0}", "weight"),
+                                        ("{path: a.jsonl, count: 0}", "count"),
+                                        ("{path: a.jsonl, count: -3}", "count")])
+def test_a_yaml_data_weight_or_count_out_of_range_names_the_source(tmp_path, item, what):
+    with pytest.raises(ShardwiseError) as e:
+        config.load_config(write(tmp_path, f"data: [b.jsonl, {item}]\n"))
+    line = one_line(e)
+    assert line.startswith(f"{tmp_path / 'run.yaml'}:1: data source 2") and what in line, line
+
+
+@pytest.mark.parametrize("text", ["model: null\ndata: a.jsonl\n", "model: ''\ndata: a.jsonl\n",
+                                  "model: '  '\ndata: a.jsonl\n"])
+def test_an_empty_model_is_refused_at_its_line(tmp_path, text):
+    with pytest.raises(ShardwiseError) as e:
+        config.load_config(write(tmp_path, text))
+    assert one_line(e).startswith(f"{tmp_path / 'run.yaml'}:1: model is empty")
+
+
+@pytest.mark.parametrize("value", ["-1", "4294967296", "100000000000000000000000"])
+def test_a_seed_out_of_range_is_refused(value):
+    with pytest.raises(ShardwiseError, match=r"^flag --seed: seed must be in \[0, 4294967295\]"):
+        config.load_config(None, flags("--seed", value))
+    assert config.load_config(None, flags("--seed", "4294967295")).cfg.seed == 2**32 - 1
+
+
+def test_a_collective_timeout_too_large_for_the_process_group_is_refused():
+    with pytest.raises(ShardwiseError, match=r"^flag --collective-timeout: collective_timeout must be at most"):
+        config.load_config(None, flags("--collective-timeout", "1e300"))
+    assert config.load_config(None, flags("--collective-timeout", "86400")).cfg.collective_timeout == 86400
+
+
+@pytest.mark.parametrize("targets", ["", " ", ",", " , "])
+def test_empty_lora_targets_are_refused_with_lora(targets):
+    with pytest.raises(ShardwiseError, match=r"^flag --lora-targets: lora.targets is empty"):
+        config.load_config(None, flags("--tuner", "lora", "--lora-targets", targets))
+    config.load_config(None, flags("--lora-targets", targets))  # unused without a LoRA tuner
+
+
+def test_a_missing_deepspeed_config_is_refused_before_launch(tmp_path):
+    with pytest.raises(ShardwiseError) as e:
+        config.load_config(None, flags("--strategy", "zero2", "--deepspeed-config", str(tmp_path / "nope.json")))
+    assert one_line(e).startswith(f"flag --deepspeed-config: {tmp_path / 'nope.json'}: no such file")
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(ShardwiseError) as e:
+        config.load_config(None, flags("--strategy", "zero2", "--deepspeed-config", str(bad)))
+    assert one_line(e).startswith(f"flag --deepspeed-config: {bad}: not a JSON object")
+    good = tmp_path / "ds.json"
+    good.write_text('{"gradient_clipping": 0.5}')
+    assert config.load_config(None, flags("--strategy", "zero2", "--deepspeed-config", str(good)))
+    assert os.path.isfile(good)
