@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -102,7 +103,12 @@ def _device(name: str):
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ShardwiseError(f"--device {name}: not a device; use cpu, cuda or cuda:N (or auto)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ShardwiseError(f"--device {name}: no CUDA GPU here; use --device cpu")
     return dev
@@ -223,16 +229,21 @@ def repl(model, tok, args) -> None:
 def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ShardwiseError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise ShardwiseError(f"--temperature must be >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ShardwiseError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:  # transformers raises a traceback below 0 and ignores it above 1
+        raise ShardwiseError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < 2**63:
+        raise ShardwiseError(f"--seed must be in [0, 2^63), got {args.seed}")
     model_dir, adapter_dir = resolve_dirs(args.dir, args.adapter, args.base)
     from shardwise.rundir import quiet_libraries
 
     quiet_libraries()
     import torch
 
+    device = _device(args.device)
     torch.manual_seed(args.seed)
-    model, tok = load(model_dir, adapter_dir, _device(args.device), args.trust_remote_code)
+    model, tok = load(model_dir, adapter_dir, device, args.trust_remote_code)
     set_template(tok, args.chat_template, adapter_dir or model_dir)
     what = f"{model_dir} + adapter {adapter_dir}" if adapter_dir else model_dir
     print(f"shardwise chat: {what} on {model.device}", file=sys.stderr, flush=True)

@@ -118,3 +118,23 @@ def test_a_missing_deepspeed_config_is_refused_before_launch(tmp_path):
     good.write_text('{"gradient_clipping": 0.5}')
     assert config.load_config(None, flags("--strategy", "zero2", "--deepspeed-config", str(good)))
     assert os.path.isfile(good)
+
+
+# -- chat: a bad option is one line before the model is loaded -------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (("--device", "banana"), "--device banana: not a device; use cpu, cuda or cuda:N (or auto)"),
+    (("--device", "meta"), "--device meta: not a device; use cpu, cuda or cuda:N (or auto)"),
+    (("--temperature", "1", "--top-p", "-1"), "--top-p must be in (0, 1], got -1.0"),
+    (("--temperature", "1", "--top-p", "0"), "--top-p must be in (0, 1], got 0.0"),
+    (("--temperature", "1", "--top-p", "1.5"), "--top-p must be in (0, 1], got 1.5"),
+    (("--temperature", "nan",), "--temperature must be a finite number >= 0, got nan"),
+    (("--temperature", "inf",), "--temperature must be a finite number >= 0, got inf"),
+    (("--seed", "100000000000000000000000"), "--seed must be in [0, 2^63), got 100000000000000000000000"),
+])
+def test_chat_refuses_bad_options_in_one_line(tiny_dir, capsys, args, message):
+    from shardwise.cli import main
+
+    rc = main(["chat", tiny_dir, "--prompt", "hi", "--max-new-tokens", "1", *args])
+    out, err = capsys.readouterr()
+    assert rc == 2 and err == f"shardwise: error: {message}\n" and out == "", (out, err)
