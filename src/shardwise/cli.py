@@ -11,10 +11,12 @@ from shardwise.errors import ShardwiseError
 
 
 def _train(args) -> int:
-    from shardwise import config, launch
+    from shardwise import config, launch, rundir
 
     res = config.load_config(args.config, config.flags_from_namespace(args))
     config.check_train_data(res)
+    # the default output directory is runs/<strategy>-<time> (named at launch)
+    rundir.check_creatable(res.cfg.output_dir or os.path.join("runs", "new"), res.where("output_dir"))
     note = config.demo_note(res)
     if note:
         print(f"shardwise: {note}", flush=True)

@@ -138,3 +138,22 @@ def test_chat_refuses_bad_options_in_one_line(tiny_dir, capsys, args, message):
     rc = main(["chat", tiny_dir, "--prompt", "hi", "--max-new-tokens", "1", *args])
     out, err = capsys.readouterr()
     assert rc == 2 and err == f"shardwise: error: {message}\n" and out == "", (out, err)
+
+
+# -- an output directory that cannot be made is one line before anything starts ------------------------------
+
+@pytest.mark.parametrize("make, message", [
+    (lambda t: t / "notes.txt" / "run", "is a file, not a directory: nothing can be created under it"),
+    (lambda t: t / "notes.txt" / "a" / "b", "is a file, not a directory: nothing can be created under it"),
+    (lambda t: t / ("x" * 300), "a name in it is longer than 255 bytes"),
+])
+def test_an_output_dir_that_cannot_be_created_is_one_line(tmp_path, capsys, make, message):
+    from shardwise.cli import main
+
+    (tmp_path / "notes.txt").write_text("the user's")
+    out = make(tmp_path)
+    rc = main(["train", "--output-dir", str(out), "--strategy", "single", "--nproc-per-node", "1", "--max-steps", "1"])
+    stdout, err = capsys.readouterr()
+    assert rc == 2 and err.startswith("shardwise: error: flag --output-dir: ") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "the user's"
