@@ -11,6 +11,7 @@ import tempfile
 
 from shardwise.errors import ShardwiseError
 from shardwise.models.save import save_pretrained
+from shardwise.rundir import check_creatable
 
 
 def add_parser(sub) -> None:
@@ -53,10 +54,11 @@ def _adapter_base(cfg) -> str:
 def export(checkpoint: str, out: str, merge_lora: bool = False, trust_remote_code: bool = False) -> str:
     if not out.strip():
         raise ShardwiseError("--out: empty; give the directory to write, e.g. --out exported/")
-    out = os.path.abspath(out)
+    out = os.path.abspath(os.path.expanduser(out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):  # before the heavy imports
         raise ShardwiseError(f"--out {out}: exists and is not empty; choose a new directory")
-    path = resolve_checkpoint(checkpoint)
+    check_creatable(out, "--out", "--out")
+    path = resolve_checkpoint(os.path.expanduser(checkpoint))
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -125,5 +127,5 @@ def run(args) -> int:
 
     quiet_libraries()
     out = export(args.checkpoint, args.out, args.merge_lora, args.trust_remote_code)
-    print(f"shardwise: exported {resolve_checkpoint(args.checkpoint)} to {out}")
+    print(f"shardwise: exported {resolve_checkpoint(os.path.expanduser(args.checkpoint))} to {out}")
     return 0

@@ -193,14 +193,14 @@ def protected(path: str) -> str | None:
     return None
 
 
-def check_creatable(output_dir: str, where: str = "--output-dir") -> None:
+def check_creatable(output_dir: str, where: str = "--output-dir", flag: str = "--output-dir") -> None:
     """Refuse, in one line and before anything runs, an output directory that cannot be made: a file (or a
     dangling link) on its path, a name longer than the filesystem takes, a parent this user cannot write. An
     existing directory passes (what it holds is judged by the launcher)."""
     path = os.path.abspath(output_dir)
     if any(len(part.encode()) > 255 for part in path.split(os.sep)):
         raise ShardwiseError(f"{where}: {output_dir}: a name in it is longer than 255 bytes; choose a shorter "
-                             "--output-dir")
+                             f"{flag}")
     cur = path
     while not os.path.lexists(cur) and os.path.dirname(cur) != cur:
         cur = os.path.dirname(cur)
@@ -210,10 +210,10 @@ def check_creatable(output_dir: str, where: str = "--output-dir") -> None:
         if cur == path:
             return  # the output directory itself is a file: the launcher's own line says so
         raise ShardwiseError(f"{where}: {cur} is a file, not a directory: nothing can be created under it; "
-                             "choose another --output-dir")
+                             f"choose another {flag}")
     if not os.access(cur, os.W_OK | os.X_OK):
         raise ShardwiseError(f"{where}: cannot create {path}: {cur} is not writable by this user; choose another "
-                             "--output-dir")
+                             f"{flag}")
 
 
 def clear(output_dir: str) -> None:

@@ -60,3 +60,10 @@ def test_an_exported_adapter_names_a_base_that_chat_loads(lora_run, tmp_path):
     assert os.path.isabs(base) and os.path.isfile(os.path.join(base, "model.safetensors")), base
     p = run_cli("chat", str(exp), "--prompt", "hi", "--max-new-tokens", "2", check=False)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+
+
+def test_export_out_with_a_tilde_is_under_home(lora_run, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    run_cli("export", str(lora_run), "--out", "~/exp", "--merge-lora", cwd=str(tmp_path), env={"HOME": str(home)})
+    assert (home / "exp" / "model.safetensors").is_file() and not (tmp_path / "~").exists()

@@ -157,3 +157,28 @@ def test_an_output_dir_that_cannot_be_created_is_one_line(tmp_path, capsys, make
     assert rc == 2 and err.startswith("shardwise: error: flag --output-dir: ") and message in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert sorted(os.listdir(tmp_path)) == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "the user's"
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda t: t / "notes.txt" / "exp", "is a file, not a directory: nothing can be created under it; choose "
+                                        "another --out"),
+    (lambda t: t / ("x" * 300), "a name in it is longer than 255 bytes"),
+])
+def test_an_export_out_that_cannot_be_created_is_one_line(tmp_path, capsys, make, message):
+    from shardwise.cli import main
+
+    (tmp_path / "notes.txt").write_text("the user's")
+    rc = main(["export", str(tmp_path / "no-checkpoint"), "--out", str(make(tmp_path))])
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.startswith("shardwise: error: --out: ") and message in err, err
+    assert err.count("\n") == 1 and sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
+def test_export_takes_a_tilde_as_the_home_directory(tmp_path, capsys, monkeypatch):
+    from shardwise.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    rc = main(["export", "~/no-checkpoint", "--out", "~/exp"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.startswith(f"shardwise: error: {tmp_path}/no-checkpoint: not a shardwise checkpoint"), err
