@@ -193,6 +193,26 @@ def protected(path: str) -> str | None:
     return None
 
 
+def check_resume_target(output_dir: str, resume: str, where: str = "--output-dir") -> None:
+    """A resume writes config.yaml (when it starts fresh), metrics.jsonl and final/ into the output directory, so
+    one into a directory holding such names that shardwise did not mark is refused, as a new run there is; unless
+    the directory has checkpoints of its own to resume (a run of a shardwise older than the marker)."""
+    out = os.path.abspath(output_dir)
+    if resume == "none" or not os.path.isdir(out) or run_id(out) is not None:
+        return
+    ours = own_entries_present(out)
+    if not ours:
+        return
+    ckpts = os.path.join(out, "checkpoints")
+    own = os.path.isdir(ckpts) and any(os.path.isfile(os.path.join(ckpts, d, "meta.json")) for d in os.listdir(ckpts))
+    target = os.path.abspath(resume)
+    if own and (resume == "auto" or target.startswith(ckpts.rstrip(os.sep) + os.sep)):
+        return
+    raise ShardwiseError(f"{where}: {out} holds {', '.join(ours)} that shardwise did not mark as its own (no "
+                         f"{MARKER}) and no checkpoint there to resume; --resume would write over them: choose "
+                         "another --output-dir")
+
+
 def check_creatable(output_dir: str, where: str = "--output-dir", flag: str = "--output-dir") -> None:
     """Refuse, in one line and before anything runs, an output directory that cannot be made: a file (or a
     dangling link) on its path, a name longer than the filesystem takes, a parent this user cannot write. An

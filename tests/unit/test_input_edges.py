@@ -182,3 +182,28 @@ def test_export_takes_a_tilde_as_the_home_directory(tmp_path, capsys, monkeypatc
     rc = main(["export", "~/no-checkpoint", "--out", "~/exp"])
     out, err = capsys.readouterr()
     assert rc == 2 and err.startswith(f"shardwise: error: {tmp_path}/no-checkpoint: not a shardwise checkpoint"), err
+
+
+# -- a resume never writes over a directory of the user's --------------------------------------------------------
+
+@pytest.mark.parametrize("resume", ["auto", "elsewhere/checkpoints/step_00000002"])
+def test_a_resume_into_a_users_own_directory_is_refused_and_nothing_is_touched(tmp_path, capsys, monkeypatch, resume):
+    """--resume skipped the check for names shardwise did not mark: with no checkpoint there, the run started fresh
+    and replaced the user's config.yaml, metrics.jsonl and final/."""
+    from shardwise.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    user = tmp_path / "mine"
+    (user / "final").mkdir(parents=True)
+    files = {"config.yaml": "my own config\n", "metrics.jsonl": '{"mine": 1}\n', "final/README": "my model\n"}
+    for name, text in files.items():
+        (user / name).write_text(text)
+    rc = main(["train", "--output-dir", str(user), "--resume", resume, "--strategy", "single",
+               "--nproc-per-node", "1", "--max-steps", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.startswith(f"shardwise: error: flag --output-dir: {user} holds config.yaml, metrics.jsonl, "
+                                      "final that shardwise did not mark"), err
+    assert err.count("\n") == 1
+    assert sorted(str(p.relative_to(user)) for p in user.rglob("*")) == ["config.yaml", "final", "final/README",
+                                                                         "metrics.jsonl"]
+    assert all((user / name).read_text() == text for name, text in files.items())
