@@ -18,7 +18,8 @@ def _train(args) -> int:
     # the default output directory is runs/<strategy>-<time> (named at launch)
     rundir.check_creatable(res.cfg.output_dir or os.path.join("runs", "new"), res.where("output_dir"))
     if res.cfg.output_dir and res.cfg.node_rank == 0:
-        rundir.check_resume_target(res.cfg.output_dir, res.cfg.resume, res.where("output_dir"))
+        rundir.check_resume_target(res.cfg.output_dir, res.cfg.resume, res.where("output_dir"), res.cfg.overwrite,
+                                   res.where("resume"))
     note = config.demo_note(res)
     if note:
         print(f"shardwise: {note}", flush=True)

@@ -193,18 +193,27 @@ def protected(path: str) -> str | None:
     return None
 
 
-def check_resume_target(output_dir: str, resume: str, where: str = "--output-dir") -> None:
+def check_resume_target(output_dir: str, resume: str, where: str = "--output-dir", overwrite: bool = False,
+                        resume_where: str = "--resume") -> None:
     """A resume writes config.yaml (when it starts fresh), metrics.jsonl and final/ into the output directory, so
     one into a directory holding such names that shardwise did not mark is refused, as a new run there is; unless
-    the directory has checkpoints of its own to resume (a run of a shardwise older than the marker)."""
+    the directory has checkpoints of its own to resume (a run of a shardwise older than the marker). `--resume
+    auto` of a run that trained but saved no checkpoint would start again and replace it: refused unless
+    --overwrite."""
     out = os.path.abspath(output_dir)
-    if resume == "none" or not os.path.isdir(out) or run_id(out) is not None:
+    if resume == "none" or not os.path.isdir(out):
+        return
+    ckpts = os.path.join(out, "checkpoints")
+    own = os.path.isdir(ckpts) and any(os.path.isfile(os.path.join(ckpts, d, "meta.json")) for d in os.listdir(ckpts))
+    if run_id(out) is not None:
+        if resume == "auto" and not own and not overwrite and has_trained(out):
+            raise ShardwiseError(f"{resume_where}: {out} holds a run that trained but no checkpoint to resume (it "
+                                 "ran without --save-every), so --resume auto would start again and replace its "
+                                 "final/ and metrics: pass --overwrite to replace it, or choose another --output-dir")
         return
     ours = own_entries_present(out)
     if not ours:
         return
-    ckpts = os.path.join(out, "checkpoints")
-    own = os.path.isdir(ckpts) and any(os.path.isfile(os.path.join(ckpts, d, "meta.json")) for d in os.listdir(ckpts))
     target = os.path.abspath(resume)
     if own and (resume == "auto" or target.startswith(ckpts.rstrip(os.sep) + os.sep)):
         return

@@ -207,3 +207,26 @@ def test_a_resume_into_a_users_own_directory_is_refused_and_nothing_is_touched(t
     assert sorted(str(p.relative_to(user)) for p in user.rglob("*")) == ["config.yaml", "final", "final/README",
                                                                          "metrics.jsonl"]
     assert all((user / name).read_text() == text for name, text in files.items())
+
+
+def test_resume_auto_of_a_run_without_checkpoints_does_not_replace_it(tmp_path, capsys, monkeypatch):
+    """A run that trained without --save-every, then `--resume auto` (what the 'holds another run' line suggests):
+    there is nothing to resume, so the run started again and replaced the trained final/ and metrics.jsonl."""
+    from shardwise import rundir
+    from shardwise.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    rundir.mark(str(run))
+    (run / "final" / "model.safetensors").write_bytes(b"trained weights")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    argv = ["train", "--output-dir", str(run), "--resume", "auto", "--strategy", "single", "--nproc-per-node", "1",
+            "--max-steps", "1"]
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.startswith(f"shardwise: error: flag --resume: {run} holds a run that trained but no "
+                                      "checkpoint to resume"), err
+    assert "--overwrite" in err and err.count("\n") == 1
+    assert (run / "final" / "model.safetensors").read_bytes() == b"trained weights"
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
