@@ -230,3 +230,22 @@ def test_resume_auto_of_a_run_without_checkpoints_does_not_replace_it(tmp_path, 
     assert "--overwrite" in err and err.count("\n") == 1
     assert (run / "final" / "model.safetensors").read_bytes() == b"trained weights"
     assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
+
+
+# -- a flag argparse refuses is one line too, not 50 lines of usage above it ------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--max-stepz", "3"], "unrecognized arguments: --max-stepz (did you mean --max-steps?)"),
+    (["train", "--strategy"], "argument --strategy: expected one argument"),
+    (["trian"], "argument COMMAND: invalid choice: 'trian'"),
+    (["plan", "--gpuz", "2"], "unrecognized arguments: --gpuz (did you mean --gpus?)"),
+    (["export", "x"], "the following arguments are required: --out"),
+])
+def test_an_argparse_error_is_one_line(capsys, argv, message):
+    from shardwise.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("shardwise: error: ") and message in err and "--help" in err, err
