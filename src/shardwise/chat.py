@@ -197,6 +197,11 @@ def _Streamer(tok, stream):
     return S(tok, skip_prompt=True, skip_special_tokens=True)
 
 
+def _text(s: str) -> str:
+    """Text a tokenizer can encode: a non-UTF-8 byte of the terminal or argv (a lone surrogate here) becomes U+FFFD."""
+    return "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in s)
+
+
 def repl(model, tok, args) -> None:
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("shardwise chat: type a message; /reset forgets the conversation, /exit or Ctrl-D leaves.",
@@ -215,7 +220,7 @@ def repl(model, tok, args) -> None:
         if text == "/reset":
             history = history[:1] if args.system else []
             continue
-        history.append({"role": "user", "content": line})
+        history.append({"role": "user", "content": _text(line)})
         try:
             reply = answer(model, tok, history, args.max_new_tokens, args.temperature, args.top_p, sys.stdout)
         except KeyboardInterrupt:  # stops this answer, not the session
@@ -227,6 +232,8 @@ def repl(model, tok, args) -> None:
 
 
 def run(args) -> int:
+    args.system = _text(args.system)
+    args.prompt = _text(args.prompt) if args.prompt is not None else None
     if args.max_new_tokens < 1:
         raise ShardwiseError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):

@@ -452,6 +452,14 @@ def _coerce(key: str, value: Any, where: str) -> Any:
             if isinstance(value, (dict, list)):
                 raise ValueError
             v = str(value)
+            try:
+                if key not in PATH_KEYS:  # a path may be any bytes (argv's surrogate escapes open the file)
+                    v.encode("utf-8")
+            except UnicodeEncodeError as e:  # a non-UTF-8 byte of argv, or a "\udcff" escape in the YAML
+                c = ord(v[e.start])
+                what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"an unpaired surrogate \\u{c:04x}"
+                raise ShardwiseError(f"{where}: '{key}' is not valid text: {what} at character {e.start + 1}; "
+                                     "give UTF-8 text") from None
     except (TypeError, ValueError):
         raise ShardwiseError(f"{where}: '{key}' must be {'a' if t is not int else 'an'} {t.__name__}, got {show(value)}")
     if key in PATH_KEYS:

@@ -227,7 +227,7 @@ def check_creatable(output_dir: str, where: str = "--output-dir", flag: str = "-
     dangling link) on its path, a name longer than the filesystem takes, a parent this user cannot write. An
     existing directory passes (what it holds is judged by the launcher)."""
     path = os.path.abspath(output_dir)
-    if any(len(part.encode()) > 255 for part in path.split(os.sep)):
+    if any(len(os.fsencode(part)) > 255 for part in path.split(os.sep)):
         raise ShardwiseError(f"{where}: {output_dir}: a name in it is longer than 255 bytes; choose a shorter "
                              f"{flag}")
     cur = path

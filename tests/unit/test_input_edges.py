@@ -249,3 +249,51 @@ def test_an_argparse_error_is_one_line(capsys, argv, message):
     out, err = capsys.readouterr()
     assert e.value.code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("shardwise: error: ") and message in err and "--help" in err, err
+
+
+# -- text that is not text: a lone surrogate (a JSON "\udcff" escape, a non-UTF-8 byte in argv) ------------------
+
+@pytest.mark.parametrize("line, message", [
+    ('{"messages": [{"role": "user", "content": "q\\udcff"}, {"role": "assistant", "content": "a"}]}',
+     r"message 1 holds an unpaired surrogate \(\\udcff at character 2\)"),
+    ('{"text": "a \\ud800 b"}', r"field 'text' holds an unpaired surrogate \(\\ud800 at character 3\)"),
+    ('{"instruction": "q", "output": "a", "history": [["x\\udc80", "y"]]}',
+     r"field 'history' holds an unpaired surrogate \(\\udc80 at character 2\)"),
+    ('{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}], "system": "\\udfff"}',
+     r"field 'system' holds an unpaired surrogate"),
+])
+def test_a_record_with_a_lone_surrogate_is_a_bad_record_with_its_line(tmp_path, line, message):
+    """Valid JSON, invalid Unicode (seen in scraped data): the tokenizer raised a TypeError traceback, no line."""
+    from shardwise.data.sources import read_records
+
+    good = '{"text": "fine"}' if '"text"' in line else line.replace("\\ud", "d").replace("\\udc", "dc")
+    path = tmp_path / "d.jsonl"
+    path.write_text(good + "\n" + line + "\n")
+    with pytest.raises(ShardwiseError, match=rf"^{path}:2: {message}"):
+        read_records(str(path))
+    records, stats = read_records(str(path), skip_bad=True)
+    assert len(records) == 1 and stats.skipped == 1
+
+
+@pytest.mark.parametrize("key, flag", [("system", "--system"), ("columns", "--columns")])
+def test_a_flag_value_that_is_not_text_is_one_line(key, flag):
+    with pytest.raises(ShardwiseError, match=rf"^flag {flag}: '{key}' is not valid text: byte 0xff"):
+        config.load_config(None, flags(flag, "a\udcffb"))
+
+
+def test_a_path_that_is_not_utf8_is_still_a_path(tmp_path, capsys):
+    """A Latin-1 file name reaches Python as surrogate escapes; it opens, so it is not refused as text."""
+    from shardwise import rundir
+
+    name = os.fsdecode(b"caf\xe9")
+    assert config.load_config(None, flags("--output-dir", str(tmp_path / name))).cfg.output_dir.endswith(name)
+    rundir.check_creatable(str(tmp_path / name / "run"))
+
+
+def test_chat_text_that_is_not_text_is_replaced(tiny_dir, capsys):
+    from shardwise.cli import main
+
+    rc = main(["chat", tiny_dir, "--prompt", "hi \udcff", "--system", "\udcff", "--max-new-tokens", "1",
+               "--chat-template", "chatml"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "Traceback" not in err, err
