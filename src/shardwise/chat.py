@@ -151,6 +151,20 @@ def set_template(tok, template: str, where: str) -> None:
     if not getattr(tok, "chat_template", None):
         raise ShardwiseError(f"chat {where}: the tokenizer has no chat template; pass --chat-template NAME "
                              f"({', '.join(names())}) or a Jinja FILE")
+    render(tok, [{"role": "user", "content": "hi"}], where)  # a template that cannot render: one line now
+
+
+def render(tok, messages: list[dict], where: str = "") -> dict:
+    """The conversation tokenized through the chat template, ready for the next assistant turn; a template that
+    fails (bad Jinja, or its own raise_exception for this conversation) is one ShardwiseError line."""
+    from jinja2 import TemplateError
+
+    try:
+        return tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    except TemplateError as e:
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ShardwiseError(f"chat{' ' + where if where else ''}: the chat template cannot render this "
+                             f"conversation ({first}); fix it or pass another --chat-template") from None
 
 
 # ----------------------------------------------------------------------------- talking
@@ -161,7 +175,7 @@ def answer(model, tok, messages: list[dict], max_new_tokens: int, temperature: f
     """Generate the assistant's next turn, streaming its text to `stream` (a file) as it comes."""
     import torch
 
-    enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    enc = render(tok, messages)
     ids = enc["input_ids"].to(model.device)
     mask = enc.get("attention_mask")
     mask = mask.to(model.device) if mask is not None else torch.ones_like(ids)
@@ -226,6 +240,10 @@ def repl(model, tok, args) -> None:
         except KeyboardInterrupt:  # stops this answer, not the session
             history.pop()
             print("\n(interrupted)", file=sys.stderr)
+            continue
+        except ShardwiseError as e:  # the template refuses this conversation: say so, keep the session
+            history.pop()
+            print(f"shardwise: {e}", file=sys.stderr, flush=True)
             continue
         print(flush=True)
         history.append({"role": "assistant", "content": reply})

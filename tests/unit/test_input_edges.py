@@ -297,3 +297,19 @@ def test_chat_text_that_is_not_text_is_replaced(tiny_dir, capsys):
                "--chat-template", "chatml"])
     out, err = capsys.readouterr()
     assert rc == 0 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% if %}", "Expected an expression"),
+    ("{{ raise_exception('only system and user turns, alternating') }}", "only system and user turns, alternating"),
+])
+def test_chat_with_a_template_that_cannot_render_is_one_line(tiny_dir, tmp_path, capsys, template, message):
+    from shardwise.cli import main
+
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    rc = main(["chat", tiny_dir, "--prompt", "hi", "--max-new-tokens", "1", "--chat-template", str(path)])
+    out, err = capsys.readouterr()
+    line = err.splitlines()[-1]
+    assert rc == 2 and line.startswith("shardwise: error: chat ") and "cannot render" in line and message in line, err
+    assert "Traceback" not in err
