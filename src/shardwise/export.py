@@ -9,9 +9,9 @@ import os
 import shutil
 import tempfile
 
+from shardwise import rundir
 from shardwise.errors import ShardwiseError
 from shardwise.models.save import save_pretrained
-from shardwise.rundir import check_creatable
 
 
 def add_parser(sub) -> None:
@@ -37,6 +37,13 @@ def resolve_checkpoint(path: str) -> str:
     if os.path.isdir(path) and ckpt.complete_checkpoints(path):
         bad, why = ckpt.skipped_newer(path)[0]
         raise ShardwiseError(f"{path}: no complete checkpoint (the newest, {bad}, is incomplete or corrupt: {why})")
+    if os.path.isdir(path) and rundir.run_id(path) is not None:  # a run directory, without checkpoints
+        final = os.path.join(path, "final")
+        if any(os.path.isfile(os.path.join(final, f)) for f in ("config.json", "adapter_config.json")):
+            raise ShardwiseError(f"{path}: this run saved no checkpoint (it ran without --save-every); its final/ is "
+                                 f"already a Hugging Face directory: use {final} as it is (shardwise chat {final})")
+        raise ShardwiseError(f"{path}: this run saved no checkpoint (it ran without --save-every) and no final "
+                             "model; nothing to export: train with --save-every N (or without --no-save-final)")
     raise ShardwiseError(f"{path}: not a shardwise checkpoint (no meta.json) nor a run directory holding one")
 
 
@@ -57,7 +64,7 @@ def export(checkpoint: str, out: str, merge_lora: bool = False, trust_remote_cod
     out = os.path.abspath(os.path.expanduser(out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):  # before the heavy imports
         raise ShardwiseError(f"--out {out}: exists and is not empty; choose a new directory")
-    check_creatable(out, "--out", "--out")
+    rundir.check_creatable(out, "--out", "--out")
     path = resolve_checkpoint(os.path.expanduser(checkpoint))
 
     import torch

@@ -224,8 +224,8 @@ def check_resume_target(output_dir: str, resume: str, where: str = "--output-dir
 
 def check_creatable(output_dir: str, where: str = "--output-dir", flag: str = "--output-dir") -> None:
     """Refuse, in one line and before anything runs, an output directory that cannot be made: a file (or a
-    dangling link) on its path, a name longer than the filesystem takes, a parent this user cannot write. An
-    existing directory passes (what it holds is judged by the launcher)."""
+    dangling link) on its path, a name longer than the filesystem takes, a directory this user cannot write (what
+    an existing one holds is judged by the launcher)."""
     path = os.path.abspath(output_dir)
     if any(len(os.fsencode(part)) > 255 for part in path.split(os.sep)):
         raise ShardwiseError(f"{where}: {output_dir}: a name in it is longer than 255 bytes; choose a shorter "
@@ -233,16 +233,14 @@ def check_creatable(output_dir: str, where: str = "--output-dir", flag: str = "-
     cur = path
     while not os.path.lexists(cur) and os.path.dirname(cur) != cur:
         cur = os.path.dirname(cur)
-    if cur == path and os.path.isdir(cur):
-        return
     if not os.path.isdir(cur):
         if cur == path:
             return  # the output directory itself is a file: the launcher's own line says so
         raise ShardwiseError(f"{where}: {cur} is a file, not a directory: nothing can be created under it; "
                              f"choose another {flag}")
     if not os.access(cur, os.W_OK | os.X_OK):
-        raise ShardwiseError(f"{where}: cannot create {path}: {cur} is not writable by this user; choose another "
-                             f"{flag}")
+        raise ShardwiseError(f"{where}: {cur} is not writable by this user, so {path} cannot be written; choose "
+                             f"another {flag}")
 
 
 def clear(output_dir: str) -> None:

@@ -313,3 +313,25 @@ def test_chat_with_a_template_that_cannot_render_is_one_line(tiny_dir, tmp_path,
     line = err.splitlines()[-1]
     assert rc == 2 and line.startswith("shardwise: error: chat ") and "cannot render" in line and message in line, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("final, message", [
+    (True, "this run saved no checkpoint (it ran without --save-every); its final/ is already a Hugging Face "
+           "directory"),
+    (False, "this run saved no checkpoint (it ran without --save-every) and no final model"),
+])
+def test_export_of_a_run_without_checkpoints_says_what_there_is(tmp_path, capsys, final, message):
+    from shardwise import rundir
+    from shardwise.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rundir.mark(str(run))
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    if final:
+        (run / "final").mkdir()
+        (run / "final" / "config.json").write_text("{}")
+    rc = main(["export", str(run), "--out", str(tmp_path / "exp")])
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.startswith(f"shardwise: error: {run}: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "exp").exists()
