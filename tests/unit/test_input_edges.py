@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 
 import pytest
 
@@ -335,3 +336,28 @@ def test_export_of_a_run_without_checkpoints_says_what_there_is(tmp_path, capsys
     out, err = capsys.readouterr()
     assert rc == 2 and err.startswith(f"shardwise: error: {run}: {message}") and err.count("\n") == 1, err
     assert not (tmp_path / "exp").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to run as another user")
+def test_an_output_dir_this_user_cannot_write_is_one_line():
+    """As an unprivileged user (root writes anywhere): a directory of someone else's, existing or as a parent."""
+    import pathlib
+    import subprocess
+    import sys
+    import tempfile
+
+    top = tempfile.mkdtemp(prefix="shardwise-theirs-")  # pytest's tmp_path is not reachable by another user
+    os.chmod(top, 0o755)
+    theirs = pathlib.Path(top) / "theirs"
+    theirs.mkdir(mode=0o755)
+    src = os.path.dirname(os.path.dirname(os.path.abspath(config.__file__)))
+    for out in (theirs, theirs / "sub" / "run"):
+        p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+                            "shardwise", "train", "--output-dir", str(out), "--strategy", "single", "--max-steps", "1"],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": src, "HOME": "/nonexistent"},
+                           cwd="/", timeout=120)
+        assert p.returncode == 2 and p.stderr == (f"shardwise: error: flag --output-dir: {theirs} is not writable by "
+                                                  f"this user, so {out} cannot be written; choose another "
+                                                  "--output-dir\n"), p.stderr
+    assert os.listdir(theirs) == []
+    shutil.rmtree(top)
