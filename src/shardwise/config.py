@@ -18,6 +18,7 @@ import difflib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -740,6 +741,17 @@ def _check_json_object(path: str, where: str) -> None:
         raise ShardwiseError(f"{where}: {path}: not a JSON object ({{\"key\": value, ...}}); fix the file")
 
 
+def _absolute_sources(spec: str) -> str:
+    """'a.jsonl:0.7,demo:0.3,b/c.jsonl' -> the same with each path absolute (the built-in 'demo' stays)."""
+    out = []
+    for item in spec.split(","):
+        path, colon, num = item.strip().rpartition(":")
+        if not (colon and path and re.fullmatch(r"\d+|(\d+\.\d*|\.\d+)(e-?\d+)?", num)):
+            path, colon, num = item.strip(), "", ""
+        out.append((path if path == "demo" or not path else os.path.abspath(path)) + colon + num)
+    return ",".join(out)
+
+
 def to_yaml(cfg: Config, where: str = "") -> str:
     """The resolved config as YAML; run-control keys are left out so the file repeats the run."""
     d = dataclasses.asdict(cfg)
@@ -752,6 +764,16 @@ def to_yaml(cfg: Config, where: str = "") -> str:
             d.pop(spec.section)
     if cfg.tuner == "full":
         d.pop("lora")
+    # paths as typed are relative to where this run started; the file is run from anywhere
+    if d["model"] != "tiny":
+        d["model"] = os.path.abspath(d["model"])
+    d["data"] = _absolute_sources(d["data"])
+    if d["val_data"]:
+        d["val_data"] = os.path.abspath(d["val_data"])
+    if d["chat_template"] and os.path.isfile(d["chat_template"]):  # else a shipped template's name
+        d["chat_template"] = os.path.abspath(d["chat_template"])
+    if d.get("deepspeed", {}).get("config"):
+        d["deepspeed"]["config"] = os.path.abspath(d["deepspeed"]["config"])
     head = "# shardwise resolved config; `shardwise train THIS_FILE` repeats the run into a new output_dir.\n"
     if where:
         head += f"# written by the run in {where}\n"

@@ -361,3 +361,31 @@ def test_an_output_dir_this_user_cannot_write_is_one_line():
                                                   "--output-dir\n"), p.stderr
     assert os.listdir(theirs) == []
     shutil.rmtree(top)
+
+
+# -- the run's config.yaml repeats the run from any directory ------------------------------------------------------
+
+def test_the_written_config_names_absolute_paths(tmp_path, monkeypatch):
+    """'repeat with: shardwise train RUN/config.yaml' is printed with an absolute path, but the file held the paths
+    as typed (relative to where the run was started), so the repeat failed anywhere else."""
+    proj, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
+    (proj / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    (proj / "tmpl.jinja").write_text("{{ messages }}")
+    (proj / "ds.json").write_text("{}")
+    monkeypatch.chdir(proj)
+    res = config.load_config(None, flags("--data", "data/a.jsonl:0.5,demo:0.5,data/b.jsonl:30,c.parquet",
+                                         "--val-data", "data/v.jsonl", "--chat-template", "tmpl.jinja",
+                                         "--strategy", "zero2", "--deepspeed-config", "ds.json",
+                                         "--model", "models/m"))
+    text = config.to_yaml(res.cfg)
+    monkeypatch.chdir(elsewhere)
+    back = config.load_config(write(elsewhere, text, "config.yaml")).cfg
+    assert back.data == f"{proj}/data/a.jsonl:0.5,demo:0.5,{proj}/data/b.jsonl:30,{proj}/c.parquet"
+    assert back.val_data == f"{proj}/data/v.jsonl" and back.chat_template == f"{proj}/tmpl.jinja"
+    assert back.model == f"{proj}/models/m" and back.deepspeed.config == f"{proj}/ds.json"
+    import yaml
+
+    shipped = config.to_yaml(config.load_config(None, flags("--chat-template", "chatml", "--data", "demo")).cfg)
+    assert yaml.safe_load(shipped)["chat_template"] == "chatml" and yaml.safe_load(shipped)["data"] == "demo"
+    assert yaml.safe_load(shipped)["model"] == "tiny" and yaml.safe_load(shipped)["val_data"] == ""
