@@ -389,3 +389,19 @@ def test_the_written_config_names_absolute_paths(tmp_path, monkeypatch):
     shipped = config.to_yaml(config.load_config(None, flags("--chat-template", "chatml", "--data", "demo")).cfg)
     assert yaml.safe_load(shipped)["chat_template"] == "chatml" and yaml.safe_load(shipped)["data"] == "demo"
     assert yaml.safe_load(shipped)["model"] == "tiny" and yaml.safe_load(shipped)["val_data"] == ""
+
+
+def test_a_template_that_renders_no_assistant_text_is_not_blamed_on_seq_len(tiny_dir):
+    """A chat template that leaves the turns out: every example had no loss token, and the line said 'raise
+    --seq-len' (which never helps)."""
+    from shardwise.data.encode import ChatOptions, encode
+    from shardwise.data.formats import Record
+    from shardwise.models.load import load_tokenizer
+
+    tok = load_tokenizer(tiny_dir)
+    tok.chat_template = "static text only"
+    recs = [Record("chat", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "d.jsonl:1")]
+    with pytest.raises(ShardwiseError) as e:
+        encode(recs, tok, 64, False, ChatOptions())
+    line = one_line(e)
+    assert "d.jsonl:1" in line and "chat template" in line and "--seq-len" not in line, line
