@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -102,7 +103,12 @@ def _device(name: str):
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ShardwiseError(f"--device {name}: not a device; use cpu, cuda or cuda:N (or auto)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ShardwiseError(f"--device {name}: no CUDA GPU here; use --device cpu")
     return dev
@@ -145,6 +151,20 @@ def set_template(tok, template: str, where: str) -> None:
     if not getattr(tok, "chat_template", None):
         raise ShardwiseError(f"chat {where}: the tokenizer has no chat template; pass --chat-template NAME "
                              f"({', '.join(names())}) or a Jinja FILE")
+    render(tok, [{"role": "user", "content": "hi"}], where)  # a template that cannot render: one line now
+
+
+def render(tok, messages: list[dict], where: str = "") -> dict:
+    """The conversation tokenized through the chat template, ready for the next assistant turn; a template that
+    fails (bad Jinja, or its own raise_exception for this conversation) is one ShardwiseError line."""
+    from jinja2 import TemplateError
+
+    try:
+        return tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    except TemplateError as e:
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ShardwiseError(f"chat{' ' + where if where else ''}: the chat template cannot render this "
+                             f"conversation ({first}); fix it or pass another --chat-template") from None
 
 
 # ----------------------------------------------------------------------------- talking
@@ -155,7 +175,7 @@ def answer(model, tok, messages: list[dict], max_new_tokens: int, temperature: f
     """Generate the assistant's next turn, streaming its text to `stream` (a file) as it comes."""
     import torch
 
-    enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    enc = render(tok, messages)
     ids = enc["input_ids"].to(model.device)
     mask = enc.get("attention_mask")
     mask = mask.to(model.device) if mask is not None else torch.ones_like(ids)
@@ -191,6 +211,11 @@ def _Streamer(tok, stream):
     return S(tok, skip_prompt=True, skip_special_tokens=True)
 
 
+def _text(s: str) -> str:
+    """Text a tokenizer can encode: a non-UTF-8 byte of the terminal or argv (a lone surrogate here) becomes U+FFFD."""
+    return "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in s)
+
+
 def repl(model, tok, args) -> None:
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("shardwise chat: type a message; /reset forgets the conversation, /exit or Ctrl-D leaves.",
@@ -209,30 +234,41 @@ def repl(model, tok, args) -> None:
         if text == "/reset":
             history = history[:1] if args.system else []
             continue
-        history.append({"role": "user", "content": line})
+        history.append({"role": "user", "content": _text(line)})
         try:
             reply = answer(model, tok, history, args.max_new_tokens, args.temperature, args.top_p, sys.stdout)
         except KeyboardInterrupt:  # stops this answer, not the session
             history.pop()
             print("\n(interrupted)", file=sys.stderr)
             continue
+        except ShardwiseError as e:  # the template refuses this conversation: say so, keep the session
+            history.pop()
+            print(f"shardwise: {e}", file=sys.stderr, flush=True)
+            continue
         print(flush=True)
         history.append({"role": "assistant", "content": reply})
 
 
 def run(args) -> int:
+    args.system = _text(args.system)
+    args.prompt = _text(args.prompt) if args.prompt is not None else None
     if args.max_new_tokens < 1:
         raise ShardwiseError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise ShardwiseError(f"--temperature must be >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ShardwiseError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:  # transformers raises a traceback below 0 and ignores it above 1
+        raise ShardwiseError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < 2**63:
+        raise ShardwiseError(f"--seed must be in [0, 2^63), got {args.seed}")
     model_dir, adapter_dir = resolve_dirs(args.dir, args.adapter, args.base)
     from shardwise.rundir import quiet_libraries
 
     quiet_libraries()
     import torch
 
+    device = _device(args.device)
     torch.manual_seed(args.seed)
-    model, tok = load(model_dir, adapter_dir, _device(args.device), args.trust_remote_code)
+    model, tok = load(model_dir, adapter_dir, device, args.trust_remote_code)
     set_template(tok, args.chat_template, adapter_dir or model_dir)
     what = f"{model_dir} + adapter {adapter_dir}" if adapter_dir else model_dir
     print(f"shardwise chat: {what} on {model.device}", file=sys.stderr, flush=True)

@@ -11,10 +11,15 @@ from shardwise.errors import ShardwiseError
 
 
 def _train(args) -> int:
-    from shardwise import config, launch
+    from shardwise import config, launch, rundir
 
     res = config.load_config(args.config, config.flags_from_namespace(args))
     config.check_train_data(res)
+    # the default output directory is runs/<strategy>-<time> (named at launch)
+    rundir.check_creatable(res.cfg.output_dir or os.path.join("runs", "new"), res.where("output_dir"))
+    if res.cfg.output_dir and res.cfg.node_rank == 0:
+        rundir.check_resume_target(res.cfg.output_dir, res.cfg.resume, res.where("output_dir"), res.cfg.overwrite,
+                                   res.where("resume"))
     note = config.demo_note(res)
     if note:
         print(f"shardwise: {note}", flush=True)
@@ -28,10 +33,30 @@ def _config_docs(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as the project's one line (argparse prints the whole usage above it: 50 lines for train),
+    with the closest flag for an unknown one; the subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            import difflib
+
+            known = {o for parser in self._parsers() for o in parser._option_string_actions}
+            first = message.split(": ", 1)[1].split()[0].split("=", 1)[0]
+            close = difflib.get_close_matches(first, sorted(known), n=1)
+            if close:
+                message += f" (did you mean {close[0]}?)"
+        self.exit(2, f"shardwise: error: {message}; see `{self.prog} --help`\n")
+
+    def _parsers(self) -> list[argparse.ArgumentParser]:
+        subs = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        return [self] + [p for a in subs for p in a.choices.values()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shardwise import config
 
-    p = argparse.ArgumentParser(prog="shardwise", description="Plan, explain and run DDP, FSDP2 or DeepSpeed ZeRO fine-tuning.")
+    p = _Parser(prog="shardwise", description="Plan, explain and run DDP, FSDP2 or DeepSpeed ZeRO fine-tuning.")
     p.add_argument("--version", action="version", version=f"shardwise {__version__}")
     p.add_argument("--debug", action="store_true", help="Show tracebacks for errors.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")

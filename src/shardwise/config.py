@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import math
+import os
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -263,6 +266,8 @@ def flags_from_namespace(ns: argparse.Namespace) -> dict[str, tuple[Any, str]]:
     return out
 
 
+MAX_SEED = 2**32 - 1  # every RNG seeds from it (numpy's bound); the sampler adds the epoch to it
+MAX_COLLECTIVE_TIMEOUT = 1e9  # seconds; beyond what a timedelta and the process group's milliseconds hold
 SHOW_CHARS = 200  # longest value an error message prints
 MAX_YAML_VALUES = 10_000  # a config holds a few dozen; more (e.g. through aliases) is refused
 
@@ -325,17 +330,28 @@ def _yaml_with_lines(path: str) -> dict[str, tuple[Any, str]]:
     if not isinstance(data, dict) or node is None or not isinstance(node, yaml.MappingNode):
         raise ShardwiseError(f"{path}:1: a config file must be a mapping of keys to values")
     out: dict[str, tuple[Any, str]] = {}
+    lines: dict[str, int] = {}  # key -> the line it was first given on
+
+    def once(key: str, knode: yaml.Node) -> None:
+        line = knode.start_mark.line + 1
+        if key in lines:  # PyYAML keeps the last silently; a repeated key is an edit gone wrong
+            raise ShardwiseError(f"{path}:{line}: key '{key}' is given twice (first on line {lines[key]}); "
+                                 "keep one of them")
+        lines[key] = line
+
     for knode, vnode in node.value:
         if not isinstance(knode, yaml.ScalarNode) or knode.value not in data:
             raise ShardwiseError(f"{path}:{knode.start_mark.line + 1}: a config key must be a plain name")
         key = knode.value
         where = f"{path}:{knode.start_mark.line + 1}"
+        once(key, knode)
         if key in SECTIONS:
             if isinstance(vnode, yaml.MappingNode):
                 section = data[key] or {}
                 for sk, sv in vnode.value:
                     if not isinstance(sk, yaml.ScalarNode) or sk.value not in section:
                         raise ShardwiseError(f"{path}:{sk.start_mark.line + 1}: a config key must be a plain name")
+                    once(f"{key}.{sk.value}", sk)
                     out[f"{key}.{sk.value}"] = (section[sk.value], f"{path}:{sk.start_mark.line + 1}")
             elif not (isinstance(vnode, yaml.ScalarNode) and data[key] is None):
                 raise ShardwiseError(f"{where}: key '{key}' must be a mapping of {key} options")
@@ -359,11 +375,17 @@ def _data_list(value: Any, where: str) -> str:
             try:
                 if "weight" in v:
                     w = float(v["weight"])
+                    if not (math.isfinite(w) and w > 0):
+                        raise ShardwiseError(f"{where}: data source {i}: weight must be a number > 0 (a share of "
+                                             f"the mix), got {show(v['weight'])}")
                     text = repr(w) if "e" not in repr(w) else f"{w:.15f}".rstrip("0")
                     item += ":" + text
                 elif "count" in v:
                     if isinstance(v["count"], bool) or int(v["count"]) != v["count"]:
                         raise ValueError
+                    if v["count"] < 1:
+                        raise ShardwiseError(f"{where}: data source {i}: count must be >= 1 (a number of examples), "
+                                             f"got {show(v['count'])}")
                     item += f":{int(v['count'])}"
             except (TypeError, ValueError):
                 raise ShardwiseError(f"{where}: data source {i}: weight must be a number and count an integer, "
@@ -387,6 +409,15 @@ def _columns_map(value: Any, where: str) -> str:
 
 # string keys whose YAML value may also be a list or a mapping, and how it becomes the string
 STRUCTURED = {"data": _data_list, "columns": _columns_map}
+
+
+# string keys that hold paths (data: several, comma-separated): a leading `~` is the home directory, as in a
+# shell, also where no shell expands it (a YAML value, `--output-dir=~/runs`), never a directory named `~`
+PATH_KEYS = ("model", "data", "val_data", "output_dir", "resume", "chat_template", "deepspeed.config")
+
+
+def _expand_home(value: str) -> str:
+    return ",".join(os.path.expanduser(s.strip()) if s.strip().startswith("~") else s for s in value.split(","))
 
 
 def _coerce(key: str, value: Any, where: str) -> Any:
@@ -422,8 +453,18 @@ def _coerce(key: str, value: Any, where: str) -> Any:
             if isinstance(value, (dict, list)):
                 raise ValueError
             v = str(value)
+            try:
+                if key not in PATH_KEYS:  # a path may be any bytes (argv's surrogate escapes open the file)
+                    v.encode("utf-8")
+            except UnicodeEncodeError as e:  # a non-UTF-8 byte of argv, or a "\udcff" escape in the YAML
+                c = ord(v[e.start])
+                what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"an unpaired surrogate \\u{c:04x}"
+                raise ShardwiseError(f"{where}: '{key}' is not valid text: {what} at character {e.start + 1}; "
+                                     "give UTF-8 text") from None
     except (TypeError, ValueError):
         raise ShardwiseError(f"{where}: '{key}' must be {'a' if t is not int else 'an'} {t.__name__}, got {show(value)}")
+    if key in PATH_KEYS:
+        v = _expand_home(v)
     if fi.choices is not None and v not in fi.choices:
         raise ShardwiseError(f"{where}: '{key}' must be one of {', '.join(map(str, fi.choices))}; got {show(v)}")
     return v
@@ -545,6 +586,8 @@ def validate(res: Resolved) -> None:
 
     need(c.strategy in presets.known_names(), "strategy",
          f"unknown strategy '{c.strategy}'; known: {', '.join(presets.known_names())}")
+    need(bool(c.model.strip()), "model", "model is empty; give a local Hugging Face model directory or 'tiny'")
+    need(0 <= c.seed <= MAX_SEED, "seed", f"seed must be in [0, {MAX_SEED}], got {show(c.seed)}")
     need(c.seq_len >= 8, "seq_len", f"seq_len must be at least 8, got {c.seq_len}")
     need(c.micro_batch_size >= 1, "micro_batch_size", f"micro_batch_size must be >= 1, got {c.micro_batch_size}")
     need(c.grad_accum >= 1, "grad_accum", f"grad_accum must be >= 1, got {c.grad_accum}")
@@ -558,6 +601,9 @@ def validate(res: Resolved) -> None:
     need(c.save_every >= 0, "save_every", f"save_every must be >= 0, got {c.save_every}")
     need(c.save_every_minutes >= 0, "save_every_minutes", f"save_every_minutes must be >= 0, got {c.save_every_minutes}")
     need(c.collective_timeout > 0, "collective_timeout", f"collective_timeout must be > 0 seconds, got {c.collective_timeout}")
+    need(c.collective_timeout <= MAX_COLLECTIVE_TIMEOUT, "collective_timeout",
+         f"collective_timeout must be at most {MAX_COLLECTIVE_TIMEOUT:.0e} seconds (about 31 years), got "
+         f"{c.collective_timeout:g}")
     need(c.profile_steps >= 0, "profile_steps", f"profile_steps must be >= 0 (0 disables profiling), got {c.profile_steps}")
     need(c.profile_start >= 0, "profile_start",
          f"profile_start must be >= 0 (0 = the last profile_steps steps), got {c.profile_start}")
@@ -596,6 +642,8 @@ def validate(res: Resolved) -> None:
          f"(now save_every {c.save_every}, eval_every {c.eval_every})")
     need(c.lora.r >= 1, "lora.r", f"lora.r must be >= 1, got {c.lora.r}")
     need(0 <= c.lora.dropout < 1, "lora.dropout", f"lora.dropout must be in [0, 1), got {c.lora.dropout}")
+    need(c.tuner == "full" or any(t.strip() for t in c.lora.targets.split(",")), "lora.targets",
+         "lora.targets is empty; give module names (e.g. q_proj,v_proj) or all-linear")
     need(c.fsdp.wrap == "block" or (c.fsdp.wrap.startswith("size:") and c.fsdp.wrap[5:].isdigit()
                                      and int(c.fsdp.wrap[5:]) > 0),
          "fsdp.wrap", f"fsdp.wrap must be 'block' or 'size:N' with N > 0, got '{c.fsdp.wrap}'")
@@ -640,6 +688,8 @@ def validate(res: Resolved) -> None:
     if base == "deepspeed":
         need(not c.deepspeed.offload_params or c.deepspeed.stage == 3, "deepspeed.offload_params",
              "deepspeed.offload_params needs ZeRO stage 3; use --strategy zero3-offload")
+        if c.deepspeed.config:
+            _check_json_object(c.deepspeed.config, w("deepspeed.config"))
     if base == "fsdp" and c.fsdp.hybrid and c.fsdp.shard_group_size and c.nproc_per_node:
         world = c.nproc_per_node * c.nnodes
         need(world % c.fsdp.shard_group_size == 0, "fsdp.shard_group_size",
@@ -680,6 +730,31 @@ def validate(res: Resolved) -> None:
                  f"{world} ranks (nnodes x nproc_per_node); the rest are data-parallel")
 
 
+def _check_json_object(path: str, where: str) -> None:
+    """A JSON file the run reads later (deepspeed.config), checked now: before the run directory is written."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            obj = json.load(fh)
+    except FileNotFoundError:
+        raise ShardwiseError(f"{where}: {path}: no such file; give the path of a DeepSpeed JSON config") from None
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][:200]
+        raise ShardwiseError(f"{where}: {path}: cannot read it as JSON ({why}); fix the file") from None
+    if not isinstance(obj, dict):
+        raise ShardwiseError(f"{where}: {path}: not a JSON object ({{\"key\": value, ...}}); fix the file")
+
+
+def _absolute_sources(spec: str) -> str:
+    """'a.jsonl:0.7,demo:0.3,b/c.jsonl' -> the same with each path absolute (the built-in 'demo' stays)."""
+    out = []
+    for item in spec.split(","):
+        path, colon, num = item.strip().rpartition(":")
+        if not (colon and path and re.fullmatch(r"\d+|(\d+\.\d*|\.\d+)(e-?\d+)?", num)):
+            path, colon, num = item.strip(), "", ""
+        out.append((path if path == "demo" or not path else os.path.abspath(path)) + colon + num)
+    return ",".join(out)
+
+
 def to_yaml(cfg: Config, where: str = "") -> str:
     """The resolved config as YAML; run-control keys are left out so the file repeats the run."""
     d = dataclasses.asdict(cfg)
@@ -692,6 +767,16 @@ def to_yaml(cfg: Config, where: str = "") -> str:
             d.pop(spec.section)
     if cfg.tuner == "full":
         d.pop("lora")
+    # paths as typed are relative to where this run started; the file is run from anywhere
+    if d["model"] != "tiny":
+        d["model"] = os.path.abspath(d["model"])
+    d["data"] = _absolute_sources(d["data"])
+    if d["val_data"]:
+        d["val_data"] = os.path.abspath(d["val_data"])
+    if d["chat_template"] and os.path.isfile(d["chat_template"]):  # else a shipped template's name
+        d["chat_template"] = os.path.abspath(d["chat_template"])
+    if d.get("deepspeed", {}).get("config"):
+        d["deepspeed"]["config"] = os.path.abspath(d["deepspeed"]["config"])
     head = "# shardwise resolved config; `shardwise train THIS_FILE` repeats the run into a new output_dir.\n"
     if where:
         head += f"# written by the run in {where}\n"

@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 
+from shardwise import rundir
 from shardwise.errors import ShardwiseError
 from shardwise.models.save import save_pretrained
 
@@ -19,6 +20,9 @@ def add_parser(sub) -> None:
     p.add_argument("checkpoint", help="A checkpoints/step_N directory, or a run directory (its newest checkpoint).")
     p.add_argument("--out", required=True, help="Directory to write (must not exist or be empty).")
     p.add_argument("--merge-lora", action="store_true", help="Merge LoRA adapters into the base weights.")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="Allow custom modelling code recorded in the checkpoint's hf/ directory (off: never run its "
+                        "code, whatever the checkpoint's own config says).")
     p.set_defaults(func=run)
 
 
@@ -33,16 +37,35 @@ def resolve_checkpoint(path: str) -> str:
     if os.path.isdir(path) and ckpt.complete_checkpoints(path):
         bad, why = ckpt.skipped_newer(path)[0]
         raise ShardwiseError(f"{path}: no complete checkpoint (the newest, {bad}, is incomplete or corrupt: {why})")
+    if os.path.isdir(path) and rundir.run_id(path) is not None:  # a run directory, without checkpoints
+        final = os.path.join(path, "final")
+        if any(os.path.isfile(os.path.join(final, f)) for f in ("config.json", "adapter_config.json")):
+            raise ShardwiseError(f"{path}: this run saved no checkpoint (it ran without --save-every); its final/ is "
+                                 f"already a Hugging Face directory: use {final} as it is (shardwise chat {final})")
+        raise ShardwiseError(f"{path}: this run saved no checkpoint (it ran without --save-every) and no final "
+                             "model; nothing to export: train with --save-every N (or without --no-save-final)")
     raise ShardwiseError(f"{path}: not a shardwise checkpoint (no meta.json) nor a run directory holding one")
 
 
-def export(checkpoint: str, out: str, merge_lora: bool = False) -> str:
+def _adapter_base(cfg) -> str:
+    """The base model a LoRA checkpoint was trained on, as an absolute directory when it is one here (the tiny
+    model is rebuilt from its seed), else as the run named it: what an exported adapter records for `chat`."""
+    if cfg.model == "tiny":
+        from shardwise.models.tiny import tiny_dir
+
+        return tiny_dir(cfg.seed)
+    path = os.path.abspath(os.path.expanduser(cfg.model))
+    return path if os.path.isfile(os.path.join(path, "config.json")) else cfg.model
+
+
+def export(checkpoint: str, out: str, merge_lora: bool = False, trust_remote_code: bool = False) -> str:
     if not out.strip():
         raise ShardwiseError("--out: empty; give the directory to write, e.g. --out exported/")
-    out = os.path.abspath(out)
+    out = os.path.abspath(os.path.expanduser(out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):  # before the heavy imports
         raise ShardwiseError(f"--out {out}: exists and is not empty; choose a new directory")
-    path = resolve_checkpoint(checkpoint)
+    rundir.check_creatable(out, "--out", "--out")
+    path = resolve_checkpoint(os.path.expanduser(checkpoint))
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -55,16 +78,35 @@ def export(checkpoint: str, out: str, merge_lora: bool = False) -> str:
     hf_dir = os.path.join(path, "hf")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ShardwiseError(f"{path}: the checkpoint has no hf/config.json (written by an older shardwise?)")
-    config = AutoConfig.from_pretrained(hf_dir, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+    # trust_remote_code is the user's flag only: the checkpoint's meta.json is not the user's word
+    with open(os.path.join(hf_dir, "config.json"), "rb") as fh:
+        try:
+            custom = "auto_map" in json.load(fh)
+        except ValueError:
+            custom = False
+    if custom and not trust_remote_code:
+        raise ShardwiseError(f"{path}: its hf/config.json names custom code (auto_map), which export runs only "
+                             "with --trust-remote-code; pass it if you trust this checkpoint")
+    try:
+        config = AutoConfig.from_pretrained(hf_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises many types here
+        msg = str(e).splitlines()[0][:200] if str(e) else ""
+        raise ShardwiseError(f"{path}: cannot build the model from hf/config.json ({type(e).__name__}: {msg})") from None
     if cfg.tuner != "full":
         from shardwise.models.lora import apply_lora
 
         model = apply_lora(model, cfg)
+        if not merge_lora:  # the adapter's base: the model it was trained on, not the weightless hf/ config
+            model.peft_config["default"].base_model_name_or_path = _adapter_base(cfg)
     state = {"model": model.state_dict()}
     ckpt.load(path, state, no_dist=True)
     model.load_state_dict(state["model"])
-    tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises many types here
+        msg = str(e).splitlines()[0][:200] if str(e) else ""
+        raise ShardwiseError(f"{path}: cannot load the tokenizer in hf/ ({type(e).__name__}: {msg})") from None
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)  # ours alone
@@ -91,6 +133,6 @@ def run(args) -> int:
     from shardwise.rundir import quiet_libraries
 
     quiet_libraries()
-    out = export(args.checkpoint, args.out, args.merge_lora)
-    print(f"shardwise: exported {resolve_checkpoint(args.checkpoint)} to {out}")
+    out = export(args.checkpoint, args.out, args.merge_lora, args.trust_remote_code)
+    print(f"shardwise: exported {resolve_checkpoint(os.path.expanduser(args.checkpoint))} to {out}")
     return 0

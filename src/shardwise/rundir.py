@@ -193,6 +193,56 @@ def protected(path: str) -> str | None:
     return None
 
 
+def check_resume_target(output_dir: str, resume: str, where: str = "--output-dir", overwrite: bool = False,
+                        resume_where: str = "--resume") -> None:
+    """A resume writes config.yaml (when it starts fresh), metrics.jsonl and final/ into the output directory, so
+    one into a directory holding such names that shardwise did not mark is refused, as a new run there is; unless
+    the directory has checkpoints of its own to resume (a run of a shardwise older than the marker). `--resume
+    auto` of a run that trained but saved no checkpoint would start again and replace it: refused unless
+    --overwrite."""
+    out = os.path.abspath(output_dir)
+    if resume == "none" or not os.path.isdir(out):
+        return
+    ckpts = os.path.join(out, "checkpoints")
+    own = os.path.isdir(ckpts) and any(os.path.isfile(os.path.join(ckpts, d, "meta.json")) for d in os.listdir(ckpts))
+    if run_id(out) is not None:
+        if resume == "auto" and not own and not overwrite and has_trained(out):
+            raise ShardwiseError(f"{resume_where}: {out} holds a run that trained but no checkpoint to resume (it "
+                                 "ran without --save-every), so --resume auto would start again and replace its "
+                                 "final/ and metrics: pass --overwrite to replace it, or choose another --output-dir")
+        return
+    ours = own_entries_present(out)
+    if not ours:
+        return
+    target = os.path.abspath(resume)
+    if own and (resume == "auto" or target.startswith(ckpts.rstrip(os.sep) + os.sep)):
+        return
+    raise ShardwiseError(f"{where}: {out} holds {', '.join(ours)} that shardwise did not mark as its own (no "
+                         f"{MARKER}) and no checkpoint there to resume; --resume would write over them: choose "
+                         "another --output-dir")
+
+
+def check_creatable(output_dir: str, where: str = "--output-dir", flag: str = "--output-dir") -> None:
+    """Refuse, in one line and before anything runs, an output directory that cannot be made: a file (or a
+    dangling link) on its path, a name longer than the filesystem takes, a directory this user cannot write (what
+    an existing one holds is judged by the launcher)."""
+    path = os.path.abspath(output_dir)
+    if any(len(os.fsencode(part)) > 255 for part in path.split(os.sep)):
+        raise ShardwiseError(f"{where}: {output_dir}: a name in it is longer than 255 bytes; choose a shorter "
+                             f"{flag}")
+    cur = path
+    while not os.path.lexists(cur) and os.path.dirname(cur) != cur:
+        cur = os.path.dirname(cur)
+    if not os.path.isdir(cur):
+        if cur == path:
+            return  # the output directory itself is a file: the launcher's own line says so
+        raise ShardwiseError(f"{where}: {cur} is a file, not a directory: nothing can be created under it; "
+                             f"choose another {flag}")
+    if not os.access(cur, os.W_OK | os.X_OK):
+        raise ShardwiseError(f"{where}: {cur} is not writable by this user, so {path} cannot be written; choose "
+                             f"another {flag}")
+
+
 def clear(output_dir: str) -> None:
     """Remove shardwise's own entries from a marked run directory; nothing else is touched.
     The caller has checked `run_id` and `protected`; checked again here because deleting is

@@ -212,8 +212,10 @@ def encode(records: list[Record], tokenizer, seq_len: int, packing: bool,
     check_options(tokenizer, options, any(r.kind == "chat" for r in records))
     budget = (seq_len + 1) * CHARS_PER_TOKEN_BOUND
     rows_in, rows_tg, sources = [], [], []
-    truncated = dropped = 0
+    truncated = dropped = nevers = 0
+    never = ""  # the first record with no loss token even whole (not a seq_len matter)
     for rec, (ids, mask, cut) in zip(records, encode_records(tokenizer, records, options, budget)):
+        whole = not cut and not any(mask[1:])
         # +1 so the last kept input still has its next token as a target
         if cut or len(ids) > seq_len + 1:
             truncated += 1
@@ -222,10 +224,16 @@ def encode(records: list[Record], tokenizer, seq_len: int, packing: bool,
         ids = ids[:seq_len]
         if not any(t != IGNORE for t in tg):
             dropped += 1
+            nevers += whole
+            never = never or (rec.source if whole else "")
             continue
         rows_in.append(ids)
         rows_tg.append(tg)
         sources.append(rec.source)
+    if not rows_in and nevers == dropped:
+        raise ShardwiseError(f"{never}: no token of this example carries loss even untruncated, nor of any other "
+                             f"({dropped} dropped): the chat template renders no assistant text; check it "
+                             "(--chat-template) or use text-format data")
     if not rows_in:
         raise ShardwiseError(f"no example keeps a loss token at seq_len {seq_len} ({dropped} dropped); raise --seq-len")
     stats = {"records": len(records), "truncated": truncated, "dropped_no_loss_tokens": dropped,

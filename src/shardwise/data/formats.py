@@ -91,6 +91,16 @@ def undetectable(where: str, obj) -> ShardwiseError:
                           "or set --data-format")
 
 
+def _text(v: str, what: str) -> str:
+    """`v` if it is text: JSON's "\\udcff" escapes parse into lone surrogates, which no tokenizer encodes."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRecord(f"{what} holds an unpaired surrogate (\\u{ord(v[e.start]):04x} at character {e.start + 1}), "
+                        "not text") from None
+    return v
+
+
 def _str(obj: dict, key: str, required: bool) -> str | None:
     v = obj.get(key)
     if v is None:
@@ -99,7 +109,7 @@ def _str(obj: dict, key: str, required: bool) -> str | None:
         return None
     if not isinstance(v, str):
         raise BadRecord(f"field '{key}' must be a string")
-    return v
+    return _text(v, f"field '{key}'")
 
 
 def _turns(items, key: str, role_key: tuple[str, str], content_key: tuple[str, str], roles: dict) -> list[dict]:
@@ -118,7 +128,7 @@ def _turns(items, key: str, role_key: tuple[str, str], content_key: tuple[str, s
             raise BadRecord(f"message {i} has unknown role {role!r} (allowed: {', '.join(roles)})")
         if not isinstance(m.get(ck), str):
             raise BadRecord(f"message {i} has no '{ck}' string")
-        out.append({"role": roles[role], "content": m[ck]})
+        out.append({"role": roles[role], "content": _text(m[ck], f"message {i}")})
     return out
 
 
@@ -157,7 +167,8 @@ def parse(obj, fmt: str) -> tuple[str, list | str]:
                     isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in history):
                 raise BadRecord("field 'history' must be a list of [instruction, output] string pairs")
             for q, a in history:
-                msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+                msgs += [{"role": "user", "content": _text(q, "field 'history'")},
+                         {"role": "assistant", "content": _text(a, "field 'history'")}]
         prompt = instruction + (("\n\n" + inp) if inp else "")
         return "chat", msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
     text = _str(obj, "text", True)
