@@ -273,7 +273,13 @@ class RunLock:
     def acquire(self, where: str = "output_dir") -> None:
         import fcntl
 
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:  # never through a link: the PID is written into this file (a planted link would truncate its target)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise ShardwiseError(f"{where}: {self.path} is a symbolic link, not shardwise's lock file; remove it "
+                                 "(shardwise writes the file itself) or choose another --output-dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -405,3 +405,26 @@ def test_a_template_that_renders_no_assistant_text_is_not_blamed_on_seq_len(tiny
         encode(recs, tok, 64, False, ChatOptions())
     line = one_line(e)
     assert "d.jsonl:1" in line and "chat template" in line and "--seq-len" not in line, line
+
+
+def test_the_run_lock_never_writes_through_a_link(tmp_path):
+    """A `.shardwise-lock` that is a symbolic link (planted, or copied with a directory) is refused in one line; the
+    file it points to keeps its content (the lock writes the launcher's PID into its file)."""
+    from shardwise import rundir
+
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(victim, run / rundir.LOCK)
+    with pytest.raises(ShardwiseError, match=r"^output_dir: .*\.shardwise-lock is a symbolic link") as e:
+        rundir.RunLock(str(run)).acquire()
+    assert "\n" not in str(e.value)
+    assert victim.read_text() == "keep me\n"
+    os.unlink(run / rundir.LOCK)
+    lock = rundir.RunLock(str(run))
+    lock.acquire()  # the plain file: taken, with this PID
+    try:
+        assert rundir.holder(str(run)) == os.getpid()
+    finally:
+        lock.release()
