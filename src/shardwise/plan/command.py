@@ -50,6 +50,11 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+# bounds that no machine reaches; beyond them the planner's loops over parallel degrees would run for minutes
+MAX_GPUS_PER_NODE = 1024
+MAX_NODES = 65536
+
+
 def _num(value, flag: str, kind=int):
     if value is None:
         return None
@@ -73,10 +78,10 @@ def build(args):
     cfg = res.cfg
     gpus = _num(getattr(args, "gpus", None), "--gpus")
     nodes = _num(getattr(args, "nodes", None), "--nodes")
-    if gpus is not None and gpus < 1:
-        raise ShardwiseError(f"--gpus must be >= 1 (GPUs per node), got {gpus}")
-    if nodes is not None and nodes < 1:
-        raise ShardwiseError(f"--nodes must be >= 1, got {nodes}")
+    if gpus is not None and not 1 <= gpus <= MAX_GPUS_PER_NODE:
+        raise ShardwiseError(f"--gpus must be in 1..{MAX_GPUS_PER_NODE} (GPUs per node), got {gpus}")
+    if nodes is not None and not 1 <= nodes <= MAX_NODES:
+        raise ShardwiseError(f"--nodes must be in 1..{MAX_NODES}, got {nodes}")
     nodes = nodes or cfg.nnodes
     per_node = cfg.nproc_per_node or None
     if cfg.strategy == "single":  # one process, or the tp x sp ranks of one replica (as launch.py runs it)
