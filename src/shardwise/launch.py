@@ -347,7 +347,7 @@ def validation_records(cfg: Config, res: Resolved, records: list) -> tuple[list,
         from shardwise.data.sources import parse_columns, read_records
 
         cols = parse_columns(cfg.columns, res.where("columns"))
-        return records, read_records(cfg.val_data, cfg.data_format, cfg.skip_bad_records, cols)[0]
+        return records, read_records(cfg.val_data, cfg.data_format, cfg.skip_bad_records, cols, flag="--val-data")[0]
     if cfg.val_split <= 0:
         return records, []
     import random

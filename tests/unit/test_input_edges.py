@@ -428,3 +428,13 @@ def test_the_run_lock_never_writes_through_a_link(tmp_path):
         assert rundir.holder(str(run)) == os.getpid()
     finally:
         lock.release()
+
+
+def test_a_missing_validation_file_is_blamed_on_val_data(tmp_path):
+    from shardwise.launch import validation_records
+
+    res = config.load_config(None, {"val_data": (str(tmp_path / "nope.jsonl"), "--val-data")})
+    with pytest.raises(ShardwiseError) as e:
+        validation_records(res.cfg, res, [])
+    assert str(e.value) == (f"--val-data {tmp_path / 'nope.jsonl'}: no such file or directory; give a data file, "
+                            "a directory of them")

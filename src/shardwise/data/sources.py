@@ -55,7 +55,7 @@ def is_saved_dataset(path: str) -> bool:
                                        for f in ("state.json", "dataset_dict.json"))
 
 
-def data_files(path: str) -> list[str]:
+def data_files(path: str, flag: str = "--data") -> list[str]:
     """The sources under `path`: data files and saved-dataset directories, each real path once."""
     if os.path.isdir(path):
         if is_saved_dataset(path):
@@ -84,14 +84,14 @@ def data_files(path: str) -> list[str]:
                 seen.add(os.path.realpath(p))
                 out.append(p)
         if not out:
-            raise ShardwiseError(f"--data {path}: no data files in this directory (.jsonl, .json, .csv, .tsv, "
+            raise ShardwiseError(f"{flag} {path}: no data files in this directory (.jsonl, .json, .csv, .tsv, "
                                  ".parquet, .arrow, or a saved `datasets` directory)")
         return sorted(out)
     if not os.path.exists(path):
-        raise ShardwiseError(f"--data {path}: no such file or directory; give a data file, a directory of them, "
-                             "or 'demo'")
+        raise ShardwiseError(f"{flag} {path}: no such file or directory; give a data file, a directory of them"
+                             + (", or 'demo'" if flag == "--data" else ""))
     if not os.path.isfile(path):
-        raise ShardwiseError(f"--data {path}: not a regular file (a device, pipe or socket); give a data file "
+        raise ShardwiseError(f"{flag} {path}: not a regular file (a device, pipe or socket); give a data file "
                              "or a directory of them")
     return [path]
 
@@ -247,19 +247,20 @@ def _hf_dataset(path: str, kind: str, cache: str):
 
 
 def read_records(path: str, fmt: str = "auto", skip_bad: bool = False, columns: dict | None = None,
-              stats: ReadStats | None = None) -> tuple[list[Record], ReadStats]:
-    """All records of one --data path; the first bad one stops, unless skip_bad."""
+              stats: ReadStats | None = None, flag: str = "--data") -> tuple[list[Record], ReadStats]:
+    """All records of one --data path (or of the option `flag` names: --val-data); the first bad one stops, unless
+    skip_bad."""
     stats = stats or ReadStats()
     out: list[Record] = []
     with tempfile.TemporaryDirectory(prefix="shardwise-datasets-") as cache:
-        for fname in data_files(path):
+        for fname in data_files(path, flag):
             stats.files.append(fname)
             kind = file_kind(fname)
             rows = _jsonl_rows(fname) if kind == "jsonl" else _hf_rows(fname, kind, cache)
             out += _records(rows, None if fmt == "auto" else fmt, skip_bad, columns or {}, stats)
     if not out:
         extra = f" ({stats.skipped} bad records skipped)" if stats.skipped else ""
-        raise ShardwiseError(f"--data {path}: no usable records{extra}; check the file and --data-format")
+        raise ShardwiseError(f"{flag} {path}: no usable records{extra}; check the file and --data-format")
     return out, stats
 
 
