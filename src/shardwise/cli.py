@@ -41,16 +41,12 @@ class _Parser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments: "):
             import difflib
 
-            known = {o for parser in self._parsers() for o in parser._option_string_actions}
+            known = set(self._option_string_actions)  # this command's own flags (main() picks the parser)
             first = message.split(": ", 1)[1].split()[0].split("=", 1)[0]
             close = difflib.get_close_matches(first, sorted(known), n=1)
             if close:
                 message += f" (did you mean {close[0]}?)"
         self.exit(2, f"shardwise: error: {message}; see `{self.prog} --help`\n")
-
-    def _parsers(self) -> list[argparse.ArgumentParser]:
-        subs = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
-        return [self] + [p for a in subs for p in a.choices.values()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the command's own parser: its flags for "did you mean", its --help
+        sub = next((a.choices.get(getattr(args, "command", None)) for a in parser._actions
+                    if isinstance(a, argparse._SubParsersAction)), None)
+        (sub or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

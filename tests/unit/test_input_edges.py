@@ -239,7 +239,10 @@ def test_resume_auto_of_a_run_without_checkpoints_does_not_replace_it(tmp_path, 
     (["train", "--max-stepz", "3"], "unrecognized arguments: --max-stepz (did you mean --max-steps?)"),
     (["train", "--strategy"], "argument --strategy: expected one argument"),
     (["trian"], "argument COMMAND: invalid choice: 'trian'"),
-    (["plan", "--gpuz", "2"], "unrecognized arguments: --gpuz (did you mean --gpus?)"),
+    (["plan", "--gpuz", "2"], "unrecognized arguments: --gpuz (did you mean --gpus?); see `shardwise plan --help`"),
+    # the suggestion is one of the command's own flags (train's --max-steps is not bench's)
+    (["bench", "--max-steps", "2"], "--max-steps (did you mean --steps?); see `shardwise bench --help`"),
+    (["--bogus"], "unrecognized arguments: --bogus; see `shardwise --help`"),
     (["export", "x"], "the following arguments are required: --out"),
 ])
 def test_an_argparse_error_is_one_line(capsys, argv, message):
