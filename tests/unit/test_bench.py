@@ -165,6 +165,12 @@ def test_command_line_checks_and_defaults(tmp_path):
         spec_from_args(_args("--repeat", "0"))
     with pytest.raises(SystemExit):  # the bench owns max_steps and output_dir
         _args("--max-steps", "3")
+    # a report directory that cannot be made is one line before any run (it was a traceback after all of them)
+    (tmp_path / "a-file").write_text("mine\n")
+    for bad in (tmp_path / "a-file", tmp_path / "a-file" / "rep"):
+        with pytest.raises(ShardwiseError, match=r"^--report-dir: .*a-file is a file, not a directory"):
+            spec_from_args(_args("--report-dir", str(bad)))
+    assert (tmp_path / "a-file").read_text() == "mine\n"
 
 
 # ----------------------------------------------------------------------------- planner
