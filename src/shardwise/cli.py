@@ -49,6 +49,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"shardwise: error: {message}; see `{self.prog} --help`\n")
 
 
+def _check_cache_dir() -> None:
+    """$SHARDWISE_CACHE_DIR (the tiny model, the tokenized data, doctor.json) must be a directory or makeable as one:
+    one line here rather than a traceback from whichever command first writes there."""
+    path = os.environ.get("SHARDWISE_CACHE_DIR")
+    if not path:
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ShardwiseError(f"SHARDWISE_CACHE_DIR={path} is a file, not a directory; point it at a directory "
+                             "(created if missing) or unset it (~/.cache/shardwise)")
+    from shardwise.rundir import check_creatable
+
+    check_creatable(path, f"SHARDWISE_CACHE_DIR={path}", "SHARDWISE_CACHE_DIR")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shardwise import config
 
@@ -90,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        _check_cache_dir()
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a closed pipe is caught below, not at interpreter exit
         return rc

@@ -441,3 +441,20 @@ def test_a_missing_validation_file_is_blamed_on_val_data(tmp_path):
         validation_records(res.cfg, res, [])
     assert str(e.value) == (f"--val-data {tmp_path / 'nope.jsonl'}: no such file or directory; give a data file, "
                             "a directory of them")
+
+
+def test_a_cache_dir_that_is_a_file_is_one_line(tmp_path, monkeypatch, capsys):
+    """$SHARDWISE_CACHE_DIR holds the tiny model, the tokenized data and doctor.json: a file there (or on its path)
+    was a FileExistsError traceback from whichever command wrote first."""
+    from shardwise.cli import main
+
+    f = tmp_path / "cache"
+    f.write_text("mine\n")
+    for path, why in ((f, "is a file, not a directory; point it at a directory"),
+                      (f / "sub", "is a file, not a directory: nothing can be created under it")):
+        monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(path))
+        assert main(["plan", "--model", "7B", "--gpus", "1", "--gpu-memory", "80"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and err.startswith(f"shardwise: error: SHARDWISE_CACHE_DIR={path}")
+        assert why in err, err
+    assert f.read_text() == "mine\n"
