@@ -330,7 +330,11 @@ def check_model(cfg: Config, res: Resolved, shapes: bool = True) -> str:
     model_dir = resolve_model_dir(cfg.model, cfg.seed)
     weights = check_weights(model_dir)
     if shapes:
-        check_shapes(model_dir, weights, cfg.trust_remote_code)
+        meta = check_shapes(model_dir, weights, cfg.trust_remote_code)
+        if meta is not None and cfg.tuner != "full":  # the adapters' targets, before anything is written
+            from shardwise.models.lora import lora_targets
+
+            lora_targets(meta, cfg.lora.targets, res.where("lora.targets"))
     limit = max_positions(model_dir)
     if limit and cfg.seq_len > limit:
         raise ShardwiseError(f"{res.where('seq_len')}: seq_len {cfg.seq_len} is larger than the model supports "

@@ -458,3 +458,17 @@ def test_a_cache_dir_that_is_a_file_is_one_line(tmp_path, monkeypatch, capsys):
         assert out == "" and err.count("\n") == 1 and err.startswith(f"shardwise: error: SHARDWISE_CACHE_DIR={path}")
         assert why in err, err
     assert f.read_text() == "mine\n"
+
+
+def test_lora_targets_the_model_lacks_are_refused_before_anything_is_written():
+    """Checked on the meta-device model of launch.check_model (it ran in each worker, after the run directory was
+    written)."""
+    from shardwise.launch import check_model
+
+    res = config.load_config(None, {"tuner": ("lora", "--tuner"), "lora.targets": ("q_proj,nosuch", "--lora-targets")})
+    with pytest.raises(ShardwiseError) as e:
+        check_model(res.cfg, res)
+    assert str(e.value).startswith("--lora-targets: no linear module named nosuch in the model; its linear "
+                                   "modules are "), str(e.value)
+    ok = config.load_config(None, {"tuner": ("lora", "--tuner"), "lora.targets": ("q_proj,v_proj", "--lora-targets")})
+    assert check_model(ok.cfg, ok)  # the model directory

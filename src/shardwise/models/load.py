@@ -65,23 +65,24 @@ def check_weights(model_dir: str) -> dict[str, list[int]]:
     return shapes
 
 
-def check_shapes(model_dir: str, shapes: dict, trust_remote_code: bool = False) -> None:
+def check_shapes(model_dir: str, shapes: dict, trust_remote_code: bool = False):
     """The weights' shapes (from the safetensors headers) are those config.json describes:
     the model is built on the meta device (no memory, no weights read) and every tensor both
-    name is compared, so a mismatch is one line before launch, not an error in each worker."""
+    name is compared, so a mismatch is one line before launch, not an error in each worker.
+    Returns the meta-device model (None where it was not built: custom code, packed weights, a build error)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
         if getattr(config, "auto_map", None) and not trust_remote_code:
-            return  # custom code: the worker's load refuses it with its own message
+            return None  # custom code: the worker's load refuses it with its own message
         if getattr(config, "quantization_config", None):
-            return  # pre-quantized weights are stored packed, in shapes of their own
+            return None  # pre-quantized weights are stored packed, in shapes of their own
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except Exception:
-        return  # the worker's load_model reports what is wrong with the directory
+        return None  # the worker's load_model reports what is wrong with the directory
     expected = {k: list(v.shape) for k, v in model.state_dict().items()}
     base = getattr(model, "base_model_prefix", "")
     for name, shape in shapes.items():
@@ -89,6 +90,7 @@ def check_shapes(model_dir: str, shapes: dict, trust_remote_code: bool = False) 
         if want is not None and shape is not None and list(shape) != want:
             raise ShardwiseError(f"--model {model_dir}: weight {name} has shape {list(shape)} but config.json "
                                  f"describes {want}; the weights and config.json are from different models")
+    return model
 
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):

@@ -23,17 +23,25 @@ from shardwise.errors import ShardwiseError
 DTYPES = {"no": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def lora_targets(model, targets: str, where: str = "lora.targets") -> str | list[str]:
+    """The adapted modules: 'all-linear', or the named linear modules, each of which the model must have (checked on
+    the meta-device model before launch too: launch.check_model)."""
+    targets = targets.strip()
+    if targets == "all-linear":
+        return targets
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    linears = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    missing = [t for t in names if t not in linears]
+    if missing:
+        raise ShardwiseError(f"{where}: no linear module named {', '.join(missing)} in the model; "
+                             f"its linear modules are {', '.join(sorted(linears))} (or use all-linear)")
+    return names
+
+
 def lora_config(model, cfg):
     from peft import LoraConfig
 
-    targets = cfg.lora.targets.strip()
-    if targets != "all-linear":
-        targets = [t.strip() for t in targets.split(",") if t.strip()]
-        names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        missing = [t for t in targets if t not in names]
-        if missing:
-            raise ShardwiseError(f"lora.targets: no linear module named {', '.join(missing)} in the model; "
-                                 f"its linear modules are {', '.join(sorted(names))} (or use all-linear)")
+    targets = lora_targets(model, cfg.lora.targets)
     # 'all-linear': every linear layer except the output head, i.e. the blocks' projections
     return LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=targets, bias="none", task_type="CAUSAL_LM")
