@@ -642,6 +642,8 @@ def validate(res: Resolved) -> None:
          f"keep_best compares checkpoints by their validation loss: set --save-every to a multiple of --eval-every "
          f"(now save_every {c.save_every}, eval_every {c.eval_every})")
     need(c.lora.r >= 1, "lora.r", f"lora.r must be >= 1, got {c.lora.r}")
+    need(c.lora.alpha > 0 and math.isfinite(c.lora.alpha), "lora.alpha",
+         f"lora.alpha must be a positive number (the adapters are scaled by alpha / r), got {c.lora.alpha}")
     need(0 <= c.lora.dropout < 1, "lora.dropout", f"lora.dropout must be in [0, 1), got {c.lora.dropout}")
     need(c.tuner == "full" or any(t.strip() for t in c.lora.targets.split(",")), "lora.targets",
          "lora.targets is empty; give module names (e.g. q_proj,v_proj) or all-linear")

@@ -123,6 +123,8 @@ def test_preset_options_yield_to_explicit_options():
     (("--report-to", "tensorboard,comet"), r"flag --report-to: report_to: unknown tracker comet"),
     (("--val-data", "v.jsonl", "--val-split", "0.1"), r"flag --val-split: give either val_data or val_split"),
     (("--val-split", "1"), r"val_split must be in \[0, 1\)"),
+    (("--lora-alpha", "0"), r"flag --lora-alpha: lora.alpha must be a positive number"),
+    (("--lora-alpha", "-16"), r"lora.alpha must be a positive number \(the adapters are scaled by alpha / r\)"),
     (("--eval-every", "5"), r"flag --eval-every: eval_every needs a validation set: --val-data PATH or --val-split"),
     (("--keep-best",), r"keep_best needs a validation set"),
     (("--val-split", "0.1", "--keep-best", "--eval-every", "4", "--save-every", "6"),
