@@ -472,3 +472,14 @@ def test_lora_targets_the_model_lacks_are_refused_before_anything_is_written():
                                    "modules are "), str(e.value)
     ok = config.load_config(None, {"tuner": ("lora", "--tuner"), "lora.targets": ("q_proj,v_proj", "--lora-targets")})
     assert check_model(ok.cfg, ok)  # the model directory
+
+
+@pytest.mark.parametrize("text", ["[]", "\ufeff[ \n ]\n"])
+def test_an_empty_json_array_file_says_so(tmp_path, text):
+    from shardwise.data.sources import read_records
+
+    f = tmp_path / "empty.json"
+    f.write_text(text, encoding="utf-8")
+    with pytest.raises(ShardwiseError) as e:
+        read_records(str(f))
+    assert str(e.value) == f"{f}: an empty JSON array ([]): no records; give records in it, or leave the file out"

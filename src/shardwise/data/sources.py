@@ -205,6 +205,13 @@ def _hf_rows(path: str, kind: str, cache: str) -> Iterator[tuple[str, object]]:
         yield f"{path}:row {i}", row
 
 
+def _empty_json_array(path: str) -> bool:
+    """Whether the file is `[]` (whitespace aside), read without loading a large array."""
+    with open(path, "rb") as fh:
+        head = fh.read(64).lstrip(b"\xef\xbb\xbf").strip()
+    return head == b"[]" or (head.startswith(b"[") and head[1:].strip() == b"]")
+
+
 def _hf_dataset(path: str, kind: str, cache: str):
     os.environ["HF_DATASETS_OFFLINE"] = "1"  # local files only, whatever the environment says
     import datasets
@@ -228,6 +235,9 @@ def _hf_dataset(path: str, kind: str, cache: str):
             sep = "\t" if path.lower().endswith(".tsv") else ","
             return datasets.Dataset.from_csv(path, sep=sep, **kw)
         if kind == "json-array":
+            if _empty_json_array(path):  # datasets says 'Instruction "train" corresponds to no data!'
+                raise ShardwiseError(f"{path}: an empty JSON array ([]): no records; give records in it, or "
+                                     "leave the file out")
             return datasets.Dataset.from_json(path, **kw)
         if kind == "arrow-stream":  # what save_to_disk writes
             return datasets.Dataset.from_file(path, in_memory=True)
