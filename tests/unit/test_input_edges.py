@@ -483,3 +483,13 @@ def test_an_empty_json_array_file_says_so(tmp_path, text):
     with pytest.raises(ShardwiseError) as e:
         read_records(str(f))
     assert str(e.value) == f"{f}: an empty JSON array ([]): no records; give records in it, or leave the file out"
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '["a", "b"]', "[[1]]"])
+def test_a_json_array_of_non_records_says_so(tmp_path, text):
+    from shardwise.data.sources import read_records
+
+    f = tmp_path / "rows.json"
+    f.write_text(text)
+    with pytest.raises(ShardwiseError, match=r"a JSON array whose first item is not an object"):
+        read_records(str(f))

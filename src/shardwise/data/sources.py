@@ -205,11 +205,13 @@ def _hf_rows(path: str, kind: str, cache: str) -> Iterator[tuple[str, object]]:
         yield f"{path}:row {i}", row
 
 
-def _empty_json_array(path: str) -> bool:
-    """Whether the file is `[]` (whitespace aside), read without loading a large array."""
+def _json_array_first(path: str) -> str:
+    """The first character after a JSON array file's `[` ('{' for records, ']' for an empty array), read without
+    loading a large array ('' when the first 64 KiB hold none)."""
     with open(path, "rb") as fh:
-        head = fh.read(64).lstrip(b"\xef\xbb\xbf").strip()
-    return head == b"[]" or (head.startswith(b"[") and head[1:].strip() == b"]")
+        head = fh.read(1 << 16).lstrip(b"\xef\xbb\xbf").lstrip()
+    rest = head[1:].lstrip() if head.startswith(b"[") else b""
+    return chr(rest[0]) if rest else ""
 
 
 def _hf_dataset(path: str, kind: str, cache: str):
@@ -235,9 +237,13 @@ def _hf_dataset(path: str, kind: str, cache: str):
             sep = "\t" if path.lower().endswith(".tsv") else ","
             return datasets.Dataset.from_csv(path, sep=sep, **kw)
         if kind == "json-array":
-            if _empty_json_array(path):  # datasets says 'Instruction "train" corresponds to no data!'
+            first = _json_array_first(path)
+            if first == "]":  # datasets says 'Instruction "train" corresponds to no data!'
                 raise ShardwiseError(f"{path}: an empty JSON array ([]): no records; give records in it, or "
                                      "leave the file out")
+            if first and first != "{":  # datasets reads [1, 2] as a column 'text' of numbers
+                raise ShardwiseError(f"{path}: a JSON array whose first item is not an object ({{...}}): each item "
+                                     "must be one record, e.g. {\"messages\": [...]} or {\"text\": \"...\"}")
             return datasets.Dataset.from_json(path, **kw)
         if kind == "arrow-stream":  # what save_to_disk writes
             return datasets.Dataset.from_file(path, in_memory=True)
