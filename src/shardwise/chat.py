@@ -132,7 +132,10 @@ def load(model_dir: str, adapter_dir: str | None, device, trust_remote_code: boo
         if adapter_dir:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
+            from shardwise.models.lora import quiet_peft
+
+            with quiet_peft():
+                model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
     except Exception as e:  # transformers and peft raise many types here
         where = adapter_dir or model_dir
         raise ShardwiseError(f"chat {where}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"

@@ -12,6 +12,7 @@ in final/merged (W + (alpha / r) * B @ A for every adapted linear).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -47,6 +48,16 @@ def lora_config(model, cfg):
                       target_modules=targets, bias="none", task_type="CAUSAL_LM")
 
 
+@contextlib.contextmanager
+def quiet_peft():
+    """peft reads the model's `is_gradient_checkpointing`, which transformers >= 5.2x deprecates in favour of
+    `is_activation_checkpointing`: a FutureWarning in every LoRA run's, export's and chat's output that the user
+    cannot act on. Silenced around peft's own calls only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def apply_lora(model, cfg):
     """Freeze the base, cast it to the compute dtype (or quantize it), add adapters."""
     from peft import get_peft_model
@@ -59,10 +70,7 @@ def apply_lora(model, cfg):
         p.requires_grad_(False)
         if p.is_floating_point() and p.dtype != compute:
             p.data = p.data.to(compute)
-    with warnings.catch_warnings():
-        # peft reads the model's `is_gradient_checkpointing`, which transformers >= 5.2x deprecates in favour of
-        # `is_activation_checkpointing`: a FutureWarning in every LoRA run's log that the user cannot act on
-        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    with quiet_peft():
         model = get_peft_model(model, lora_config(model, cfg))
     for n, p in model.named_parameters():
         if p.requires_grad:

@@ -27,6 +27,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -388,8 +389,11 @@ def load(path: str, state: dict, no_dist: bool = False) -> None:
     verified first, and read without running anything it holds."""
     verify(path)
     try:
-        dcp.load(state, checkpoint_id=path, storage_reader=SafeReader(path), planner=SafeLoadPlanner(),
-                 no_dist=no_dist)
+        with warnings.catch_warnings():  # in one process (export, chat): DCP says it assumes so, on every load
+            warnings.filterwarnings("ignore", message=r"torch.distributed is disabled, unavailable or uninitialized",
+                                    category=UserWarning)
+            dcp.load(state, checkpoint_id=path, storage_reader=SafeReader(path), planner=SafeLoadPlanner(),
+                     no_dist=no_dist)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's exception is a BaseException
         inner = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
         ours = [x for x in (e, *inner) if isinstance(x, ShardwiseError)]
