@@ -332,9 +332,10 @@ def check_model(cfg: Config, res: Resolved, shapes: bool = True) -> str:
     if shapes:
         meta = check_shapes(model_dir, weights, cfg.trust_remote_code)
         if meta is not None and cfg.tuner != "full":  # the adapters' targets, before anything is written
-            from shardwise.models.lora import lora_targets
+            from shardwise.models.lora import check_rank, lora_targets
 
-            lora_targets(meta, cfg.lora.targets, res.where("lora.targets"))
+            targets = lora_targets(meta, cfg.lora.targets, res.where("lora.targets"))
+            check_rank(meta, targets, cfg.lora.r, res.where("lora.r"))
     limit = max_positions(model_dir)
     if limit and cfg.seq_len > limit:
         raise ShardwiseError(f"{res.where('seq_len')}: seq_len {cfg.seq_len} is larger than the model supports "

@@ -493,3 +493,18 @@ def test_a_json_array_of_non_records_says_so(tmp_path, text):
     f.write_text(text)
     with pytest.raises(ShardwiseError, match=r"a JSON array whose first item is not an object"):
         read_records(str(f))
+
+
+def test_a_lora_rank_above_the_adapted_linears_is_refused_with_the_models_numbers():
+    """The tiny model's k/v projections are 128 -> 64: rank 64 is the most they take (a rank of 1e11 ran out of
+    memory in every worker)."""
+    from shardwise.launch import check_model
+
+    res = config.load_config(None, {"tuner": ("lora", "--tuner"), "lora.r": ("65", "--lora-r")})
+    with pytest.raises(ShardwiseError) as e:
+        check_model(res.cfg, res)
+    assert str(e.value) == ("--lora-r: lora.r 65 is larger than the smallest adapted linear allows (k_proj: 128 -> "
+                            "64); a rank above min(in, out) adds parameters, not rank: choose --lora-r 64 or less")
+    only_q = config.load_config(None, {"tuner": ("lora", "--tuner"), "lora.r": ("65", "--lora-r"),
+                                       "lora.targets": ("q_proj", "--lora-targets")})
+    assert check_model(only_q.cfg, only_q)  # q_proj is 128 -> 128

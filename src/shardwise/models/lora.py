@@ -39,6 +39,22 @@ def lora_targets(model, targets: str, where: str = "lora.targets") -> str | list
     return names
 
 
+def check_rank(model, targets: str | list[str], r: int, where: str = "lora.r") -> None:
+    """A rank above an adapted linear's smaller dimension adds parameters, not rank (and a huge one only runs out of
+    memory in the workers): refused with the model's numbers, on the meta-device model before launch."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    adapted = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head
+               and (targets == "all-linear" or n.rsplit(".", 1)[-1] in targets)]
+    if not adapted:
+        return
+    name, m = min(adapted, key=lambda nm: min(nm[1].in_features, nm[1].out_features))
+    d = min(m.in_features, m.out_features)
+    if r > d:
+        raise ShardwiseError(f"{where}: lora.r {r} is larger than the smallest adapted linear allows "
+                             f"({name.rsplit('.', 1)[-1]}: {m.in_features} -> {m.out_features}); a rank above "
+                             f"min(in, out) adds parameters, not rank: choose --lora-r {d} or less")
+
+
 def lora_config(model, cfg):
     from peft import LoraConfig
 
