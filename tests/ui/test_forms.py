@@ -36,7 +36,7 @@ def test_the_command_to_copy_resolves_to_the_form_config(tmp_path):
 
 @pytest.mark.parametrize("values, field, text", [
     ({"gpu_memory": "lots"}, "gpu_memory", "--gpu-memory must be a number, got 'lots'"),
-    ({"nodes": "0"}, "nodes", "--nodes must be >= 1"),
+    ({"nodes": "0"}, "nodes", "--nodes must be in 1..65536"),
     ({"grad_accum": "1.5"}, "grad_accum", "flag --grad-accum: 'grad_accum' must be an int, got '1.5'"),
     ({"model": "./no/such/dir"}, "model", "--model './no/such/dir': no such directory"),
     # the message also names --gpu-memory and --gpu-type (what to do): its `flag --float8:` prefix decides

@@ -50,11 +50,6 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-# bounds that no machine reaches; beyond them the planner's loops over parallel degrees would run for minutes
-MAX_GPUS_PER_NODE = 1024
-MAX_NODES = 65536
-
-
 def _num(value, flag: str, kind=int):
     if value is None:
         return None
@@ -69,7 +64,7 @@ def build(args):
     """(plan, resolved config) for parsed arguments."""
     from shardwise import config
     from shardwise.plan.decide import plan_model
-    from shardwise.plan.inputs import job_from_config, make_setup
+    from shardwise.plan.inputs import MAX_GPUS_PER_NODE, MAX_NODES, job_from_config, make_setup
     from shardwise.plan.lint import lint
     from shardwise.plan.model_presets import resolve_model
 

@@ -17,6 +17,11 @@ def compute_dtype(mixed_precision: str, accelerator: str) -> str:
     return {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}[mixed_precision]
 
 
+# bounds that no machine reaches; beyond them the planner's loops over parallel degrees would run for minutes
+MAX_GPUS_PER_NODE = 1024
+MAX_NODES = 65536
+
+
 def compile_on(compile_key: str, accelerator: str) -> bool:
     """config `compile`: auto is on when the planned ranks are GPUs (the engine: on with CUDA)."""
     return compile_key == "on" or (compile_key == "auto" and accelerator == "cuda")
@@ -46,10 +51,10 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
                use_doctor: bool = True) -> Setup:
     """Hardware for a plan: what is given wins, then what is measured (doctor.json), then detected, then assumed."""
     notes: list[str] = []
-    if gpus is not None and gpus < 1:
-        raise ShardwiseError(f"--gpus must be >= 1 (GPUs per node), got {gpus}")
-    if nodes < 1:
-        raise ShardwiseError(f"--nodes must be >= 1, got {nodes}")
+    if gpus is not None and not 1 <= gpus <= MAX_GPUS_PER_NODE:
+        raise ShardwiseError(f"--gpus must be in 1..{MAX_GPUS_PER_NODE} (GPUs per node), got {gpus}")
+    if not 1 <= nodes <= MAX_NODES:
+        raise ShardwiseError(f"--nodes must be in 1..{MAX_NODES}, got {nodes}")
     if gpu_memory is not None and not 0 < gpu_memory <= 4096:
         raise ShardwiseError(f"--gpu-memory must be in GiB per GPU, between 0 and 4096, got {gpu_memory}")
     for flag, v in (("--intra-node-gbps", intra_gbps), ("--inter-node-gbps", inter_gbps)):
