@@ -92,6 +92,26 @@ def exit_without_teardown(rc: int) -> None:
         os._exit(rc)
 
 
+def exit_deadline(seconds: float, what: str) -> None:
+    """A worker whose run is complete (final model, summary and metrics written) leaves with 0 at the latest
+    `seconds` from now, whatever its teardown (the closing barrier, destroying the process group, the libraries'
+    atexit handlers) is waiting for: a finished run must not hold its launcher. On 2026-12-01 a CPU CI run had a
+    finished 2-rank run still alive three minutes after its `done` line."""
+    import threading
+
+    def leave():
+        try:
+            print(f"shardwise: {what}: the finished run's process was still in its teardown after {seconds:.0f} s; "
+                  "leaving (everything of the run is written)", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+        finally:
+            os._exit(0)
+
+    t = threading.Timer(seconds, leave)
+    t.daemon = True
+    t.start()
+
+
 def stop_compile_workers() -> None:
     """Kill inductor's compile workers, if this process started them (torch.compile starts a sidecar process,
     torch/_inductor/compile_worker, at its first compile). torch's atexit handler shuts them down by asking and

@@ -42,3 +42,18 @@ exit_without_teardown(0)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ALIVE []" in r.stdout, r.stdout
     assert "Traceback" not in r.stderr and "pool shutdown" not in r.stderr, r.stderr[-3000:]
+
+
+def test_a_finished_workers_teardown_cannot_hold_it_past_the_deadline():
+    """phases.exit_deadline: a process whose run is complete leaves with 0 once the deadline passes, even while its
+    main thread is stuck (here: sleeping as a hung barrier would wait), and says so on stderr."""
+    import subprocess
+    import sys
+
+    script = ("import time\nfrom shardwise.phases import exit_deadline\nexit_deadline(1.0, 'rank 1')\n"
+              "time.sleep(120)\nraise SystemExit(3)\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and time.monotonic() - t0 < 30, (r.returncode, r.stderr)
+    assert r.stderr.strip() == ("shardwise: rank 1: the finished run's process was still in its teardown after 1 s; "
+                                "leaving (everything of the run is written)")

@@ -88,6 +88,9 @@ def build_model(cfg: Config, model_dir: str, dims=None):
     return model
 
 
+FINISH_GRACE_S = 120.0  # a finished worker's teardown (trackers closed, barrier, process group, atexit): ~1 s
+
+
 def run(job: Job) -> dict:
     """One training run on this rank: set up, train, write the final model and summary."""
     return Trainer(job).train()
@@ -352,6 +355,8 @@ class Trainer:
             _write_json(os.path.join(out, "summary.json"), summary)
         self.rep.say(f"shardwise: done: {step} steps, loss {first_loss:.4f} (first logged) -> "
                      f"{summary['final_loss']:.4f} (last)" if first_loss is not None else f"shardwise: done: {step} steps")
+        if os.environ.get("SHARDWISE_LAUNCHER_PID", str(os.getpid())) != str(os.getpid()):  # a worker of the agent's
+            phases.exit_deadline(FINISH_GRACE_S, f"rank {env.rank}")
         self.rep.close()
         sdist.barrier()
         if dist.is_initialized():
