@@ -58,12 +58,10 @@ def _check_cache_dir() -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise ShardwiseError(f"SHARDWISE_CACHE_DIR={path} is a file, not a directory; point it at a directory "
                              "(created if missing) or unset it (~/.cache/shardwise)")
-    cur = os.path.abspath(path)  # (whether it is writable is each writer's business: a read-only one can serve)
-    while not os.path.lexists(cur) and os.path.dirname(cur) != cur:
-        cur = os.path.dirname(cur)
-    if not os.path.isdir(cur):
-        raise ShardwiseError(f"SHARDWISE_CACHE_DIR={path}: {cur} is a file, not a directory: nothing can be created "
-                             "under it; point it elsewhere or unset it (~/.cache/shardwise)")
+    from shardwise.rundir import check_creatable
+
+    # (whether it is writable is each writer's business: a read-only one can serve reads)
+    check_creatable(path, f"SHARDWISE_CACHE_DIR={path}", "SHARDWISE_CACHE_DIR", writable=False)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -222,10 +222,11 @@ def check_resume_target(output_dir: str, resume: str, where: str = "--output-dir
                          "another --output-dir")
 
 
-def check_creatable(output_dir: str, where: str = "--output-dir", flag: str = "--output-dir") -> None:
+def check_creatable(output_dir: str, where: str = "--output-dir", flag: str = "--output-dir",
+                    writable: bool = True) -> None:
     """Refuse, in one line and before anything runs, an output directory that cannot be made: a file (or a
-    dangling link) on its path, a name longer than the filesystem takes, a directory this user cannot write (what
-    an existing one holds is judged by the launcher)."""
+    dangling link) on its path, a name longer than the filesystem takes, and with `writable` a directory this user
+    cannot write (what an existing one holds is judged by the launcher)."""
     path = os.path.abspath(output_dir)
     if any(len(os.fsencode(part)) > 255 for part in path.split(os.sep)):
         raise ShardwiseError(f"{where}: {output_dir}: a name in it is longer than 255 bytes; choose a shorter "
@@ -238,7 +239,7 @@ def check_creatable(output_dir: str, where: str = "--output-dir", flag: str = "-
             return  # the output directory itself is a file: the launcher's own line says so
         raise ShardwiseError(f"{where}: {cur} is a file, not a directory: nothing can be created under it; "
                              f"choose another {flag}")
-    if not os.access(cur, os.W_OK | os.X_OK):
+    if writable and not os.access(cur, os.W_OK | os.X_OK):
         raise ShardwiseError(f"{where}: {cur} is not writable by this user, so {path} cannot be written; choose "
                              f"another {flag}")
 
