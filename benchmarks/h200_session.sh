@@ -23,6 +23,9 @@
 #                                                    f8probe f8runs1 f8runs2 f8diag f8diag2 f8runs3 f8qprof f8cli (tenth session; carries torchao)
 #                                                    f8sel (eleventh session; carries torchao)
 #                                                    zero3hf tp2 autosweep (eleventh session, prepared for x2, not run)
+#                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
+#                                                    carries DeepSpeed's wheels and .whl/opt/accelerate, installed only
+#                                                    where the machine lacks accelerate)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
 # to $OUT/logs-TIME.txt (the device returns at most 8 files per call).
 set -u
@@ -31,6 +34,9 @@ mkdir -p "$OUT"
 setup() {
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  fi
+  if ls .whl/opt/accelerate-*.whl >/dev/null 2>&1 && ! python3 -c "import accelerate" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/opt/accelerate-*.whl
   fi
   export PYTHONPATH=/tmp/site:$PWD/src:$PWD NCCL_NVLS_ENABLE=0 SHARDWISE_CACHE_DIR=/tmp/swcache PYTHONUNBUFFERED=1 \
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -267,6 +273,35 @@ f8sel() {
 zero3hf() {
   timeout -k 10 580 python3 benchmarks/vs_hf_trainer.py --out "$OUT/zero3hf" --gpus 2 --steps 24 --warmup 8 \
     --variants hf-trainer-zero3,sw-zero3,sw-fsdp-all,hf-trainer-zero3
+}
+# twelfth session (one GPU): ZeRO-3 fetching whole blocks (deepspeed.fetch block, compiled blocks one graph) against
+# DeepSpeed's per-submodule fetch, eager, fsdp, and the HF Trainer with the same DeepSpeed ZeRO-3 on one GPU
+z3one() {
+  timeout -k 10 575 python3 benchmarks/vs_hf_trainer.py --out "$OUT/z3one" --gpus 1 --steps 24 --warmup 8 \
+    --variants hf-trainer-zero3,sw-zero3,sw-zero3-module,sw-fsdp-all,sw-zero3-eager,hf-trainer-zero3
+}
+# where zero3's step still goes (one process, the engine's path): block vs module fetch vs fsdp, profiled
+z3prof() {
+  timeout -k 10 290 python3 benchmarks/one_gpu_levers.py --variants zero3,zero3+module,fsdp --repeat 1 --steps 10 \
+    --warmup 4 --profile zero3,fsdp --json "$OUT/z3prof.json"
+}
+# the planner's zero3 rows (issue16 list) under the new default: compiled rows first
+z3acc() {
+  timeout -k 10 280 python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --pick 45,39,48,42,25,7,26,33 \
+    --budget-s 220 --json "$OUT/z3acc.json"
+}
+# after memory_efficient_linear off under whole-block fetch (every block compiled) and the LoRA fix: the same again
+z3two() {
+  timeout -k 10 300 python3 benchmarks/vs_hf_trainer.py --out "$OUT/z3two" --gpus 1 --steps 24 --warmup 8 \
+    --variants hf-trainer-zero3,sw-zero3,sw-fsdp-all,sw-zero3-eager,hf-trainer-zero3
+}
+z3prof2() {
+  timeout -k 10 100 python3 benchmarks/one_gpu_levers.py --variants zero3 --repeat 1 --steps 10 --warmup 4 \
+    --profile zero3 --json "$OUT/z3prof2.json"
+}
+z3acc2() {
+  timeout -k 10 180 python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --pick 45,48,33,39,42 --budget-s 130 \
+    --json "$OUT/z3acc2.json"
 }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {

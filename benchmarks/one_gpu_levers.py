@@ -16,6 +16,7 @@ strategy and its `setup`) and runs `train.loop.forward_backward_step` + a step, 
     +sac            activation_checkpointing selective (op-level: matmul and attention outputs kept)
     +fullac         activation_checkpointing full (every block recomputed in backward)
     +float8         float8 true (torchao's float8 linears in the blocks; refused, and recorded so, off Hopper/Ada)
+    +module         deepspeed.fetch module (ZeRO-3: DeepSpeed's own per-submodule fetch hooks, not whole blocks)
 
 A variant the engine refuses (a ShardwiseError: float8 on the CPU, say) or that fails (out of memory) is
 recorded with its one-line reason and the others go on.
@@ -54,7 +55,7 @@ sys.path.insert(0, HERE)
 
 import plan_accuracy as pa  # noqa: E402  (the engine-path helpers: config, random-init loader, batch)
 
-LEVERS = ("bf16reduce", "sync", "reshard", "noprefetch", "sac", "fullac", "float8")
+LEVERS = ("bf16reduce", "sync", "reshard", "noprefetch", "sac", "fullac", "float8", "module")
 
 
 def parse(variant: str) -> tuple[str, set[str]]:
@@ -100,6 +101,8 @@ def variant_config(variant: str, a, micro_batch: int):
         cfg.activation_checkpointing = "full"
     if "float8" in levers:
         cfg.float8 = True
+    if "module" in levers:
+        cfg.deepspeed.fetch = "module"
     return c, cfg, levers
 
 
@@ -219,9 +222,11 @@ def profile(one, step0: int) -> dict:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = merged_us([(k.time_range.start, k.time_range.end) for k in kernels])
     span = (max(k.time_range.end for k in kernels) - min(k.time_range.start for k in kernels)) if kernels else 0
-    table = prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=70)
+    averages = prof.key_averages()
+    table = averages.table(sort_by="device_time_total", row_limit=25, max_name_column_width=70)
+    host = averages.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70)
     return {"wall_s": round(wall, 3), "kernel_span_ms": round(span / 1e3, 1), "busy_ms": round(busy / 1e3, 1),
-            "busy_fraction_of_span": round(busy / span, 4) if span else None, "top": table}
+            "busy_fraction_of_span": round(busy / span, 4) if span else None, "top": table, "top_host": host}
 
 
 def merged_us(ranges) -> float:
@@ -303,7 +308,8 @@ def main() -> None:
         if "profile" in x:
             p = x["profile"]
             print(f"\n## profile {x['variant']} (repeat {x['repeat']}): kernels busy {p['busy_ms']} ms of a "
-                  f"{p['kernel_span_ms']} ms span ({p['busy_fraction_of_span']}), wall {p['wall_s']} s\n{p['top']}")
+                  f"{p['kernel_span_ms']} ms span ({p['busy_fraction_of_span']}), wall {p['wall_s']} s\n{p['top']}\n"
+                  f"host (by self CPU time):\n{p.get('top_host', '')}")
     if a.curve:
         curves = loss_curves(a, env, meta)
         if a.curve_json:

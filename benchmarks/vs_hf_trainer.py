@@ -58,10 +58,15 @@ SHARDWISE_VARIANTS = {
     "sw-single-plain-gc": ["--strategy", "single", "--gradient-checkpointing", "--compile", "off", "--no-fused-loss"],
     # on every GPU of the machine (--gpus): the ZeRO-3 comparison of issue 17 item 1
     "sw-zero3": ["--strategy", "zero3"],
+    # ZeRO-3's fetch unit (deepspeed.fetch): DeepSpeed's own per-submodule hooks, as before 2026-12-01; and eager
+    "sw-zero3-module": ["--strategy", "zero3", "--deepspeed-fetch", "module"],
+    "sw-zero3-eager": ["--strategy", "zero3", "--compile", "off"],
+    "sw-zero3-module-eager": ["--strategy", "zero3", "--deepspeed-fetch", "module", "--compile", "off"],
     "sw-fsdp-all": ["--strategy", "fsdp"],
     "sw-ddp-all": ["--strategy", "ddp"],
 }
-ON_ALL_GPUS = {"sw-zero3", "sw-fsdp-all", "sw-ddp-all", "hf-trainer-zero3"}
+ON_ALL_GPUS = {"sw-zero3", "sw-zero3-module", "sw-zero3-eager", "sw-zero3-module-eager", "sw-fsdp-all", "sw-ddp-all",
+               "hf-trainer-zero3"}
 HF_VARIANTS = {"hf-trainer": False, "hf-trainer-gc": True, "hf-trainer-zero3": False}
 
 

@@ -53,6 +53,7 @@ class DeepSpeedConfig:
     stage: int = _f(2, "ZeRO stage: 1 (optimizer states), 2 (+ gradients), 3 (+ parameters).", (1, 2, 3))
     offload_optimizer: bool = _f(False, "Offload optimizer states and step to the CPU (ZeRO-Offload).")
     offload_params: bool = _f(False, "Offload parameters to the CPU (ZeRO-3 only).")
+    fetch: str = _f("block", "ZeRO-3's parameter fetch unit: 'block' gathers each decoder block's parameters at once (the blocks are DeepSpeed leaf modules, as FSDP's per-block units: one hook per block, and compiled blocks stay one graph); 'module' is DeepSpeed's own default, one fetch per submodule holding parameters (a smaller gathered peak with very large blocks, but host-bound hooks: docs/speed.md).", ("block", "module"))
     config: str = _f("", "Path to a DeepSpeed JSON whose keys override the generated config.")
 
 

@@ -64,6 +64,8 @@ class Strategy:
     # (cfg, data-parallel degree, ranks per node) -> (dp_replicate, dp_shard): how this strategy lays its
     # data-parallel ranks on the mesh (strategies/parallel.py)
     dp_split = staticmethod(replicate_all)
+    # the compile step traces each block's forward only, its module hooks left eager (models/speed.py compile_blocks)
+    compile_hooks_eager = False
 
     @classmethod
     def parallel_dims(cls, cfg: Config, env: DistEnv, heads: int | None = None) -> ParallelDims:
@@ -94,7 +96,7 @@ class Strategy:
         done = [apply_float8(model, cfg, self.env.device),
                 apply_tensor_parallel(model, self.dims),
                 apply_activation_checkpointing(model, cfg),
-                apply_compile(model, cfg, self.dims)]
+                apply_compile(model, cfg, self.dims, hooks_eager=self.compile_hooks_eager)]
         model, optimizer = self.apply_data_parallel(model)
         if self.env.is_main:
             log.info("parallelize: %s; then %s", "; ".join(done), self.name)

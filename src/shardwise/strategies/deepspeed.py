@@ -32,6 +32,12 @@ def ds_config(cfg, world: int, cuda: bool) -> dict:
     `world`: the ranks DeepSpeed averages over (dims.grad_size: data-parallel x sequence-parallel)."""
     ds = cfg.deepspeed
     zero: dict = {"stage": ds.stage}
+    if ds.stage == 3 and ds.fetch == "block":
+        # DeepSpeed's own F.linear (on by default at stage 3, patched process-wide) re-gathers a released weight in
+        # backward; a block's hooks have gathered it again by then. Traced into a compiled block it also guards on
+        # each weight's ds_id, so every block recompiled until dynamo's limit (8) left the others eager (one H200,
+        # 2026-12-01: 8 of 16 anchor blocks compiled).
+        zero["memory_efficient_linear"] = False
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
     if ds.offload_params:
@@ -127,6 +133,10 @@ def import_muon_lazily() -> None:
         compiler.compile = eager
 
 
+def _needs_grad(module, inputs, output):
+    return output.requires_grad_(True) if torch.is_grad_enabled() else output
+
+
 def merge(base: dict, over: dict) -> dict:
     """Recursive dict update: `over` wins, sections are merged key by key."""
     for k, v in over.items():
@@ -162,7 +172,7 @@ class DeepSpeedStrategy(Strategy):
             deepspeed.ops.__compatible_ops__ = {}
         import_muon_lazily()
         if self.cfg.deepspeed.stage == 3:
-            self.apply_moe_leaves(model)
+            self.apply_leaves(model)
         opt = self.build_optimizer(model)
         self.groups = [list(g["params"]) for g in opt.param_groups]  # before DeepSpeed flattens them
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=self.config,
@@ -170,18 +180,35 @@ class DeepSpeedStrategy(Strategy):
         self.engine = engine
         return engine, optimizer
 
-    def apply_moe_leaves(self, model: torch.nn.Module) -> None:
-        """ZeRO-3 on a mixture-of-experts model: each sparse MoE block is a DeepSpeed leaf module, its
-        parameters (router, every expert) fetched together at the block's forward, so the gathers
-        do not depend on which experts this rank's tokens chose (models/moe.py)."""
+    @property
+    def compile_hooks_eager(self) -> bool:
+        """ZeRO-3 fetching whole blocks: each compiled block's fetch/release hooks run eagerly around its compiled
+        forward, which is then one graph (the hooks are `torch.compiler.disable`d: traced inside they break it)."""
+        return self.cfg.deepspeed.stage == 3 and self.cfg.deepspeed.fetch == "block"
+
+    def apply_leaves(self, model: torch.nn.Module) -> None:
+        """ZeRO-3's fetch units, as DeepSpeed leaf modules (their parameters gathered and released together by one
+        pair of hooks on the leaf, none on what it holds). `deepspeed.fetch: block` (the default): each decoder
+        block, as FSDP's per-block units. DeepSpeed's default (`module`) hooks every submodule holding parameters,
+        nine per Llama block, and that host work outlasts the GPU's on a step of compiled blocks (docs/speed.md).
+        Either way each sparse MoE block is fetched whole, so the gathers do not depend on which experts this
+        rank's tokens chose (models/moe.py); a decoder block holding one already fetches it whole."""
         from deepspeed.utils import set_z3_leaf_modules
 
         from shardwise.models.moe import moe_leaf_classes
+        from shardwise.models.speed import decoder_blocks
 
-        classes = moe_leaf_classes(model)
+        blocks = decoder_blocks(model) if self.cfg.deepspeed.fetch == "block" else []
+        classes = list(dict.fromkeys(type(b) for b in blocks)) or moe_leaf_classes(model)
         if classes:
             set_z3_leaf_modules(model, classes)
-            self.moe_leaves = [c.__name__ for c in classes]
+            self.leaves = ("blocks" if blocks else "MoE blocks", [c.__name__ for c in classes])
+        if blocks and not all(p.requires_grad for p in model.get_input_embeddings().parameters()):
+            # DeepSpeed reduces (and frees) a leaf's gradients in the leaf's full backward hook, which torch runs
+            # as soon as the gradients of the leaf's outputs exist when no input needs a gradient: under a frozen
+            # embedding (LoRA) that is the first block, before its own backward has run (its adapters' gradients
+            # then land in freed buffers). Its input needing a gradient makes the hook wait for the block's backward.
+            model.get_input_embeddings().register_forward_hook(_needs_grad)
 
     def optimizer_kernel(self) -> dict:
         # offloaded: the step runs on CPU partitions; else DeepSpeed moves them to the GPU
@@ -223,6 +250,6 @@ class DeepSpeedStrategy(Strategy):
     def describe(self) -> str:
         ds = self.cfg.deepspeed
         off = [n for n, on in (("optimizer", ds.offload_optimizer), ("params", ds.offload_params)) if on]
-        leaves = getattr(self, "moe_leaves", None)
+        what, leaves = getattr(self, "leaves", ("", None))
         return (f"deepspeed ZeRO-{ds.stage}" + (f" (offload {', '.join(off)})" if off else "")
-                + (f", MoE blocks fetched whole ({', '.join(leaves)})" if leaves else ""))
+                + (f", {what} fetched whole ({', '.join(leaves)})" if leaves else ""))

@@ -172,10 +172,12 @@ def compile_enabled(cfg) -> bool:
     return cfg.compile == "on" or (cfg.compile == "auto" and torch.cuda.is_available())
 
 
-def apply_compile(model: nn.Module, cfg, dims: ParallelDims | None = None) -> str:
-    """torch.compile each decoder block in place (parameter names unchanged). Under tensor parallelism each
-    block's forward only: its TP input hooks stay eager (models/speed.py compile_blocks says why)."""
+def apply_compile(model: nn.Module, cfg, dims: ParallelDims | None = None, hooks_eager: bool = False) -> str:
+    """torch.compile each decoder block in place (parameter names unchanged). Each block's forward only under
+    tensor parallelism (its TP input hooks stay eager: models/speed.py compile_blocks says why) and where the
+    strategy asks (`hooks_eager`: ZeRO-3's fetch hooks on whole blocks)."""
     if not compile_enabled(cfg):
         return "compile: off"
     tp = dims is not None and dims.tp > 1
-    return f"compile: {compile_blocks(model, hooks_eager=tp)} blocks" + (" (forward only; TP hooks eager)" if tp else "")
+    why = "TP hooks eager" if tp else "ZeRO-3 hooks eager" if hooks_eager else ""
+    return f"compile: {compile_blocks(model, hooks_eager=bool(why))} blocks" + (f" (forward only; {why})" if why else "")
