@@ -23,7 +23,7 @@
 #                                                    f8probe f8runs1 f8runs2 f8diag f8diag2 f8runs3 f8qprof f8cli (tenth session; carries torchao)
 #                                                    f8sel (eleventh session; carries torchao)
 #                                                    zero3hf tp2 autosweep (eleventh session, prepared for x2, not run)
-#                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
+#                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
 #                                                    carries DeepSpeed's wheels and .whl/opt/accelerate, installed only
 #                                                    where the machine lacks accelerate)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
@@ -302,6 +302,12 @@ z3prof2() {
 z3acc2() {
   timeout -k 10 180 python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --pick 45,48,33,39,42 --budget-s 130 \
     --json "$OUT/z3acc2.json"
+}
+# out of sample for the planner's whole-block ZeRO-3 terms: the eager and checkpointed rows, and the anchor's
+z3acc3() {
+  timeout -k 10 280 python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --pick 25,7,26,8,34,16 --budget-s 200 \
+    --json "$OUT/z3acc3.json"
+  timeout -k 10 150 python3 benchmarks/plan_accuracy.py --gpu --pick 41,12 --budget-s 100 --json "$OUT/z3acc3b.json"
 }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {

@@ -229,6 +229,8 @@ def config_for(c: dict, world: int):
         flags["lora.r"] = c.get("lora_r", LORA_R)
     if c.get("keep_gathered_one_rank") is not None:  # rows measured under another one-rank fsdp rule
         flags["fsdp.keep_gathered_one_rank"] = c["keep_gathered_one_rank"]
+    if c.get("ds_fetch"):  # ZeRO-3's fetch unit (rows measured before whole-block fetch: "module")
+        flags["deepspeed.fetch"] = c["ds_fetch"]
     return load_config(None, {k: (v, "plan_accuracy") for k, v in flags.items()}).cfg
 
 

@@ -19,6 +19,7 @@ from shardwise.plan.memory import (
     local_root_params,
     reshards,
     unit_params,
+    zero3_per_module,
 )
 from shardwise.plan.model_spec import ModelSpec
 
@@ -35,7 +36,11 @@ HBM_BYTES_PER_S = 2.0e12  # effective device memory bandwidth for the optimizer 
 #   fsdp      FSDP2 copy-in per all-gather and the fp32 reduce-scatter input + copy-out of the gradient
 #             (fsdp-grad-op: one all-gather fewer)
 #   zero1/2   the gradients into the bucket and the fp32 partition, norm and overflow checks, master -> bf16 copy
-STRATEGY_BYTES_PER_PARAM = {"ddp": 4.0, "fsdp": 16.0, "fsdp-grad-op": 10.0, "zero12": 42.0}
+#   zero3     fetching whole blocks: the gathered blocks' copies, the gradients into the fp32 reduce bucket and the
+#             partition, master -> bf16 copy; per parameter of the whole model (every rank gathers every block).
+#             Fitted on the compiled anchor on one H200 (2026-12-01: 0.237 s predicted without it, 0.251 measured;
+#             the profile's kernels were 15 ms a step busier than fsdp's)
+STRATEGY_BYTES_PER_PARAM = {"ddp": 4.0, "fsdp": 16.0, "fsdp-grad-op": 10.0, "zero12": 42.0, "zero3": 28.0}
 # Memory-bound passes the FLOP count misses, bytes at HBM_BYTES_PER_S (elementwise_time): the loss's passes over the
 # fp32 logits (per token per vocabulary entry), and LoRA's adapters (per token per unit of adapted width, per block)
 LOSS_BYTES_PER_LOGIT = 42.0
@@ -53,6 +58,12 @@ LORA_FORWARD_SHARE = 0.5
 # twelve zero3 rows, full and LoRA, checkpointing on and off, Qwen2.5-1.5B and 1.14B Llama shapes; docs/planner.md).
 ZERO3_EAGER_S_PER_MODULE_PASS = 8.5e-4
 ZERO3_COMPILED_S_PER_MODULE_PASS = 1.35e-3
+# ZeRO-3 fetching whole blocks (deepspeed.fetch block, the default): one pair of hooks per block, and what the host
+# still spends grows with the trained tensors instead (DeepSpeed's per-parameter bookkeeping in each pass and its
+# gradient path): seconds per trained weight or norm tensor (LoRA: per adapter matrix) per pass, eager or compiled.
+# Fitted on eleven zero3 rows of one H200 (2026-12-01, Qwen2.5-1.5B and 1.14B Llama shapes, full and LoRA,
+# checkpointing on and off, eager and compiled: mean |error| 11%, max 26%; docs/planner.md).
+ZERO3_BLOCK_S_PER_TENSOR_PASS = 7.0e-4
 # float8 linears (float8_time): their matmuls run at the GPU's float8 peak at the job's MFU; each element counted as
 # cast to float8 (each forward pass's input and weight, and the output gradient once) costs this many bytes of
 # device-memory traffic. It stands for the amax reductions, the scaled casts, backward's recasts of the input and
@@ -345,9 +356,12 @@ def float8_time(spec: ModelSpec, job: Job, comp: Compute) -> float:
     return mm + FLOAT8_CAST_BYTES * casts / comp.device_mem_bw
 
 
-def zero3_hooked_modules(spec: ModelSpec, job: Job) -> int:
-    """Submodules of one block that hold parameters, each fetched and released by ZeRO-3's hooks: the projections
-    and the norms; LoRA adds each adapted projection's lora_A and lora_B."""
+def zero3_hooked_modules(spec: ModelSpec, job: Job, o: Opts) -> int:
+    """Submodules of one block fetched and released by ZeRO-3's hooks: the block itself when it is fetched whole
+    (deepspeed.fetch block); with DeepSpeed's per-submodule fetch each one holding parameters, the projections and
+    the norms, and LoRA adds each adapted projection's lora_A and lora_B."""
+    if not zero3_per_module(o):
+        return 1
     n = len(spec.linear_shapes()) + spec.norms_per_layer
     if job.tuner != "full":
         targets = job.lora_targets
@@ -356,17 +370,32 @@ def zero3_hooked_modules(spec: ModelSpec, job: Job) -> int:
     return n
 
 
-def zero3_hook_time(spec: ModelSpec, job: Job) -> float:
-    """Seconds a step's ZeRO-3 hooks keep the host busy: per parameterized submodule (zero3_hooked_modules), per pass
-    (forward, backward, the recomputed forward under checkpointing), per micro-batch."""
+def zero3_trained_tensors(spec: ModelSpec, job: Job) -> int:
+    """Trained weight and norm tensors (biases not counted): full fine-tuning every block's projections and norms,
+    the embedding, the final norm and an untied head; LoRA each adapted projection's lora_A and lora_B."""
+    if job.tuner == "full":
+        return spec.num_layers * (len(spec.linear_shapes()) + spec.norms_per_layer) + 2 + (0 if spec.tied_embeddings
+                                                                                           else 1)
+    targets = job.lora_targets
+    names = spec.linear_shapes() if targets in ("all-linear", "") else [t for t in targets.split(",") if t.strip()]
+    return spec.num_layers * 2 * len(names)
+
+
+def zero3_hook_time(spec: ModelSpec, job: Job, o: Opts) -> float:
+    """Seconds a step's ZeRO-3 hooks keep the host busy, per pass (forward, backward, the recomputed forward under
+    checkpointing) and micro-batch: with whole-block fetch per trained tensor (zero3_trained_tensors), with
+    DeepSpeed's per-submodule fetch per parameterized submodule (zero3_hooked_modules)."""
     passes = 3 if job.checkpointing else 2
+    if not zero3_per_module(o):
+        return ZERO3_BLOCK_S_PER_TENSOR_PASS * zero3_trained_tensors(spec, job) * passes * job.grad_accum
     k = ZERO3_COMPILED_S_PER_MODULE_PASS if job.compile else ZERO3_EAGER_S_PER_MODULE_PASS
-    return k * zero3_hooked_modules(spec, job) * spec.num_layers * passes * job.grad_accum
+    return k * zero3_hooked_modules(spec, job, o) * spec.num_layers * passes * job.grad_accum
 
 
 def strategy_overhead(spec: ModelSpec, job: Job, o: Opts, shard_n: int, comp: Compute, gpu_s: float = 0.0) -> float:
     """Seconds per optimizer step of the strategy's own work (STRATEGY_BYTES_PER_PARAM; ZeRO-3: what its host-bound
-    hooks add to a step whose GPU work takes `gpu_s`, max(0, zero3_hook_time - gpu_s)).
+    hooks add to a step whose GPU work takes `gpu_s`, max(0, zero3_hook_time - gpu_s), and with whole-block fetch
+    its copies on the GPU first).
     Single: 0. On the CPU (no HBM roofline, no measurement) 0."""
     if job.accelerator != "cuda" or o.base == "single":
         return 0.0
@@ -377,7 +406,10 @@ def strategy_overhead(spec: ModelSpec, job: Job, o: Opts, shard_n: int, comp: Co
         key = "fsdp" if reshards(job, o) else "fsdp-grad-op"
         return STRATEGY_BYTES_PER_PARAM[key] * local_params(spec, job.tp) / shard_n / comp.device_mem_bw
     if o.stage == 3:
-        return max(0.0, zero3_hook_time(spec, job) - gpu_s)
+        if zero3_per_module(o):  # the fit of its hook constants holds its copies too
+            return max(0.0, zero3_hook_time(spec, job, o) - gpu_s)
+        copies = STRATEGY_BYTES_PER_PARAM["zero3"] * local_params(spec, job.tp) / comp.device_mem_bw
+        return copies + max(0.0, zero3_hook_time(spec, job, o) - gpu_s - copies)
     return STRATEGY_BYTES_PER_PARAM["zero12"] * P_t / shard_n / comp.device_mem_bw
 
 

@@ -19,7 +19,7 @@ SHARED_KEYS = ["model", "strategy", "seq_len", "micro_batch_size", "grad_accum",
                "mixed_precision", "param_dtype", "gradient_checkpointing", "packing", "nproc_per_node",
                "fsdp.reshard_after_forward", "fsdp.keep_gathered_one_rank", "fsdp.hybrid", "fsdp.shard_group_size",
                "fsdp.cpu_offload", "fsdp.wrap", "fsdp.prefetch", "deepspeed.stage", "deepspeed.offload_optimizer",
-               "deepspeed.offload_params", "compile", "fused_loss", "sequence_parallel", "tensor_parallel", "sp_mode",
+               "deepspeed.offload_params", "deepspeed.fetch", "compile", "fused_loss", "sequence_parallel", "tensor_parallel", "sp_mode",
                "activation_checkpointing", "float8"]
 
 

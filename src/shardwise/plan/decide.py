@@ -197,7 +197,7 @@ def opts_for(name: str, cfg=None) -> Opts:
                 keep_gathered_one_rank=f.keep_gathered_one_rank,
                 cpu_offload=f.cpu_offload, hybrid=f.hybrid, shard_group_size=f.shard_group_size, wrap=f.wrap,
                 prefetch=f.prefetch, stage=d.stage, offload_optimizer=d.offload_optimizer,
-                offload_params=d.offload_params)
+                offload_params=d.offload_params, ds_fetch=d.fetch)
 
 
 def preset_names(setup: Setup, tp: int = 1, sp: int = 1, float8: bool = False) -> list[str]:

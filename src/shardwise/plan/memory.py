@@ -51,8 +51,9 @@ FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused linear + cross-entropy 
 # (strategies/ddp.py: optimize_ddp = False), so DDP uses this factor too. Where it comes from: docs/planner.md,
 # "Where the constants come from".
 COMPILE_ACT_FACTOR = 0.64
-# ZeRO-3 (and zero3-offload): DeepSpeed's fetch/release hooks run around every submodule and dynamo breaks the graph
-# at them, so a compiled block is fused only between its linears and saves more (docs/planner.md, same section).
+# ZeRO-3 (and zero3-offload) with DeepSpeed's per-submodule fetch (deepspeed.fetch module): its fetch/release hooks
+# run around every submodule and dynamo breaks the graph at them, so a compiled block is fused only between its
+# linears and saves more (docs/planner.md, same section). Whole-block fetch (the default) keeps each block one graph.
 COMPILE_ACT_FACTOR_ZERO3 = 0.80
 
 
@@ -137,6 +138,7 @@ class Opts:
     stage: int = 2
     offload_optimizer: bool = False
     offload_params: bool = False
+    ds_fetch: str = "block"  # deepspeed.fetch: ZeRO-3's fetch unit (block: each decoder block; module: DeepSpeed's own)
     ddp_bucket_view: bool = True  # DDP(gradient_as_bucket_view=...), as strategies/ddp.py builds it
 
 
@@ -235,9 +237,15 @@ def tp_degrees(spec: ModelSpec, gpus_per_node: int) -> list[int]:
 # ----------------------------------------------------------------------------- activations
 
 
+def zero3_per_module(o: Opts) -> bool:
+    """ZeRO-3 with DeepSpeed's per-submodule fetch (deepspeed.fetch module) rather than whole blocks."""
+    return o.base == "deepspeed" and o.stage == 3 and o.ds_fetch == "module"
+
+
 def uses_ds_linear(job: Job, o: Opts) -> bool:
-    """Whether the linears run through DeepSpeed's LinearFunctionForZeroStage3 (Job.ds_linear)."""
-    return job.ds_linear or (o.base == "deepspeed" and o.stage == 3)
+    """Whether the linears run through DeepSpeed's LinearFunctionForZeroStage3 (Job.ds_linear): its per-submodule
+    fetch keeps DeepSpeed's memory_efficient_linear on; whole-block fetch turns it off (strategies/deepspeed.py)."""
+    return job.ds_linear or zero3_per_module(o)
 
 
 def residual_bytes(job: Job, o: Opts) -> int:
@@ -509,7 +517,7 @@ def compile_factor(job: Job, o: Opts) -> float:
     """Saved activations of a compiled block relative to eager (1.0 when not compiled)."""
     if not job.compile:
         return 1.0
-    if o.base == "deepspeed" and o.stage == 3:
+    if zero3_per_module(o):
         return COMPILE_ACT_FACTOR_ZERO3
     return COMPILE_ACT_FACTOR
 
