@@ -267,7 +267,9 @@ def main() -> None:
     import torch
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(pa.free_port()))
+    from common import free_port
+
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     if a.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from shardwise.train import dist as sdist

@@ -656,6 +656,9 @@ def run_gpu(a) -> list[dict]:
         raise SystemExit("--gpu needs CUDA (or pass --device cpu for the smoke test)")
     # a one-rank group, as torchrun's agent would set it up (NCCL on cuda:0)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import free_port  # benchmarks/common.py
+
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     from shardwise.train import dist as sdist
 
@@ -769,14 +772,6 @@ def quiet() -> None:
     warnings.filterwarnings("ignore")
     for name in ("DeepSpeed", "deepspeed", "torch._dynamo", "torch._inductor"):
         logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- output

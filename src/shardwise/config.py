@@ -267,6 +267,8 @@ def flags_from_namespace(ns: argparse.Namespace) -> dict[str, tuple[Any, str]]:
     return out
 
 
+MAX_NPROC_PER_NODE = 1024  # processes (GPUs) per node; `plan --gpus` shares the bound (plan/inputs.py)
+MAX_NNODES = 65536
 MAX_SEED = 2**32 - 1  # every RNG seeds from it (numpy's bound); the sampler adds the epoch to it
 MAX_COLLECTIVE_TIMEOUT = 1e9  # seconds; beyond what a timedelta and the process group's milliseconds hold
 SHOW_CHARS = 200  # longest value an error message prints
@@ -614,9 +616,9 @@ def validate(res: Resolved) -> None:
     need(c.max_steps == -1 or c.profile_steps <= c.max_steps, "profile_steps",
          f"profile_steps {c.profile_steps} is more than max_steps {c.max_steps}")
     need(c.keep_checkpoints >= 1, "keep_checkpoints", f"keep_checkpoints must be >= 1, got {c.keep_checkpoints}")
-    need(0 <= c.nproc_per_node <= 1024, "nproc_per_node",
-         f"nproc_per_node must be in 0..1024 (0 = auto; processes per node), got {c.nproc_per_node}")
-    need(1 <= c.nnodes <= 65536, "nnodes", f"nnodes must be in 1..65536, got {c.nnodes}")
+    need(0 <= c.nproc_per_node <= MAX_NPROC_PER_NODE, "nproc_per_node",
+         f"nproc_per_node must be in 0..{MAX_NPROC_PER_NODE} (0 = auto; processes per node), got {c.nproc_per_node}")
+    need(1 <= c.nnodes <= MAX_NNODES, "nnodes", f"nnodes must be in 1..{MAX_NNODES}, got {c.nnodes}")
     need(0 <= c.node_rank < c.nnodes, "node_rank", f"node_rank must be in [0, nnodes={c.nnodes}), got {c.node_rank}")
     need(c.max_restarts >= 0, "max_restarts", f"max_restarts must be >= 0, got {c.max_restarts}")
     need(c.tensor_parallel >= 1, "tensor_parallel", f"tensor_parallel must be >= 1, got {c.tensor_parallel}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from shardwise import hardware
+from shardwise.config import MAX_NNODES, MAX_NPROC_PER_NODE
 from shardwise.errors import ShardwiseError
 from shardwise.plan import text
 from shardwise.plan.decide import CPU_MFU, CPU_PEAK_FLOPS, Setup
@@ -17,9 +18,10 @@ def compute_dtype(mixed_precision: str, accelerator: str) -> str:
     return {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}[mixed_precision]
 
 
-# bounds that no machine reaches; beyond them the planner's loops over parallel degrees would run for minutes
-MAX_GPUS_PER_NODE = 1024
-MAX_NODES = 65536
+# bounds that no machine reaches (the config's own: a plan of a config and of flags agree); beyond them the planner's
+# loops over parallel degrees would run for minutes
+MAX_GPUS_PER_NODE = MAX_NPROC_PER_NODE
+MAX_NODES = MAX_NNODES
 
 
 def compile_on(compile_key: str, accelerator: str) -> bool:
