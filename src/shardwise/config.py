@@ -750,14 +750,21 @@ def _check_json_object(path: str, where: str) -> None:
         raise ShardwiseError(f"{where}: {path}: not a JSON object ({{\"key\": value, ...}}); fix the file")
 
 
+def split_source(item: str) -> tuple[str, str]:
+    """One entry of the `data` key, 'PATH:N' / 'PATH:W' -> (PATH, 'N' or 'W'), a bare PATH -> (PATH, ''): an integer
+    N counts examples, a number with a decimal point is a weight (data/sources.py parse_data_spec reads them)."""
+    path, colon, num = item.rpartition(":")
+    if colon and path and re.fullmatch(r"\d+|(\d+\.\d*|\.\d+)(e-?\d+)?", num):
+        return path, num
+    return item, ""
+
+
 def _absolute_sources(spec: str) -> str:
     """'a.jsonl:0.7,demo:0.3,b/c.jsonl' -> the same with each path absolute (the built-in 'demo' stays)."""
     out = []
     for item in spec.split(","):
-        path, colon, num = item.strip().rpartition(":")
-        if not (colon and path and re.fullmatch(r"\d+|(\d+\.\d*|\.\d+)(e-?\d+)?", num)):
-            path, colon, num = item.strip(), "", ""
-        out.append((path if path == "demo" or not path else os.path.abspath(path)) + colon + num)
+        path, num = split_source(item.strip())
+        out.append((path if path == "demo" or not path else os.path.abspath(path)) + (":" + num if num else ""))
     return ",".join(out)
 
 

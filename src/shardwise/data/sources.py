@@ -23,11 +23,11 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from shardwise.config import split_source
 from shardwise.data.formats import (
     BadRecord,
     ReadStats,
@@ -328,12 +328,8 @@ def parse_data_spec(spec: str, where: str = "--data") -> list[Source]:
     for item in items:
         if not item:
             raise ShardwiseError(f"{where}: empty entry in '{spec}'; separate sources with single commas")
-        path, colon, num = item.rpartition(":")
-        src = Source(item)
-        if colon and path and re.fullmatch(r"\d+", num):
-            src = Source(path, count=int(num))
-        elif colon and path and re.fullmatch(r"(\d+\.\d*|\.\d+)(e-?\d+)?", num):
-            src = Source(path, weight=float(num))
+        path, num = split_source(item)
+        src = Source(path, count=int(num)) if num.isdigit() else Source(path, weight=float(num)) if num else Source(item)
         if (src.count is not None and src.count < 1) or (src.weight is not None and not src.weight > 0):
             raise ShardwiseError(f"{where}: '{item}': a count must be >= 1 and a weight > 0")
         out.append(src)
