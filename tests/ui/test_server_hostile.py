@@ -364,3 +364,46 @@ def test_resume_refuses_a_linked_run_lock(srv, hostile, tmp_path):
             os.killpg(d["pid"], signal.SIGKILL)
     time.sleep(0.5)
     assert precious.read_text() == "keep me\n"
+
+
+def test_resume_refuses_a_linked_config(srv, hostile, outside):
+    """A run whose config.yaml links to a file elsewhere: Resume names the link and neither reads nor runs it."""
+    status, d = _call(srv.base + "/api/run/resume", {"run": "leak"})
+    if status == 200:
+        os.killpg(d["pid"], signal.SIGKILL)
+    assert status == 400 and "config.yaml is a symbolic link" in d["error"], (status, d)
+    assert "TOP-SECRET" not in json.dumps(d)
+
+
+def test_launch_after_the_runs_dir_was_removed_or_replaced(tmp_path):
+    """The runs directory removed while the page runs: a launch makes it again and starts; replaced by a file: one
+    line naming the directory, and no traceback."""
+    import shutil
+
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    s = UIServer(str(runs_dir)).start()
+    pid = None
+    try:
+        form = {"gpus": "1", "strategy": "single", "max_steps": "1", "save_final": False, "run_name": "again",
+                "gpu_memory": ""}
+        shutil.rmtree(runs_dir)
+        status, d = _call(s.base + "/api/launch", form, timeout=90)
+        assert status == 200, (status, d)
+        pid = d["pid"]
+        assert (runs_dir / "again" / "ui-launch.json").is_file()
+        os.killpg(pid, signal.SIGKILL)
+        pid = None
+        shutil.rmtree(runs_dir)
+        runs_dir.write_text("not a directory\n")
+        status, d = _call(s.base + "/api/launch", {**form, "run_name": "third"}, timeout=90)
+        assert status == 400 and "cannot create the run directory" in d["error"] and str(runs_dir) in d["error"], d
+        assert "\n" not in d["error"]
+        assert _call(s.base + "/api/runs")[0] == 200 and _call(s.base + "/api/bench")[0] == 200
+    finally:
+        if pid:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        s.stop()

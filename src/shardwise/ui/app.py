@@ -121,8 +121,12 @@ def create_app(runs_dir: str, token: str | None = None, allowed_hosts: list[str]
             return _error(e)
         return JSONResponse({**started, "command": t["command"]})
 
+    def listing() -> list[dict]:
+        return [runs.info(runs_dir, p) for p in runs.find(runs_dir)]
+
+    # the file system is read in a worker thread, never on the event loop (a slow disk must not stall other requests)
     async def run_list(request):
-        return JSONResponse({"runs": [runs.info(runs_dir, p) for p in runs.find(runs_dir)], "runs_dir": runs_dir})
+        return JSONResponse({"runs": await asyncio.to_thread(listing), "runs_dir": runs_dir})
 
     def _run(request) -> str:
         return runs.resolve(runs_dir, request.query_params.get("run", ""))
@@ -133,7 +137,7 @@ def create_app(runs_dir: str, token: str | None = None, allowed_hosts: list[str]
             d = await asyncio.to_thread(runs.info, runs_dir, path, True)
         except ShardwiseError as e:
             return _error(e, 404)
-        d["metrics"], _ = runs.metrics(path)
+        d["metrics"], _ = await asyncio.to_thread(runs.metrics, path)
         return JSONResponse(d)
 
     async def run_action(request):
@@ -143,7 +147,7 @@ def create_app(runs_dir: str, token: str | None = None, allowed_hosts: list[str]
         try:
             body = await _body(request)
             path = runs.resolve(runs_dir, str(body.get("run", "")))
-            result = runs.stop(path) if action == "stop" else runs.resume(path)
+            result = await asyncio.to_thread(runs.stop if action == "stop" else runs.resume, path)
         except ShardwiseError as e:
             return _error(e)
         return JSONResponse(result)
@@ -154,7 +158,7 @@ def create_app(runs_dir: str, token: str | None = None, allowed_hosts: list[str]
             b = runs.resolve(runs_dir, request.query_params.get("b", ""))
         except ShardwiseError as e:
             return _error(e, 404)
-        return JSONResponse({"diff": runs.diff(a, b)})
+        return JSONResponse({"diff": await asyncio.to_thread(runs.diff, a, b)})
 
     async def events(request):
         """Server-sent events: the run list when it changes; new metrics records of ?run=."""
@@ -165,14 +169,14 @@ def create_app(runs_dir: str, token: str | None = None, allowed_hosts: list[str]
         async def gen():
             last, offset = None, 0
             while not await request.is_disconnected():
-                listing = [runs.info(runs_dir, p) for p in runs.find(runs_dir)]
-                key = json.dumps([(r["name"], r["state"], r["why"]) for r in listing])
+                found = await asyncio.to_thread(listing)
+                key = json.dumps([(r["name"], r["state"], r["why"]) for r in found])
                 if key != last:
                     last = key
-                    yield {"event": "runs", "data": json.dumps(listing)}
+                    yield {"event": "runs", "data": json.dumps(found)}
                 if name:
                     try:
-                        recs, offset = runs.metrics(runs.resolve(runs_dir, name), offset)
+                        recs, offset = await asyncio.to_thread(runs.metrics, runs.resolve(runs_dir, name), offset)
                     except ShardwiseError:
                         recs = []
                     if recs:
@@ -182,11 +186,12 @@ def create_app(runs_dir: str, token: str | None = None, allowed_hosts: list[str]
         return EventSourceResponse(gen(), ping=15)
 
     async def bench_list(request):
-        return JSONResponse({"reports": runs.bench_reports(runs_dir)})
+        return JSONResponse({"reports": await asyncio.to_thread(runs.bench_reports, runs_dir)})
 
     async def bench_one(request):
         try:
-            return JSONResponse(runs.bench_report(runs_dir, request.query_params.get("report", "")))
+            return JSONResponse(await asyncio.to_thread(runs.bench_report, runs_dir,
+                                                        request.query_params.get("report", "")))
         except ShardwiseError as e:
             return _error(e, 404)
 

@@ -317,11 +317,19 @@ def launch(runs_dir: str, train: dict) -> dict:
     if os.path.commonpath([root, os.path.realpath(out)]) != root:
         raise ShardwiseError(f"{out}: a run directory must be inside the runs directory {root}")
     try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)  # the runs directory, if it was removed while the page ran
+    except OSError as e:
+        raise ShardwiseError(f"{out}: cannot create the run directory ({e.strerror or e}); check the runs directory "
+                             f"{root}") from None
+    try:
         os.mkdir(out)  # one launch per directory: a second launch of the name at the same moment is told so
     except FileExistsError:
         from shardwise.ui.forms import FormError
 
         raise FormError(f"run name '{os.path.basename(out)}': {out} exists; choose another name", "run_name") from None
+    except OSError as e:
+        raise ShardwiseError(f"{out}: cannot create the run directory ({e.strerror or e}); check the runs directory "
+                             f"{root}") from None
     pid = _start(out, train["argv"])
     return {"pid": pid, "name": os.path.relpath(out, os.path.abspath(runs_dir))}
 
@@ -364,6 +372,9 @@ def resume(path: str) -> dict:
     if _alive(_read_json(os.path.join(path, RECORD)), path):
         raise ShardwiseError(f"{path}: still running; stop it first")
     cfg = os.path.join(path, "config.yaml")
+    if os.path.islink(cfg):  # as every file a run wrote: a planted link must not make the page read (or run) another
+        raise ShardwiseError(f"{cfg} is a symbolic link, not the config this run wrote; resume it from a terminal "
+                             f"(`shardwise train CONFIG --output-dir {path} --resume auto`)")
     if not os.path.isfile(cfg):
         raise ShardwiseError(f"{path}: no config.yaml; this run never started, launch it again from the Plan page")
     from shardwise import config
@@ -372,6 +383,9 @@ def resume(path: str) -> dict:
     _check_unlocked(path)
     pid = _start(path, [cfg, f"--output-dir={path}", "--resume=auto"])
     return {"pid": pid}
+
+
+BENCH_SCHEMA_MARK = b'"shardwise-bench/'  # bench/report.py writes {"schema": "shardwise-bench/N", ...}
 
 
 def bench_reports(runs_dir: str) -> list[dict]:
@@ -386,6 +400,9 @@ def bench_reports(runs_dir: str) -> list[dict]:
                 try:
                     if os.path.islink(p) or os.path.getsize(p) > 20_000_000:
                         continue  # a link (perhaps dangling, perhaps out of the runs directory) is not listed
+                    with _open(p, "rb") as fh:  # a report names its schema first: other JSON is not parsed
+                        if BENCH_SCHEMA_MARK not in fh.read(4096):
+                            continue
                 except OSError:
                     continue
                 d = _read_json(p)
