@@ -368,13 +368,15 @@ def assumptions(plan: Plan) -> list[str]:
            ("fused loss head: chunks of 4096 tokens, no T x V logits; " if j.fused_loss else
             "the loss upcasts the full logits to fp32; ")
            + ("decoder blocks compiled (torch.compile): block activations x "
-              f"{COMPILE_ACT_FACTOR} (x {COMPILE_ACT_FACTOR_ZERO3} under ZeRO-3, whose hooks split them)"
+              f"{COMPILE_ACT_FACTOR} (x {COMPILE_ACT_FACTOR_ZERO3} under ZeRO-3 with deepspeed.fetch module, whose "
+              "per-submodule hooks split them)"
               if j.compile else "decoder blocks eager (no torch.compile)"),
            "DDP: 25 MiB buckets, gradient_as_bucket_view=True (gradients are views of the buckets, alive all step); "
            "FSDP2: each decoder layer a unit, embeddings/norm/head in the root unit, two units gathered at a time "
            "in forward, the root and one unit in backward; "
            "DeepSpeed: default buckets (reduce 5e8, prefetch 5e7 elements), fp32 master partition, "
-           "overlap_comm off for ZeRO-1/2",
+           "overlap_comm off for ZeRO-1/2; ZeRO-3 fetches each decoder block whole (deepspeed.fetch block: one hook "
+           "pair a block, no DeepSpeed linear) unless deepspeed.fetch is module",
            f"step time: FLOPs (6N + 12*L*H*S per token) at {s.mfu_for(j):.0%} of {text.flops(s.peak_flops)}"
            + ("" if s.mfu is not None else " (compiled blocks)" if j.compile else " (eager blocks)")
            + (" (measured matmul rate)" if "doctor" in " ".join(s.notes) and s.accelerator == "cpu" else "")
