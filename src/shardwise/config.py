@@ -694,6 +694,8 @@ def validate(res: Resolved) -> None:
     if base == "deepspeed":
         need(not c.deepspeed.offload_params or c.deepspeed.stage == 3, "deepspeed.offload_params",
              "deepspeed.offload_params needs ZeRO stage 3; use --strategy zero3-offload")
+        need(c.deepspeed.fetch == "block" or c.deepspeed.stage == 3, "deepspeed.fetch",
+             "deepspeed.fetch chooses ZeRO-3's fetch unit; use --strategy zero3 or drop the option")
         if c.deepspeed.config:
             _check_json_object(c.deepspeed.config, w("deepspeed.config"))
     if base == "fsdp" and c.fsdp.hybrid and c.fsdp.shard_group_size and c.nproc_per_node:

@@ -76,6 +76,24 @@ assert mlflow.log_metric
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_zero3_keeps_deepspeeds_linear_except_for_compiled_whole_blocks(tmp_path):
+    """DeepSpeed's F.linear saves the weight parameter, so a released weight's gathered buffer is freed; torch's eager
+    linear keeps a view of it to backward (every released weight alive: ZeRO-3's sharding undone on several ranks).
+    Compiled blocks save the parameter too, and DeepSpeed's linear traced into them recompiled every block: off there
+    only. A user's deepspeed.config still wins."""
+    from shardwise.strategies.deepspeed import ds_config
+
+    def zero(**flags):
+        return ds_config(cfg_of(strategy="zero3", **flags), world=2, cuda=False)["zero_optimization"]
+
+    assert "memory_efficient_linear" not in zero(compile="off")  # DeepSpeed's default: on
+    assert zero(compile="on")["memory_efficient_linear"] is False
+    assert "memory_efficient_linear" not in zero(compile="on", **{"deepspeed.fetch": "module"})
+    user = tmp_path / "ds.json"
+    user.write_text('{"zero_optimization": {"memory_efficient_linear": true}}')
+    assert zero(compile="on", **{"deepspeed.config": str(user)})["memory_efficient_linear"] is True
+
+
 def test_deepspeed_config_is_generated_from_ours(tmp_path):
     from shardwise.strategies.deepspeed import ds_config
 
@@ -196,6 +214,7 @@ def test_merged_state_dict_is_w_plus_scaled_ba():
 @pytest.mark.parametrize("flags,match", [
     ({"strategy": "fsdp", "tuner": "qlora"}, "QLoRA's 4-bit base is not sharded by 'fsdp'"),
     ({"strategy": "zero3", "tuner": "qlora"}, "QLoRA's 4-bit base is not sharded by 'zero3'"),
+    ({"strategy": "zero2", "deepspeed.fetch": "module"}, "deepspeed.fetch chooses ZeRO-3's fetch unit"),
     ({"strategy": "ddp", "merge_lora": True}, "merge_lora needs --tuner lora"),
     ({"strategy": "hybrid", "nproc_per_node": 3, "fsdp.shard_group_size": 2}, "must divide the 3 ranks"),
     ({"strategy": "zero2", "deepspeed.offload_params": True}, "needs ZeRO stage 3"),

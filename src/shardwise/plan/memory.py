@@ -86,6 +86,9 @@ class Job:
     # and projections that share an input save it once. On for zero3 itself; plan_accuracy sets it for the cases that
     # ran after a ZeRO-3 case in the same process.
     ds_linear: bool = False
+    # ZeRO-3 fetching whole blocks ran its eager blocks with torch's F.linear (2026-12-01, before eager blocks kept
+    # DeepSpeed's linear, strategies/deepspeed.py): only for comparing with rows measured then
+    zero3_torch_linear: bool = False
     # the fused head computed the weight gradient of a frozen head too (LoRA/QLoRA), as the engine did before it
     # checked needs_input_grad (issue 16): only for comparing with rows measured before then
     frozen_head_grad: bool = False
@@ -243,9 +246,10 @@ def zero3_per_module(o: Opts) -> bool:
 
 
 def uses_ds_linear(job: Job, o: Opts) -> bool:
-    """Whether the linears run through DeepSpeed's LinearFunctionForZeroStage3 (Job.ds_linear): its per-submodule
-    fetch keeps DeepSpeed's memory_efficient_linear on; whole-block fetch turns it off (strategies/deepspeed.py)."""
-    return job.ds_linear or zero3_per_module(o)
+    """Whether the linears run through DeepSpeed's LinearFunctionForZeroStage3 (Job.ds_linear): ZeRO-3 keeps
+    DeepSpeed's memory_efficient_linear on except for compiled blocks fetched whole (strategies/deepspeed.py)."""
+    zero3 = o.base == "deepspeed" and o.stage == 3
+    return job.ds_linear or zero3_per_module(o) or (zero3 and not job.compile and not job.zero3_torch_linear)
 
 
 def residual_bytes(job: Job, o: Opts) -> int:

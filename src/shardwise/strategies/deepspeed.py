@@ -25,6 +25,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.strategies import ds_state
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.parallel import shard_all
+from shardwise.strategies.parallelize import compile_enabled
 
 
 def ds_config(cfg, world: int, cuda: bool) -> dict:
@@ -32,11 +33,13 @@ def ds_config(cfg, world: int, cuda: bool) -> dict:
     `world`: the ranks DeepSpeed averages over (dims.grad_size: data-parallel x sequence-parallel)."""
     ds = cfg.deepspeed
     zero: dict = {"stage": ds.stage}
-    if ds.stage == 3 and ds.fetch == "block":
-        # DeepSpeed's own F.linear (on by default at stage 3, patched process-wide) re-gathers a released weight in
-        # backward; a block's hooks have gathered it again by then. Traced into a compiled block it also guards on
-        # each weight's ds_id, so every block recompiled until dynamo's limit (8) left the others eager (one H200,
-        # 2026-12-01: 8 of 16 anchor blocks compiled).
+    if ds.stage == 3 and ds.fetch == "block" and compile_enabled(cfg):
+        # DeepSpeed's own F.linear (on by default at stage 3, patched process-wide) saves the weight parameter itself
+        # for backward, so a released weight's gathered buffer is freed (torch's eager linear saves a view of it,
+        # which keeps every released weight alive to backward: eager blocks keep it). A compiled block saves the
+        # parameter itself too, and DeepSpeed's linear traced into it guards on each weight's ds_id: every block
+        # recompiled until dynamo's limit (8) left the others eager (one H200, 2026-12-01: 8 of 16 anchor blocks
+        # compiled). So compiled blocks run torch's.
         zero["memory_efficient_linear"] = False
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
@@ -133,8 +136,12 @@ def import_muon_lazily() -> None:
         compiler.compile = eager
 
 
-def _needs_grad(module, inputs, output):
-    return output.requires_grad_(True) if torch.is_grad_enabled() else output
+def _input_needs_grad(module, args, kwargs):
+    """Forward pre-hook: the first block's hidden states need a gradient while training (apply_leaves says why)."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if torch.is_grad_enabled() and torch.is_tensor(hidden) and hidden.is_floating_point() and not hidden.requires_grad:
+        hidden.requires_grad_(True)
+    return None
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -199,16 +206,24 @@ class DeepSpeedStrategy(Strategy):
         from shardwise.models.speed import decoder_blocks
 
         blocks = decoder_blocks(model) if self.cfg.deepspeed.fetch == "block" else []
-        classes = list(dict.fromkeys(type(b) for b in blocks)) or moe_leaf_classes(model)
+        classes = list(dict.fromkeys(type(b) for b in blocks))
+        # a sparse MoE block that no found block holds (a model whose expert list is longer than its layer list)
+        # stays a leaf of its own
+        inside = {id(m) for b in blocks for m in b.modules()}
+        moe = [c for c in moe_leaf_classes(model)
+               if any(isinstance(m, c) and id(m) not in inside for m in model.modules())]
+        classes += moe
         if classes:
             set_z3_leaf_modules(model, classes)
             self.leaves = ("blocks" if blocks else "MoE blocks", [c.__name__ for c in classes])
-        if blocks and not all(p.requires_grad for p in model.get_input_embeddings().parameters()):
+        if blocks:
             # DeepSpeed reduces (and frees) a leaf's gradients in the leaf's full backward hook, which torch runs
             # as soon as the gradients of the leaf's outputs exist when no input needs a gradient: under a frozen
             # embedding (LoRA) that is the first block, before its own backward has run (its adapters' gradients
-            # then land in freed buffers). Its input needing a gradient makes the hook wait for the block's backward.
-            model.get_input_embeddings().register_forward_hook(_needs_grad)
+            # then land in freed buffers). Its input needing a gradient makes the hook wait for the block's backward
+            # (registered before DeepSpeed's own hooks, so they see it; on the block, not the embedding, whose
+            # hook would then fetch the frozen embedding in every backward).
+            blocks[0].register_forward_pre_hook(_input_needs_grad, with_kwargs=True)
 
     def optimizer_kernel(self) -> dict:
         # offloaded: the step runs on CPU partitions; else DeepSpeed moves them to the GPU
