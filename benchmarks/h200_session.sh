@@ -23,7 +23,7 @@
 #                                                    f8probe f8runs1 f8runs2 f8diag f8diag2 f8runs3 f8qprof f8cli (tenth session; carries torchao)
 #                                                    f8sel (eleventh session; carries torchao)
 #                                                    zero3hf tp2 autosweep (eleventh session, prepared for x2, not run)
-#                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
+#                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests z3eager (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
 #                                                    carries DeepSpeed's wheels and .whl/opt/accelerate, installed only
 #                                                    where the machine lacks accelerate)
 # Results go to $OUT (default /tmp/out); each part's log to /tmp/logs/PART.log, their tails
@@ -308,6 +308,11 @@ z3acc3() {
   timeout -k 10 280 python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --pick 25,7,26,8,34,16 --budget-s 200 \
     --json "$OUT/z3acc3.json"
   timeout -k 10 150 python3 benchmarks/plan_accuracy.py --gpu --pick 41,12 --budget-s 100 --json "$OUT/z3acc3b.json"
+}
+# after the review: eager blocks keep DeepSpeed's linear, the LoRA hook on the first block (eager LoRA and full rows)
+z3eager() {
+  timeout -k 5 150 python3 benchmarks/plan_accuracy.py --gpu --cases issue16 --pick 33,25 --budget-s 60 \
+    --json "$OUT/z3eager.json"
 }
 # the CUDA tests with whole-block ZeRO-3 (zero3 compiled on tied embeddings, QLoRA, the defaults)
 cudatests() { timeout -k 10 450 python3 -m pytest -n 0 -q -rs -p no:cacheprovider tests/gpu/test_cuda.py; }
