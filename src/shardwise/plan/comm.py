@@ -36,8 +36,9 @@ HBM_BYTES_PER_S = 2.0e12  # effective device memory bandwidth for the optimizer 
 #   fsdp      FSDP2 copy-in per all-gather and the fp32 reduce-scatter input + copy-out of the gradient
 #             (fsdp-grad-op: one all-gather fewer)
 #   zero1/2   the gradients into the bucket and the fp32 partition, norm and overflow checks, master -> bf16 copy
-#   zero3     fetching whole blocks: the gathered blocks' copies, the gradients into the fp32 reduce bucket and the
-#             partition, master -> bf16 copy; per parameter of the whole model (every rank gathers every block).
+#   zero3     fetching whole blocks: the gradients into the fp32 reduce bucket and the partition, master -> bf16
+#             copy (one rank gathers nothing; what gathering adds on several ranks is not measured); per parameter
+#             of the whole model.
 #             Fitted on the compiled anchor on one H200 (2026-12-01: 0.237 s predicted without it, 0.251 measured;
 #             the profile's kernels were 15 ms a step busier than fsdp's)
 STRATEGY_BYTES_PER_PARAM = {"ddp": 4.0, "fsdp": 16.0, "fsdp-grad-op": 10.0, "zero12": 42.0, "zero3": 28.0}
