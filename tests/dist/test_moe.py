@@ -2,8 +2,8 @@
 
 A tiny random-init Mixtral (4 experts, top-2; transformers' own modelling code) with the router's
 load-balancing loss switched on in its config trains under fsdp (experts sharded with their
-decoder block) and zero3 (each decoder block a DeepSpeed leaf, fetched whole; with DeepSpeed's per-submodule
-fetch, `--deepspeed-fetch module`, each sparse MoE block still fetched whole) exactly like one process on the same global batch: loss and pre-clip gradient norm step for step, in fp32. A
+decoder block) and zero3 (each decoder block a DeepSpeed leaf, fetched whole, its sparse MoE block with it) exactly
+like one process on the same global batch: loss and pre-clip gradient norm step for step, in fp32. A
 router aux loss added on one side only, scaled per rank instead of per global batch, or an
 expert's gradient lost on a rank would move the norms.
 """
@@ -17,8 +17,9 @@ from tests.dist.shared import SINGLE, TWO, Run, train_args
 from tests.dist.test_parity import assert_same_run
 from tests.helpers import ConcurrentRuns
 
-CASES = {"single": SINGLE, "fsdp": ("--strategy", "fsdp", *TWO), "zero3": ("--strategy", "zero3", *TWO),
-         "zero3-module": ("--strategy", "zero3", "--deepspeed-fetch", "module", *TWO)}
+# (DeepSpeed's per-submodule fetch, `--deepspeed-fetch module`, keeps each sparse MoE block a leaf of its own: not
+# run here, a 2-rank launch of suite time for a path that was the default until 2026-12-01)
+CASES = {"single": SINGLE, "fsdp": ("--strategy", "fsdp", *TWO), "zero3": ("--strategy", "zero3", *TWO)}
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +33,11 @@ def moe_runs(tmp_path_factory, chat_data) -> dict[str, Run]:
     return {name: Run(outs[name], batch.get(name).stdout, batch.get(name).stderr) for name in CASES}
 
 
-@pytest.mark.parametrize("name", ["fsdp", "zero3", "zero3-module"])
+@pytest.mark.parametrize("name", ["fsdp", "zero3"])
 def test_tiny_mixtral_with_router_loss_trains_like_one_process(moe_runs, name):
     assert_same_run(moe_runs[name].metrics, moe_runs["single"].metrics)
 
 
-@pytest.mark.parametrize("name,says", [("zero3", "blocks fetched whole (MixtralDecoderLayer)"),
-                                       ("zero3-module", "MoE blocks fetched whole (MixtralSparseMoeBlock)")])
-def test_zero3_fetches_each_sparse_moe_block_whole(moe_runs, name, says):
-    """Whole decoder blocks by default; under DeepSpeed's per-submodule fetch the sparse MoE blocks stay whole."""
-    assert says in moe_runs[name].stdout + moe_runs[name].stderr
+def test_zero3_fetches_each_sparse_moe_block_whole(moe_runs):
+    """Whole decoder blocks by default, each sparse MoE block inside its decoder block."""
+    assert "blocks fetched whole (MixtralDecoderLayer)" in moe_runs["zero3"].stdout + moe_runs["zero3"].stderr

@@ -223,3 +223,45 @@ def test_merged_state_dict_is_w_plus_scaled_ba():
 def test_invalid_combinations_are_refused_with_the_reason(flags, match):
     with pytest.raises(ShardwiseError, match=match):
         cfg_of(**flags)
+
+
+def test_zero3_leaves_are_the_decoder_blocks_and_any_moe_block_outside_them():
+    """ZeRO-3's fetch units (DeepSpeedStrategy.apply_leaves): each decoder block; a sparse MoE block that no found
+    block holds (a model whose expert list is longer than its layer list, so the block rule finds the experts)
+    stays a leaf of its own, fetched whole whichever experts a rank's tokens chose; module fetch: the MoE blocks."""
+    from deepspeed.utils import z3_leaf_module
+    from torch import nn
+
+    from shardwise.strategies.deepspeed import DeepSpeedStrategy
+
+    class Expert(nn.Linear):
+        pass
+
+    class MoE(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.gate, self.experts = nn.Linear(4, n), nn.ModuleList(Expert(4, 4) for _ in range(n))
+
+    class Layer(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.attn, self.mlp = nn.Linear(4, 4), MoE(n)
+
+    class Model(nn.Module):
+        def __init__(self, layers, experts):
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+            self.layers = nn.ModuleList(Layer(experts) for _ in range(layers))
+
+        def get_input_embeddings(self):
+            return self.embed
+
+    def leaves(model, fetch="block"):
+        s = object.__new__(DeepSpeedStrategy)
+        s.cfg = cfg_of(strategy="zero3", **{"deepspeed.fetch": fetch})
+        s.apply_leaves(model)
+        return {type(m).__name__ for m in model.modules() if z3_leaf_module(m)}, s.describe()
+
+    assert leaves(Model(layers=3, experts=2)) == ({"Layer"}, "deepspeed ZeRO-3, blocks fetched whole (Layer)")
+    assert leaves(Model(layers=3, experts=8))[0] == {"Expert", "MoE"}  # the experts list is the longest
+    assert leaves(Model(layers=3, experts=2), fetch="module")[0] == {"MoE"}
