@@ -64,7 +64,7 @@ def build(args):
     """(plan, resolved config) for parsed arguments."""
     from shardwise import config
     from shardwise.plan.decide import plan_model
-    from shardwise.plan.inputs import MAX_GPUS_PER_NODE, MAX_NODES, job_from_config, make_setup
+    from shardwise.plan.inputs import check_counts, job_from_config, make_setup
     from shardwise.plan.lint import lint
     from shardwise.plan.model_presets import resolve_model
 
@@ -73,10 +73,7 @@ def build(args):
     cfg = res.cfg
     gpus = _num(getattr(args, "gpus", None), "--gpus")
     nodes = _num(getattr(args, "nodes", None), "--nodes")
-    if gpus is not None and not 1 <= gpus <= MAX_GPUS_PER_NODE:
-        raise ShardwiseError(f"--gpus must be in 1..{MAX_GPUS_PER_NODE} (GPUs per node), got {gpus}")
-    if nodes is not None and not 1 <= nodes <= MAX_NODES:
-        raise ShardwiseError(f"--nodes must be in 1..{MAX_NODES}, got {nodes}")
+    check_counts(gpus, nodes)  # before they are compared with the config below (make_setup checks them too)
     nodes = nodes or cfg.nnodes
     per_node = cfg.nproc_per_node or None
     if cfg.strategy == "single":  # one process, or the tp x sp ranks of one replica (as launch.py runs it)

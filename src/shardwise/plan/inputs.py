@@ -24,6 +24,14 @@ MAX_GPUS_PER_NODE = MAX_NPROC_PER_NODE
 MAX_NODES = MAX_NNODES
 
 
+def check_counts(gpus: int | None, nodes: int | None) -> None:
+    """--gpus (per node) and --nodes within the bounds, where given."""
+    if gpus is not None and not 1 <= gpus <= MAX_GPUS_PER_NODE:
+        raise ShardwiseError(f"--gpus must be in 1..{MAX_GPUS_PER_NODE} (GPUs per node), got {gpus}")
+    if nodes is not None and not 1 <= nodes <= MAX_NODES:
+        raise ShardwiseError(f"--nodes must be in 1..{MAX_NODES}, got {nodes}")
+
+
 def compile_on(compile_key: str, accelerator: str) -> bool:
     """config `compile`: auto is on when the planned ranks are GPUs (the engine: on with CUDA)."""
     return compile_key == "on" or (compile_key == "auto" and accelerator == "cuda")
@@ -53,10 +61,7 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
                use_doctor: bool = True) -> Setup:
     """Hardware for a plan: what is given wins, then what is measured (doctor.json), then detected, then assumed."""
     notes: list[str] = []
-    if gpus is not None and not 1 <= gpus <= MAX_GPUS_PER_NODE:
-        raise ShardwiseError(f"--gpus must be in 1..{MAX_GPUS_PER_NODE} (GPUs per node), got {gpus}")
-    if not 1 <= nodes <= MAX_NODES:
-        raise ShardwiseError(f"--nodes must be in 1..{MAX_NODES}, got {nodes}")
+    check_counts(gpus, nodes)
     if gpu_memory is not None and not 0 < gpu_memory <= 4096:
         raise ShardwiseError(f"--gpu-memory must be in GiB per GPU, between 0 and 4096, got {gpu_memory}")
     for flag, v in (("--intra-node-gbps", intra_gbps), ("--inter-node-gbps", inter_gbps)):

@@ -318,15 +318,13 @@ def launch(runs_dir: str, train: dict) -> dict:
         raise ShardwiseError(f"{out}: a run directory must be inside the runs directory {root}")
     try:
         os.makedirs(os.path.dirname(out), exist_ok=True)  # the runs directory, if it was removed while the page ran
-    except OSError as e:
-        raise ShardwiseError(f"{out}: cannot create the run directory ({e.strerror or e}); check the runs directory "
-                             f"{root}") from None
-    try:
-        os.mkdir(out)  # one launch per directory: a second launch of the name at the same moment is told so
-    except FileExistsError:
-        from shardwise.ui.forms import FormError
+        try:
+            os.mkdir(out)  # one launch per directory: a second launch of the name at the same moment is told so
+        except FileExistsError:
+            from shardwise.ui.forms import FormError
 
-        raise FormError(f"run name '{os.path.basename(out)}': {out} exists; choose another name", "run_name") from None
+            raise FormError(f"run name '{os.path.basename(out)}': {out} exists; choose another name",
+                            "run_name") from None
     except OSError as e:
         raise ShardwiseError(f"{out}: cannot create the run directory ({e.strerror or e}); check the runs directory "
                              f"{root}") from None
