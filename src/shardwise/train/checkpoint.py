@@ -20,6 +20,7 @@ every byte of a large checkpoint).
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -28,17 +29,16 @@ import pickle
 import re
 import shutil
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from shardwise.errors import ShardwiseError
 from shardwise.train import dist as sdist
 from shardwise.train.faults import Faults
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import metadata as dcp_metadata
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 TMP_RE = re.compile(r"^step_\d{8}\.tmp$")
@@ -107,6 +107,9 @@ def save(output_dir: str, step: int, state: dict, meta: dict, rank: int, keep: i
         os.mkdir(tmp)
         open(os.path.join(tmp, PARTIAL_MARKER), "w").close()
     sdist.barrier()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.save(state, checkpoint_id=tmp)
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
@@ -260,8 +263,17 @@ def verify(path: str) -> dcp_metadata.Metadata:
     return md
 
 
-_METADATA_CLASSES = frozenset(n for n, v in vars(dcp_metadata).items()
-                              if isinstance(v, type) and v.__module__ == dcp_metadata.__name__)
+@functools.cache
+def _metadata_classes() -> tuple[str, frozenset]:
+    """DCP's metadata module and its dataclasses' names. torch.distributed.checkpoint is imported here, when a
+    checkpoint is read, not with this module: the launcher uses this module on every run, and importing DCP
+    costs it 0.6 s of CPU (issue 17.3)."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    return dcp_metadata.__name__, frozenset(n for n, v in vars(dcp_metadata).items()
+                                            if isinstance(v, type) and v.__module__ == dcp_metadata.__name__)
+
+
 _SAFE_GLOBALS = frozenset({
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"),
@@ -280,7 +292,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str):
-        ok = ((module == dcp_metadata.__name__ and name in _METADATA_CLASSES) or (module, name) in _SAFE_GLOBALS
+        md_module, md_classes = _metadata_classes()
+        ok = ((module == md_module and name in md_classes) or (module, name) in _SAFE_GLOBALS
               or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
         if not ok:
             raise ShardwiseError(f"checkpoint {self.where}: refused to load: its {DCP_METADATA} asks for "
@@ -293,6 +306,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(path: str, filename: str = DCP_METADATA) -> dcp_metadata.Metadata:
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
     try:
         with open(os.path.join(path, filename), "rb") as fh:
             data = fh.read()
@@ -310,30 +325,44 @@ def read_dcp_metadata(path: str, filename: str = DCP_METADATA) -> dcp_metadata.M
     return md
 
 
-class SafeReader(FileSystemReader):
-    """DCP's file reader with .metadata read by the restricted unpickler."""
+@functools.cache
+def _safe_io() -> tuple[type, type]:
+    """(SafeReader, SafeLoadPlanner): DCP's reader and planner, subclassed here on first use (DCP imported then)."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
-        rank = kwargs.get("rank")
-        md = read_dcp_metadata(str(self.path), DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}")
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = dcp_metadata.StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
+    class SafeReader(FileSystemReader):
+        """DCP's file reader with .metadata read by the restricted unpickler."""
+
+        def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+            rank = kwargs.get("rank")
+            md = read_dcp_metadata(str(self.path), DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}")
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = dcp_metadata.StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """DCP's planner, with non-tensor items (optimizer hyper-parameters, ...) checked by
+        torch's weights_only unpickler before DCP reads them."""
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                torch.load(value, weights_only=True)
+            except Exception as e:  # noqa: BLE001
+                raise ShardwiseError(f"refused to load item {read_item.dest_index.fqn} of the checkpoint: "
+                                     f"{_first_line(e)}; nothing from it was used")
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return SafeReader, SafeLoadPlanner
 
 
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, with non-tensor items (optimizer hyper-parameters, ...) checked by
-    torch's weights_only unpickler before DCP reads them."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        try:
-            torch.load(value, weights_only=True)
-        except Exception as e:  # noqa: BLE001
-            raise ShardwiseError(f"refused to load item {read_item.dest_index.fqn} of the checkpoint: "
-                                 f"{_first_line(e)}; nothing from it was used")
-        value.seek(0)
-        super().load_bytes(read_item, value)
+def __getattr__(name: str):
+    if name in ("SafeReader", "SafeLoadPlanner"):
+        return _safe_io()[name == "SafeLoadPlanner"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -388,11 +417,15 @@ def load(path: str, state: dict, no_dist: bool = False) -> None:
     """Fill `state` (from strategy.state_dict) in place from a checkpoint, resharding;
     verified first, and read without running anything it holds."""
     verify(path)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader, planner = _safe_io()
     try:
         with warnings.catch_warnings():  # in one process (export, chat): DCP says it assumes so, on every load
             warnings.filterwarnings("ignore", message=r"torch.distributed is disabled, unavailable or uninitialized",
                                     category=UserWarning)
-            dcp.load(state, checkpoint_id=path, storage_reader=SafeReader(path), planner=SafeLoadPlanner(),
+            dcp.load(state, checkpoint_id=path, storage_reader=reader(path), planner=planner(),
                      no_dist=no_dist)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's exception is a BaseException
         inner = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
