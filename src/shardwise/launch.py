@@ -325,18 +325,23 @@ def check_model(cfg: Config, res: Resolved, shapes: bool = True) -> str:
     """The model directory, checked: usable, weights complete and (with `shapes`: the model built on the meta
     device) shaped as config.json says, seq_len within its positions.
     Also used by `shardwise ui` before it starts a run."""
-    from shardwise.models.load import check_shapes, check_weights, max_positions, resolve_model_dir
+    from shardwise.models import load
 
-    model_dir = resolve_model_dir(cfg.model, cfg.seed)
-    weights = check_weights(model_dir)
+    model_dir = load.resolve_model_dir(cfg.model, cfg.seed)
+    weights = load.check_weights(model_dir)
     if shapes:
-        meta = check_shapes(model_dir, weights, cfg.trust_remote_code)
-        if meta is not None and cfg.tuner != "full":  # the adapters' targets, before anything is written
-            from shardwise.models.lora import check_rank, lora_targets
+        settings = [cfg.trust_remote_code, cfg.tuner, *([cfg.lora.targets, cfg.lora.r] if cfg.tuner != "full" else [])]
+        key = load.checks_key(model_dir, weights, settings)
+        if not load.passed_before(key):  # the same files and settings passed in an earlier run
+            meta = load.check_shapes(model_dir, weights, cfg.trust_remote_code)
+            if meta is not None and cfg.tuner != "full":  # the adapters' targets, before anything is written
+                from shardwise.models.lora import check_rank, lora_targets
 
-            targets = lora_targets(meta, cfg.lora.targets, res.where("lora.targets"))
-            check_rank(meta, targets, cfg.lora.r, res.where("lora.r"))
-    limit = max_positions(model_dir)
+                targets = lora_targets(meta, cfg.lora.targets, res.where("lora.targets"))
+                check_rank(meta, targets, cfg.lora.r, res.where("lora.r"))
+            if meta is not None:  # None: not checked here (custom code, packed weights), the workers' load reports
+                load.remember_passed(key, model_dir)
+    limit = load.max_positions(model_dir)
     if limit and cfg.seq_len > limit:
         raise ShardwiseError(f"{res.where('seq_len')}: seq_len {cfg.seq_len} is larger than the model supports "
                              f"(max_position_embeddings {limit}); lower --seq-len, or extend the model's context "

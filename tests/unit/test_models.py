@@ -104,6 +104,60 @@ def test_weights_that_do_not_match_config_json_are_refused_before_launch(tmp_pat
         check_shapes(str(bad), check_weights(str(bad)))
 
 
+def test_model_checks_are_remembered_for_what_passed_and_redone_for_anything_changed(tmp_path, tiny_dir, monkeypatch):
+    """launch.check_model builds the model on the meta device (transformers' modelling stack: 1.9 s of the
+    launcher's CPU on the tiny job) only for files and settings that have not passed before (issue 17.3)."""
+    import shutil
+
+    from shardwise import config
+    from shardwise.launch import check_model
+    from shardwise.models import load
+
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
+    built = []
+    real = load.check_shapes
+    monkeypatch.setattr(load, "check_shapes", lambda *a, **k: built.append(a[0]) or real(*a, **k))
+    m = tmp_path / "m"
+    shutil.copytree(tiny_dir, m)
+
+    def check(**flags):
+        res = config.load_config(None, {"model": (str(m), "--model"), **{k: (v, f"--{k}") for k, v in flags.items()}})
+        return check_model(res.cfg, res)
+
+    assert check() == str(m) and check() == str(m)
+    assert built == [str(m)]  # the second run found the first one's entry
+    assert len(os.listdir(tmp_path / "cache" / "checks")) == 1
+    with pytest.raises(ShardwiseError, match="no linear module named nosuch"):  # other settings: checked again
+        check(tuner="lora", **{"lora.targets": "q_proj,nosuch"})
+    with pytest.raises(ShardwiseError, match="no linear module named nosuch"):  # and a refusal is not remembered
+        check(tuner="lora", **{"lora.targets": "q_proj,nosuch"})
+    cfg = json.loads((m / "config.json").read_text())
+    cfg["intermediate_size"] *= 2
+    (m / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ShardwiseError, match="the weights and config.json are from different models"):
+        check()
+    assert len(built) == 4 and len(os.listdir(tmp_path / "cache" / "checks")) == 1
+
+
+def test_a_repeat_launch_checks_the_model_without_transformers_modelling_or_dcp(tmp_path, tiny_dir):
+    """What the launcher's checks import once the model passed before: neither transformers' modelling stack (the
+    meta-device build) nor torch.distributed.checkpoint (0.6 s; only a resume reads a checkpoint). In a fresh
+    interpreter, with a cache of its own."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from shardwise import config; from shardwise.launch import check_model; "
+            "import shardwise.train.checkpoint; "
+            f"res = config.load_config(None, {{'model': ({tiny_dir!r}, '--model')}}); check_model(res.cfg, res); "
+            "print(sorted(m for m in ('transformers.modeling_utils', 'torch.distributed.checkpoint') if m in sys.modules))")
+    env = {**os.environ, "SHARDWISE_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    assert "'transformers.modeling_utils'" in runs[0].stdout  # the first run builds the meta model
+    assert runs[1].stdout.strip() == "[]"
+
+
 def test_saving_a_model_does_not_import_deepspeed(tmp_path, tiny_dir):
     """transformers' save_pretrained asks accelerate to unwrap the model, which imports DeepSpeed (1.3 s of CPU)
     whenever it is installed; models.load.save_pretrained writes the same files without that import. In a fresh

@@ -93,6 +93,74 @@ def check_shapes(model_dir: str, shapes: dict, trust_remote_code: bool = False):
     return model
 
 
+# What passed the checks above is remembered (issue 17.3: time to first step). Building the model on the meta
+# device imports transformers' modelling stack, 1.9 s of the launcher's CPU on the tiny job, for a directory whose
+# config and weight headers the launcher has already checked in an earlier run. An entry is an empty-named marker,
+# $SHARDWISE_CACHE_DIR/checks/<key>.json: its key covers everything the checks read, so a changed file, version or
+# setting is checked again, and a refusal is never remembered.
+CHECKS_FORMAT = 1  # raised whenever the checks refuse something they did not before
+CHECKS_KEEP = 64
+
+
+def checks_dir() -> str:
+    from shardwise.hardware import cache_dir
+
+    return os.path.join(cache_dir(), "checks")
+
+
+def checks_key(model_dir: str, shapes: dict, settings: list) -> str:
+    """SHA-256 over everything the model checks read: config.json and the directory's code files (*.py), the
+    weights' names and shapes (from their headers), the torch and transformers versions, and `settings` (the
+    checks' other inputs: remote code, tuner, adapter targets and rank)."""
+    import hashlib
+    import json
+    from importlib.metadata import version
+
+    import torch
+
+    h = hashlib.sha256(json.dumps([CHECKS_FORMAT, torch.__version__, version("transformers"), settings,
+                                   sorted(shapes.items())], default=repr).encode())
+    for name in sorted(os.listdir(model_dir)):
+        path = os.path.join(model_dir, name)
+        if (name == "config.json" or name.endswith(".py")) and os.path.isfile(path):
+            h.update(f"\0{name}\0".encode())
+            with open(path, "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+def passed_before(key: str) -> bool:
+    path = os.path.join(checks_dir(), f"{key}.json")
+    if not os.path.isfile(path):
+        return False
+    try:
+        os.utime(path)  # most recently used: kept by the pruning below
+    except OSError:
+        pass
+    return True
+
+
+def remember_passed(key: str, model_dir: str) -> None:
+    """Best effort: a cache directory that cannot be written costs the next run the checks, nothing else."""
+    import json
+    import time
+
+    from shardwise.rundir import atomic_write
+
+    folder = checks_dir()
+    try:
+        os.makedirs(folder, exist_ok=True)
+        atomic_write(os.path.join(folder, f"{key}.json"),
+                     json.dumps({"model_dir": model_dir, "checked": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+        entries = [os.path.join(folder, n) for n in os.listdir(folder)
+                   if n.endswith(".json") and len(n) == 64 + 5 and all(c in "0123456789abcdef" for c in n[:64])]
+        entries.sort(key=os.path.getmtime, reverse=True)
+        for old in entries[CHECKS_KEEP:]:
+            os.remove(old)
+    except OSError:
+        pass
+
+
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
