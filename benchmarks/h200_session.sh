@@ -23,6 +23,7 @@
 #                                                    f8probe f8runs1 f8runs2 f8diag f8diag2 f8runs3 f8qprof f8cli (tenth session; carries torchao)
 #                                                    f8sel (eleventh session; carries torchao)
 #                                                    zero3hf tp2 autosweep (eleventh session, prepared for x2, not run)
+#                                                    ttfs13 (thirteenth session; carries .whl/base_src)
 #                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests z3eager (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
 #                                                    carries DeepSpeed's wheels and .whl/opt/accelerate, installed only
 #                                                    where the machine lacks accelerate)
@@ -316,6 +317,17 @@ z3eager() {
 }
 # the CUDA tests with whole-block ZeRO-3 (zero3 compiled on tied embeddings, QLoRA, the defaults)
 cudatests() { timeout -k 10 450 python3 -m pytest -n 0 -q -rs -p no:cacheprovider tests/gpu/test_cuda.py; }
+# thirteenth session (issue 17.3): the launcher's model checks remembered across runs and DCP imported only when a
+# checkpoint is read or written (39f2b09, b735191), against abbcc08's src/ (carried as .whl/base_src, made with
+# `git archive abbcc08 src | tar -x -C .whl/base_src --strip-components=1`), with bytecode cached as on a user's
+# machine: base single, single, the HF Trainer; round 0 fills the inductor, data and check caches
+ttfs13() {
+  export PYTHONPYCACHEPREFIX=/tmp/pycache13
+  env -u PYTHONDONTWRITEBYTECODE python3 -c "import torch, transformers.trainer, torch._inductor.compile_fx, shardwise.train.loop"
+  env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$PWD/.whl/base_src:/tmp/site" python3 -c "import shardwise.train.loop"
+  env -u PYTHONDONTWRITEBYTECODE timeout -k 10 480 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 3 \
+    --shardwise base-single,single --base-src .whl/base_src
+}
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {
   python3 benchmarks/long_context.py --lengths 8192 --sp 1 --steps 4 --timeout 260 --tag tp2 --out "$OUT" -- \

@@ -16,6 +16,8 @@ whole process as seen from here.
 --shardwise lists the shardwise variants run before the Trainer in each round: `single` (one process: the launcher
 trains in-process), `ddp` (one rank through torchrun's elastic agent, which starts the worker while the launcher
 still checks and tokenizes) and `ddp-serial` (the same with SHARDWISE_EARLY_WORKERS=0: prepared first, then started).
+A variant named `base-VARIANT` runs VARIANT from the source tree --base-src (e.g. an older commit's src/, carried to
+the device), for an A/B in one call.
 """
 
 from __future__ import annotations
@@ -72,10 +74,18 @@ HF_PHASES = (("imports", "process_start", "imported"), ("data", "imported", "dat
              ("first_step", "trainer_built", "first_step"), ("training", "first_step", "trained"))
 
 
-def run_shardwise(model_dir: str, data: str, steps: int, work: str, tag: str, variant: str = "single") -> dict:
+def run_shardwise(model_dir: str, data: str, steps: int, work: str, tag: str, variant: str = "single",
+                  base_src: str = "") -> dict:
     out = os.path.join(work, f"sw-{variant}-{tag}")
-    strategy = variant.split("-")[0]
+    base = variant.startswith("base-")
+    strategy = variant.removeprefix("base-").split("-")[0]
     env = {**os.environ, "SHARDWISE_EARLY_WORKERS": "0" if variant.endswith("-serial") else "1"}
+    if base:
+        if not base_src:
+            raise SystemExit(f"variant {variant} needs --base-src")
+        here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+        rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != here]
+        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(base_src), *rest])
     cmd = [sys.executable, "-m", "shardwise", "train", "--model", model_dir, "--data", data, "--strategy", strategy,
            "--nproc-per-node", "1",
            "--seq-len", str(SEQ), "--micro-batch-size", str(MB), "--max-steps", str(steps), "--log-every", "1",
@@ -120,6 +130,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--runs", type=int, default=1, help="Pairs of runs (shardwise, then HF Trainer).")
     ap.add_argument("--shardwise", default="single", help="Comma-separated: single, ddp, ddp-serial.")
+    ap.add_argument("--base-src", default="", help="The source tree the base-* variants run (its src/ directory).")
     ap.add_argument("--smoke", action="store_true", help="A tiny model, 2 x 64 tokens (a CPU check of the script).")
     a = ap.parse_args()
     global MB, SEQ
@@ -134,7 +145,8 @@ def main() -> int:
     print(f"setup {time.time() - t0:.0f}s", flush=True)
     results = []
     for i in range(a.runs):
-        runners = [lambda *x, v=v: run_shardwise(*x, variant=v) for v in a.shardwise.split(",")] + [run_hf]
+        runners = [lambda *x, v=v: run_shardwise(*x, variant=v, base_src=a.base_src)
+                   for v in a.shardwise.split(",")] + [run_hf]
         for runner in runners:
             r = {**runner(model_dir, data, a.steps, a.work, str(i)), "run": i}
             results.append(r)
