@@ -183,9 +183,41 @@ def install_fused_loss(model: nn.Module, chunk: int = 4096) -> bool:
     return True
 
 
+def _no_split_names(model: nn.Module) -> set[str]:
+    """The class names the model declares never-split (`_no_split_modules`: its decoder layer classes, the list
+    accelerate's device map and the HF Trainer's FSDP auto-wrap read), from the first module in `model.modules()`
+    that declares any: the model itself (a peft PeftModel forwards its base model's), else, for a wrapper that
+    does not forward it, the outermost model inside. transformers keeps it as a list or a set (or None); one
+    name alone (a string) is taken as that name."""
+    for m in model.modules():
+        names = getattr(m, "_no_split_modules", None)
+        if names:
+            return {names} if isinstance(names, str) else set(names)
+    return set()
+
+
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks: the largest ModuleList of identical classes."""
+    """The repeated transformer blocks, in their order, by the first rule that finds any:
+
+    1. the largest ModuleList whose members are all of classes the model names in `_no_split_modules`
+       (a class matches by its own name or a base class's: FSDP2's `fully_shard` swaps a block's class for a
+       subclass `FSDP<name>`); names of classes the model does not hold (a vision tower's) are ignored;
+    2. the largest ModuleList whose members are all one class.
+
+    Rule 2 alone would take a remote-code MoE's expert list (one class, 64 experts against 24 layers) for the
+    blocks. Both rules keep the first of equally long lists, and find nothing ([]) outside ModuleLists."""
+    named = _no_split_names(model)
+
+    def declared(x: nn.Module) -> bool:
+        return any(c.__name__ in named for c in type(x).__mro__)
+
     best: list[nn.Module] = []
+    if named:
+        for m in model.modules():
+            if isinstance(m, nn.ModuleList) and len(m) > len(best) and all(declared(x) for x in m):
+                best = list(m)
+        if best:
+            return best
     for m in model.modules():
         if isinstance(m, nn.ModuleList) and len(m) > len(best) and len({type(x) for x in m}) == 1:
             best = list(m)
