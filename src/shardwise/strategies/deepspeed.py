@@ -207,8 +207,8 @@ class DeepSpeedStrategy(Strategy):
 
         blocks = decoder_blocks(model) if self.cfg.deepspeed.fetch == "block" else []
         classes = list(dict.fromkeys(type(b) for b in blocks))
-        # a sparse MoE block that no found block holds (a model whose expert list is longer than its layer list)
-        # stays a leaf of its own
+        # a sparse MoE block that no found block holds stays a leaf of its own (the found "blocks" are the experts
+        # in a model that names no layer class in `_no_split_modules` and has more experts than layers)
         inside = {id(m) for b in blocks for m in b.modules()}
         moe = [c for c in moe_leaf_classes(model)
                if any(isinstance(m, c) and id(m) not in inside for m in model.modules())]
