@@ -55,13 +55,11 @@ def _check_cache_dir() -> None:
     path = os.environ.get("SHARDWISE_CACHE_DIR")
     if not path:
         return
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ShardwiseError(f"SHARDWISE_CACHE_DIR={path} is a file, not a directory; point it at a directory "
-                             "(created if missing) or unset it (~/.cache/shardwise)")
     from shardwise.rundir import check_creatable
 
     # (whether it is writable is each writer's business: a read-only one can serve reads)
-    check_creatable(path, f"SHARDWISE_CACHE_DIR={path}", "SHARDWISE_CACHE_DIR", writable=False)
+    check_creatable(path, f"SHARDWISE_CACHE_DIR={path}", "SHARDWISE_CACHE_DIR", writable=False,
+                    if_file="point it at a directory (created if missing) or unset it (~/.cache/shardwise)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -223,10 +223,11 @@ def check_resume_target(output_dir: str, resume: str, where: str = "--output-dir
 
 
 def check_creatable(output_dir: str, where: str = "--output-dir", flag: str = "--output-dir",
-                    writable: bool = True) -> None:
+                    writable: bool = True, if_file: str = "") -> None:
     """Refuse, in one line and before anything runs, an output directory that cannot be made: a file (or a
     dangling link) on its path, a name longer than the filesystem takes, and with `writable` a directory this user
-    cannot write (what an existing one holds is judged by the launcher)."""
+    cannot write (what an existing one holds is judged by the launcher). The path itself being a file is refused
+    with `if_file` as the line's advice; without it, that is left to the launcher, whose line says more."""
     path = os.path.abspath(output_dir)
     if any(len(os.fsencode(part)) > 255 for part in path.split(os.sep)):
         raise ShardwiseError(f"{where}: {output_dir}: a name in it is longer than 255 bytes; choose a shorter "
@@ -236,6 +237,8 @@ def check_creatable(output_dir: str, where: str = "--output-dir", flag: str = "-
         cur = os.path.dirname(cur)
     if not os.path.isdir(cur):
         if cur == path:
+            if if_file:
+                raise ShardwiseError(f"{where}: {output_dir} is a file, not a directory; {if_file}")
             return  # the output directory itself is a file: the launcher's own line says so
         raise ShardwiseError(f"{where}: {cur} is a file, not a directory: nothing can be created under it; "
                              f"choose another {flag}")

@@ -81,9 +81,8 @@ def spec_from_args(args):
     report_dir = args.report_dir or os.path.join("runs", f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
     from shardwise.rundir import check_creatable
 
-    check_creatable(report_dir, "--report-dir", "--report-dir")  # before any run, not when the report is written
-    if os.path.exists(report_dir) and not os.path.isdir(report_dir):
-        raise ShardwiseError(f"--report-dir: {report_dir} is a file, not a directory; choose another --report-dir")
+    # before any run, not when the report is written
+    check_creatable(report_dir, "--report-dir", "--report-dir", if_file="choose another --report-dir")
     if args.runs_dir:
         check_creatable(args.runs_dir, "--runs-dir", "--runs-dir")
     return BenchSpec(config_path=args.config, flags=flags, strategies=names, steps=args.steps,
