@@ -25,6 +25,7 @@ import uuid
 from shardwise import phases, presets, rundir
 from shardwise.config import Config, Resolved, to_yaml
 from shardwise.errors import ShardwiseError
+from shardwise.hardware import use_compile_cache
 from shardwise.rundir import quiet_libraries
 
 
@@ -130,6 +131,10 @@ def _begin(res: Resolved) -> tuple[Config, rundir.RunLock | None, float]:
     t0 = time.time()
     quiet_libraries(transformers=False)  # _prepare imports it (on a thread, with early workers)
     cfg = resolve_runtime(res)
+    from shardwise.strategies.parallelize import compile_enabled
+
+    if compile_enabled(cfg):
+        use_compile_cache()  # before the workers start: they inherit it
     if cfg.strategy == "auto":
         cfg = choose_strategy(cfg, res)
     lock = rundir.RunLock(cfg.output_dir) if cfg.node_rank == 0 else None

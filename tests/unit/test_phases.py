@@ -1,3 +1,4 @@
+import os
 import time
 
 from shardwise import phases
@@ -57,3 +58,40 @@ def test_a_finished_workers_teardown_cannot_hold_it_past_the_deadline():
     assert r.returncode == 0 and time.monotonic() - t0 < 30, (r.returncode, r.stderr)
     assert r.stderr.strip() == ("shardwise: rank 1: the finished run's process was still in its teardown after 1 s; "
                                 "leaving (everything of the run is written)")
+
+
+def test_compile_caches_live_under_the_shardwise_cache_dir(tmp_path, monkeypatch):
+    """torch's default ($TMPDIR/torchinductor_$USER) is emptied by a reboot: the compiled blocks are kept under
+    $SHARDWISE_CACHE_DIR/compile instead, where torch itself looks (its own cache_dir()), unless the user chose a
+    place; a cache dir that cannot be written leaves torch's default."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as torch_cache_dir
+
+    from shardwise.hardware import use_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
+    want = str(tmp_path / "cache" / "compile")
+    assert use_compile_cache() == want and torch_cache_dir() == want
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_compile_cache() == str(tmp_path / "mine") and torch_cache_dir() == str(tmp_path / "mine")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "file"))
+    assert use_compile_cache() is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert (tmp_path / "file").read_text() == "not a directory"
+
+
+def test_the_launcher_points_the_workers_compile_cache_only_where_blocks_compile(tmp_path, monkeypatch):
+    """Set in the launcher before any worker starts (they inherit its environment), for runs that compile."""
+    from shardwise import config
+    from shardwise.launch import _begin
+
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
+    for compile_key, want in (("off", None), ("on", str(tmp_path / "cache" / "compile"))):
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        res = config.load_config(None, {"compile": (compile_key, "--compile"),
+                                        "output_dir": (str(tmp_path / f"run-{compile_key}"), "--output-dir")})
+        _, lock, _ = _begin(res)
+        if lock is not None:
+            lock.release()
+        assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == want
