@@ -113,19 +113,36 @@ def cache_dir() -> str:
 
 def use_compile_cache() -> str | None:
     """Keep torch.compile's caches (inductor's FX graph and AOTAutograd caches, its generated kernels) under
-    $SHARDWISE_CACHE_DIR/compile, where they outlive a reboot that empties torch's default
+    $SHARDWISE_CACHE_DIR/compile/<host>, where they outlive a reboot that empties torch's default
     ($TMPDIR/torchinductor_$USER): a re-run then loads its compiled blocks instead of compiling them again (issue
     17.3; 9.8 s of the anchor job's first step on an H200). Sets TORCHINDUCTOR_CACHE_DIR in this process's
     environment, which torch reads when it first compiles and the workers inherit; a user's own
-    TORCHINDUCTOR_CACHE_DIR is kept. Returns the directory in use, or None where the cache directory cannot be
-    written (torch's default then stays)."""
+    TORCHINDUCTOR_CACHE_DIR is kept.
+
+    What inductor caches is code the training process loads (pickled graphs, generated modules, built kernels), so
+    the folder is used only when this user owns it and nobody else can write it (made with mode 0700; a link is
+    not followed), and it is per host: nodes sharing a home directory over NFS do not share one cache, as
+    torch's /tmp default never did. Returns the directory in use, or None where the folder is not safe or cannot
+    be made (torch's default then stays)."""
+    import socket
+    import stat
+
     own = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if own:
         return own
-    path = os.path.join(cache_dir(), "compile")
+    root = os.path.join(os.path.abspath(cache_dir()), "compile")
+    path = os.path.join(root, socket.gethostname() or "host")
     try:
-        os.makedirs(path, exist_ok=True)
-    except OSError:
+        os.makedirs(os.path.dirname(root), exist_ok=True)
+        for d in (root, path):
+            try:
+                os.mkdir(d, 0o700)
+            except FileExistsError:  # made before (or by a concurrent launcher): judged below like any other
+                pass
+            st = os.lstat(d)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+                return None
+    except OSError:  # the cache directory cannot be made or written: torch's default
         return None
     if not os.access(path, os.W_OK | os.X_OK):
         return None

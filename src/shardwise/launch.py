@@ -127,7 +127,8 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
 
 def _begin(res: Resolved) -> tuple[Config, rundir.RunLock | None, float]:
     """The first checks: the runtime values, --strategy auto's choice, the output directory (node 0 takes the run's
-    lock where a run was there). Enough to know how many workers start and how; writes nothing."""
+    lock where a run was there). Enough to know how many workers start and how; writes nothing of the run (a run
+    that compiles makes the compile cache's folder, hardware.use_compile_cache)."""
     t0 = time.time()
     quiet_libraries(transformers=False)  # _prepare imports it (on a thread, with early workers)
     cfg = resolve_runtime(res)

@@ -238,7 +238,8 @@ def check_creatable(output_dir: str, where: str = "--output-dir", flag: str = "-
     if not os.path.isdir(cur):
         if cur == path:
             if if_file:
-                raise ShardwiseError(f"{where}: {output_dir} is a file, not a directory; {if_file}")
+                what = "a link to nothing" if os.path.islink(path) and not os.path.exists(path) else "a file"
+                raise ShardwiseError(f"{where}: {output_dir} is {what}, not a directory; {if_file}")
             return  # the output directory itself is a file: the launcher's own line says so
         raise ShardwiseError(f"{where}: {cur} is a file, not a directory: nothing can be created under it; "
                              f"choose another {flag}")

@@ -131,12 +131,17 @@ def test_model_checks_are_remembered_for_what_passed_and_redone_for_anything_cha
         check(tuner="lora", **{"lora.targets": "q_proj,nosuch"})
     with pytest.raises(ShardwiseError, match="no linear module named nosuch"):  # and a refusal is not remembered
         check(tuner="lora", **{"lora.targets": "q_proj,nosuch"})
+    assert check(tuner="lora") == str(m)
+    with pytest.raises(ShardwiseError, match="lora.r 65 is larger than"):  # the rank alone is part of the key
+        check(tuner="lora", **{"lora.r": "65"})
+    (m / "modeling_extra.py").write_text("# a code file of the model directory\n")
+    assert check() == str(m)  # checked again
     cfg = json.loads((m / "config.json").read_text())
     cfg["intermediate_size"] *= 2
     (m / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ShardwiseError, match="the weights and config.json are from different models"):
         check()
-    assert len(built) == 4 and len(os.listdir(tmp_path / "cache" / "checks")) == 1
+    assert len(built) == 7 and len(os.listdir(tmp_path / "cache" / "checks")) == 3
 
 
 def test_a_repeat_launch_checks_the_model_without_transformers_modelling_or_dcp(tmp_path, tiny_dir):

@@ -60,38 +60,66 @@ def test_a_finished_workers_teardown_cannot_hold_it_past_the_deadline():
                                 "leaving (everything of the run is written)")
 
 
+def _unset_for_this_test(monkeypatch, name: str) -> None:
+    """monkeypatch.delenv of a variable that is not set records nothing to undo: set it first, so that whatever
+    sets it during the test (the code under test, torch) is undone afterwards."""
+    monkeypatch.setenv(name, "unset by the test")
+    monkeypatch.delenv(name)
+
+
 def test_compile_caches_live_under_the_shardwise_cache_dir(tmp_path, monkeypatch):
     """torch's default ($TMPDIR/torchinductor_$USER) is emptied by a reboot: the compiled blocks are kept under
-    $SHARDWISE_CACHE_DIR/compile instead, where torch itself looks (its own cache_dir()), unless the user chose a
-    place; a cache dir that cannot be written leaves torch's default."""
+    $SHARDWISE_CACHE_DIR/compile/<host> instead, where torch itself looks (its own cache_dir()), unless the user
+    chose a place. What is cached there runs in the training process: a folder that others can write (or a link,
+    or a file) leaves torch's default, and the folders are made private."""
+    import socket
+    import stat
+
     from torch._inductor.runtime.cache_dir_utils import cache_dir as torch_cache_dir
 
     from shardwise.hardware import use_compile_cache
 
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    _unset_for_this_test(monkeypatch, "TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
-    want = str(tmp_path / "cache" / "compile")
+    want = str(tmp_path / "cache" / "compile" / socket.gethostname())
     assert use_compile_cache() == want and torch_cache_dir() == want
+    assert stat.S_IMODE(os.stat(tmp_path / "cache" / "compile").st_mode) == 0o700
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert use_compile_cache() == str(tmp_path / "mine") and torch_cache_dir() == str(tmp_path / "mine")
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+
+    def refused(cache):
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(cache))
+        return use_compile_cache() is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
     (tmp_path / "file").write_text("not a directory")
-    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "file"))
-    assert use_compile_cache() is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
-    assert (tmp_path / "file").read_text() == "not a directory"
+    assert refused(tmp_path / "file") and (tmp_path / "file").read_text() == "not a directory"
+    shared = tmp_path / "shared"
+    (shared / "compile").mkdir(parents=True)
+    os.chmod(shared / "compile", 0o777)  # a folder anyone may write to
+    assert refused(shared)
+    os.chmod(shared / "compile", 0o700)
+    assert use_compile_cache() == str(shared / "compile" / socket.gethostname())
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "compile").symlink_to(shared / "compile")
+    assert refused(linked)
 
 
 def test_the_launcher_points_the_workers_compile_cache_only_where_blocks_compile(tmp_path, monkeypatch):
     """Set in the launcher before any worker starts (they inherit its environment), for runs that compile."""
+    import socket
+
     from shardwise import config
     from shardwise.launch import _begin
 
     monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
-    for compile_key, want in (("off", None), ("on", str(tmp_path / "cache" / "compile"))):
-        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    for compile_key, want in (("off", None), ("on", str(tmp_path / "cache" / "compile" / socket.gethostname()))):
+        _unset_for_this_test(monkeypatch, "TORCHINDUCTOR_CACHE_DIR")
         res = config.load_config(None, {"compile": (compile_key, "--compile"),
                                         "output_dir": (str(tmp_path / f"run-{compile_key}"), "--output-dir")})
         _, lock, _ = _begin(res)
         if lock is not None:
             lock.release()
         assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == want
+

@@ -96,9 +96,8 @@ def check_shapes(model_dir: str, shapes: dict, trust_remote_code: bool = False):
 # What passed the checks above is remembered (issue 17.3: time to first step). Building the model on the meta
 # device imports transformers' modelling stack, 1.9 s of the launcher's CPU on the tiny job, for a directory whose
 # config and weight headers the launcher has already checked in an earlier run. An entry is an empty-named marker,
-# $SHARDWISE_CACHE_DIR/checks/<key>.json: its key covers everything the checks read, so a changed file, version or
-# setting is checked again, and a refusal is never remembered.
-CHECKS_FORMAT = 1  # raised whenever the checks refuse something they did not before
+# $SHARDWISE_CACHE_DIR/checks/<key>.json: its key covers everything the checks read, and the checks' own code, so a
+# changed file, version, setting or check is checked again; a refusal is never remembered.
 CHECKS_KEEP = 64
 
 
@@ -110,16 +109,27 @@ def checks_dir() -> str:
 
 def checks_key(model_dir: str, shapes: dict, settings: list) -> str:
     """SHA-256 over everything the model checks read: config.json and the directory's code files (*.py), the
-    weights' names and shapes (from their headers), the torch and transformers versions, and `settings` (the
-    checks' other inputs: remote code, tuner, adapter targets and rank)."""
+    weights' names and shapes (from their headers), the torch and transformers versions, `settings` (the checks'
+    other inputs: remote code, tuner, adapter targets and rank), and the source of the modules the checks live in
+    (this one, models/lora.py), so a check made stricter is made again."""
     import hashlib
     import json
-    from importlib.metadata import version
+    from importlib import metadata
 
     import torch
 
-    h = hashlib.sha256(json.dumps([CHECKS_FORMAT, torch.__version__, version("transformers"), settings,
-                                   sorted(shapes.items())], default=repr).encode())
+    try:
+        tf_version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH: no installed metadata
+        import transformers
+
+        tf_version = transformers.__version__
+    h = hashlib.sha256(json.dumps([torch.__version__, tf_version, settings, sorted(shapes.items())],
+                                  default=repr).encode())
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "load.py"), os.path.join(here, "lora.py")):
+        with open(path, "rb") as fh:
+            h.update(fh.read())
     for name in sorted(os.listdir(model_dir)):
         path = os.path.join(model_dir, name)
         if (name == "config.json" or name.endswith(".py")) and os.path.isfile(path):
@@ -134,7 +144,7 @@ def passed_before(key: str) -> bool:
     if not os.path.isfile(path):
         return False
     try:
-        os.utime(path)  # most recently used: kept by the pruning below
+        os.utime(path, follow_symlinks=False)  # most recently used: kept by the pruning below
     except OSError:
         pass
     return True
