@@ -92,11 +92,18 @@ def exit_without_teardown(rc: int) -> None:
         os._exit(rc)
 
 
-def exit_deadline(seconds: float, what: str) -> None:
+def exit_deadline(seconds: float, what: str, backstop_s: float = 15.0) -> None:
     """A worker whose run is complete (final model, summary and metrics written) leaves with 0 at the latest
     `seconds` from now, whatever its teardown (the closing barrier, destroying the process group, the libraries'
     atexit handlers) is waiting for: a finished run must not hold its launcher. On 2026-12-01 a CPU CI run had a
-    finished 2-rank run still alive three minutes after its `done` line."""
+    finished 2-rank run still alive three minutes after its `done` line.
+
+    That timer is a Python thread: it cannot run while the teardown holds the GIL inside a C++ call (a destructor
+    joining a stuck thread holds it). On 2026-12-01 (thirteenth session) a finished 2-rank run under heavy load
+    outlived the timer by a minute, with no line from it. So faulthandler's watchdog, a C thread that needs no GIL,
+    backs it up `backstop_s` later: it prints every thread's stack (where the teardown hangs) and ends the
+    process with 1. The run's outputs are complete either way."""
+    import faulthandler
     import threading
 
     def leave():
@@ -110,6 +117,7 @@ def exit_deadline(seconds: float, what: str) -> None:
     t = threading.Timer(seconds, leave)
     t.daemon = True
     t.start()
+    faulthandler.dump_traceback_later(seconds + backstop_s, exit=True, file=sys.stderr)
 
 
 def stop_compile_workers() -> None:

@@ -60,6 +60,22 @@ def test_a_finished_workers_teardown_cannot_hold_it_past_the_deadline():
                                 "leaving (everything of the run is written)")
 
 
+def test_a_teardown_holding_the_gil_still_ends_by_the_c_watchdog():
+    """The deadline's timer is a Python thread; a teardown stuck in C code that holds the GIL (here: a regular
+    expression that backtracks for hours, as a destructor joining a hung thread would hold it) never lets it run.
+    faulthandler's watchdog needs no GIL: it prints the stuck stack and ends the process with 1."""
+    import subprocess
+    import sys
+
+    script = ("import re\nfrom shardwise.phases import exit_deadline\nexit_deadline(0.5, 'rank 1', backstop_s=1.0)\n"
+              "re.match(r'(a+)+$', 'a' * 64 + 'b')\nraise SystemExit(3)\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and time.monotonic() - t0 < 30, (r.returncode, r.stderr)
+    assert "Timeout (0:00:01.500000)!" in r.stderr and 'File "<string>", line 4' in r.stderr, r.stderr
+    assert "leaving (everything of the run is written)" not in r.stderr  # the Python timer never ran
+
+
 def _unset_for_this_test(monkeypatch, name: str) -> None:
     """monkeypatch.delenv of a variable that is not set records nothing to undo: set it first, so that whatever
     sets it during the test (the code under test, torch) is undone afterwards."""
