@@ -117,7 +117,10 @@ def exit_deadline(seconds: float, what: str, backstop_s: float = 15.0) -> None:
     t = threading.Timer(seconds, leave)
     t.daemon = True
     t.start()
-    faulthandler.dump_traceback_later(seconds + backstop_s, exit=True, file=sys.stderr)
+    try:
+        faulthandler.dump_traceback_later(seconds + backstop_s, exit=True, file=sys.stderr)
+    except (AttributeError, OSError, ValueError):  # a standard error with no file descriptor: the timer alone
+        pass
 
 
 def stop_compile_workers() -> None:
