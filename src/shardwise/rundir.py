@@ -75,6 +75,19 @@ def atomic_path(path: str, suffix: str = ""):
     _fsync_dir(parent)
 
 
+def prune_keyed(folder: str, suffix: str, keep: int) -> None:
+    """Remove all but the `keep` most recently used entries of a cache folder keyed by SHA-256: only files named
+    <64 hex digits><suffix>, never anything else there. Best effort (a concurrent pruner may remove one first)."""
+    try:
+        entries = [os.path.join(folder, n) for n in os.listdir(folder)
+                   if n.endswith(suffix) and len(n) == 64 + len(suffix) and all(c in "0123456789abcdef" for c in n[:64])]
+        entries.sort(key=os.path.getmtime, reverse=True)
+        for p in entries[keep:]:
+            os.remove(p)
+    except OSError:
+        pass
+
+
 def atomic_write(path: str, data: str | bytes) -> None:
     """Write `data` to `path` so that a reader sees the old file or the whole new one, never
     part of it: a fresh temporary file in the same directory, fsync, os.replace."""

@@ -33,6 +33,7 @@ import torch
 
 from shardwise.data.encode import ChatOptions, Encoded, encode
 from shardwise.data.formats import Record
+from shardwise.rundir import prune_keyed
 
 FORMAT = 1
 KEEP = 8
@@ -110,18 +111,6 @@ def _write(path: str, k: str, enc: Encoded, tensors: dict) -> None:
         save_file({**tensors, "sources": src}, tmp, metadata={"key": k, "stats": json.dumps(enc.stats)})
 
 
-def _prune(folder: str, keep: int = KEEP) -> None:
-    """Remove all but the `keep` most recently used entries (only files named as entries)."""
-    try:
-        entries = [os.path.join(folder, n) for n in os.listdir(folder)
-                   if n.endswith(".safetensors") and len(n) == 64 + 12 and all(c in "0123456789abcdef" for c in n[:64])]
-        entries.sort(key=os.path.getmtime, reverse=True)
-        for p in entries[keep:]:
-            os.remove(p)
-    except OSError:
-        pass
-
-
 def encode_cached(records: list[Record], tokenizer, model_dir: str, seq_len: int, packing: bool,
                   opts: ChatOptions, enabled: bool = True, note=None) -> tuple[Encoded, dict, bool]:
     """(encoded, its tensors as data.safetensors holds them, whether it came from the cache).
@@ -145,7 +134,7 @@ def encode_cached(records: list[Record], tokenizer, model_dir: str, seq_len: int
     tensors = enc.to_tensors()
     try:
         _write(path, k, enc, tensors)
-        _prune(os.path.dirname(path))
+        prune_keyed(os.path.dirname(path), ".safetensors", KEEP)
     except OSError as e:
         if note:
             note(f"data cache: cannot write {path} ({e.strerror or e}); the run goes on without it "

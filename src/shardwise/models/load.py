@@ -155,20 +155,16 @@ def remember_passed(key: str, model_dir: str) -> None:
     import json
     import time
 
-    from shardwise.rundir import atomic_write
+    from shardwise.rundir import atomic_write, prune_keyed
 
     folder = checks_dir()
     try:
         os.makedirs(folder, exist_ok=True)
         atomic_write(os.path.join(folder, f"{key}.json"),
                      json.dumps({"model_dir": model_dir, "checked": time.strftime("%Y-%m-%dT%H:%M:%S")}))
-        entries = [os.path.join(folder, n) for n in os.listdir(folder)
-                   if n.endswith(".json") and len(n) == 64 + 5 and all(c in "0123456789abcdef" for c in n[:64])]
-        entries.sort(key=os.path.getmtime, reverse=True)
-        for old in entries[CHECKS_KEEP:]:
-            os.remove(old)
     except OSError:
-        pass
+        return
+    prune_keyed(folder, ".json", CHECKS_KEEP)
 
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
