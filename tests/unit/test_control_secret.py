@@ -21,6 +21,14 @@ def stores():
     yield server, other
 
 
+def _put(store, key, value):
+    """Someone else writes a key. TCPStore.set does not wait for the server; a get on the same
+    connection does, so the value is in place before any rank reads it (without it the test
+    raced the server on a loaded machine: CI saw the old "0")."""
+    store.set(key, value)
+    assert store.get(key) == value.encode()
+
+
 def _controls(store, monkeypatch, secret):
     if secret:
         monkeypatch.setenv("SHARDWISE_CONTROL_SECRET", secret)
@@ -34,7 +42,7 @@ def test_without_a_secret_anyone_reaching_the_store_can_stop_the_run(stores, mon
     server, other = stores
     ranks = _controls(server, monkeypatch, "")
     try:
-        other.set(ranks[0].keys[0], "5")
+        _put(other, ranks[0].keys[0], "5")
         assert [c.poll(5) for c in ranks] == [(True, False), (True, False)]
     finally:
         for c in ranks:
@@ -45,11 +53,11 @@ def test_with_a_secret_an_unsigned_request_is_ignored_and_a_signed_one_is_kept(s
     server, other = stores
     ranks = _controls(server, monkeypatch, "s3cret")
     try:
-        other.set(ranks[0].keys[0], "5")
-        other.set(ranks[0].keys[1], "5:" + "0" * 64)  # a forged signature
+        _put(other, ranks[0].keys[0], "5")
+        _put(other, ranks[0].keys[1], "5:" + "0" * 64)  # a forged signature
         assert [c.poll(5) for c in ranks] == [(False, False), (False, False)]
         assert "without a valid signature" in capsys.readouterr().err
-        other.set(ranks[0].keys[0], "0")  # clear the forged request (as a fresh attempt's keys would be)
+        _put(other, ranks[0].keys[0], "0")  # clear the forged request (as a fresh attempt's keys would be)
         ranks[1]._on_signal(signal.SIGTERM, None)  # a real signal on rank 1: both stop two steps later
         assert [c.poll(7) for c in ranks] == [(False, False), (False, False)]
         assert [c.poll(9) for c in ranks] == [(True, False), (True, False)]

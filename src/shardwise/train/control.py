@@ -83,7 +83,11 @@ class Control:
         elif key == self.keys[0]:
             self.store.compare_set(key, "0", self._sign(key, step))  # the first request wins
         else:
-            self.store.set(key, self._sign(key, step))  # only rank 0 proposes saves
+            # only rank 0 proposes saves. TCPStore.set sends without waiting for the server,
+            # so a read on another connection could still see the old value: the get on
+            # this connection returns only once the server has applied the set.
+            self.store.set(key, self._sign(key, step))
+            self.store.get(key)
 
     def _read(self, key: str) -> int:
         return self._verify(key, self.store.get(key)) if self.store is not None else self.local[key]
