@@ -24,6 +24,10 @@
 #                                                    f8sel (eleventh session; carries torchao)
 #                                                    zero3hf tp2 autosweep (eleventh session, prepared for x2, not run)
 #                                                    ttfs13 (thirteenth session; carries .whl/base_src)
+#                                                    ttfs14 (fourteenth session; carries .whl/opt/py_spy-*.whl; ran an experiment
+#                                                    since reverted: inductor imported on a thread, SHARDWISE_IMPORT_AHEAD)
+#                                                    ttfs14b ttfs14c (fourteenth session; carry .whl/base_src = b7c4d15's src;
+#                                                    14b ran with scikit-learn skipped only, 14c with SciPy too)
 #                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests z3eager (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
 #                                                    carries DeepSpeed's wheels and .whl/opt/accelerate, installed only
 #                                                    where the machine lacks accelerate)
@@ -326,6 +330,44 @@ ttfs13() {
   env -u PYTHONDONTWRITEBYTECODE python3 -c "import torch, transformers.trainer, torch._inductor.compile_fx, shardwise.train.loop"
   env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$PWD/.whl/base_src:/tmp/site" python3 -c "import shardwise.train.loop"
   env -u PYTHONDONTWRITEBYTECODE timeout -k 10 480 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 3 \
+    --shardwise base-single,single --base-src .whl/base_src
+}
+# fourteenth session: inductor imported on a thread from the start of the worker's setup (single) against
+# SHARDWISE_IMPORT_AHEAD=0, beside the HF Trainer; then py-spy timelines of one warm run of each (all threads, idle
+# included; and the GIL holder only)
+ttfs14() {
+  export PYTHONPYCACHEPREFIX=/tmp/pycache14
+  env -u PYTHONDONTWRITEBYTECODE python3 -c "import torch, transformers.trainer, torch._inductor.compile_fx, shardwise.train.loop"
+  env -u PYTHONDONTWRITEBYTECODE timeout -k 10 420 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 4 \
+    --shardwise single-noahead,single
+  python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl/opt/py_spy-*.whl
+  local job="--model /tmp/ttfs-h200/anchor-1.1b --data /tmp/ttfs-h200/text-6.jsonl --strategy single --seq-len 2048
+    --micro-batch-size 8 --max-steps 6 --log-every 1 --mixed-precision bf16 --overwrite --no-save-final --seed 0"
+  for v in idle1 gil1 idle0; do
+    env -u PYTHONDONTWRITEBYTECODE SHARDWISE_IMPORT_AHEAD="${v: -1}" timeout -k 5 120 /tmp/spy/bin/py-spy record \
+      "--${v%?}" --threads --rate 200 -f speedscope -o "$OUT/spy-$v.json" -- \
+      python3 -m shardwise train $job --output-dir "/tmp/ttfs-h200/spy-$v"
+    python3 -c "import json, sys; print(json.dumps({'variant': sys.argv[1], **json.load(open(sys.argv[2]))}))" \
+      "$v" "/tmp/ttfs-h200/spy-$v/summary.json" >> "$OUT/spy-summaries.jsonl"
+  done
+}
+# fourteenth session: scikit-learn kept out of shardwise's processes (models/load.py lean_transformers) against the
+# commit before it, single and ddp (one rank, early worker), beside the HF Trainer; what importing scikit-learn costs
+ttfs14b() {
+  export PYTHONPYCACHEPREFIX=/tmp/pycache14
+  env -u PYTHONDONTWRITEBYTECODE python3 -c "import torch, transformers.trainer, torch._inductor.compile_fx, shardwise.train.loop"
+  env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$PWD/.whl/base_src:/tmp/site" python3 -c "import shardwise.train.loop"
+  grep -n "sklearn" "$(python3 -c 'import transformers, os; print(os.path.dirname(transformers.__file__))')/generation/candidate_generator.py" | head -3
+  for i in 1 2 3; do env -u PYTHONDONTWRITEBYTECODE python3 -X importtime -c "import torch, sklearn.metrics" 2>&1 \
+    | grep -E "\| (sklearn|sklearn.metrics|scipy.stats|pandas)$"; done
+  env -u PYTHONDONTWRITEBYTECODE timeout -k 10 540 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 4 \
+    --shardwise base-single,single,base-ddp,ddp --base-src .whl/base_src
+}
+ttfs14c() {  # single only, more rounds (the machine's round-to-round noise is ±2 s)
+  export PYTHONPYCACHEPREFIX=/tmp/pycache14
+  env -u PYTHONDONTWRITEBYTECODE python3 -c "import torch, transformers.trainer, torch._inductor.compile_fx, shardwise.train.loop"
+  env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$PWD/.whl/base_src:/tmp/site" python3 -c "import shardwise.train.loop"
+  env -u PYTHONDONTWRITEBYTECODE timeout -k 10 330 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 7 \
     --shardwise base-single,single --base-src .whl/base_src
 }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)

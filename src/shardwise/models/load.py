@@ -4,6 +4,7 @@ safetensors only, `trust_remote_code` off unless asked."""
 from __future__ import annotations
 
 import os
+import sys
 
 from shardwise.errors import ShardwiseError
 
@@ -27,6 +28,41 @@ def resolve_model_dir(model: str, seed: int) -> str:
                 "e.g. load and save_pretrained once in a trusted environment)") if bins else ""
         raise ShardwiseError(f"--model {model}: no safetensors weights (model.safetensors or its index){hint}")
     return path
+
+
+# Optional packages some transformers modules import when they are imported, for code a causal LM's training never
+# runs: {package: (transformers' availability check, the module that imports it, why)}.
+LEAN_SKIPS = {
+    "sklearn": ("is_sklearn_available", "transformers.generation.candidate_generator",
+                "assisted decoding's confidence threshold (roc_curve); SciPy and pandas come with it"),
+    "scipy": ("is_scipy_available", "transformers.loss.loss_for_object_detection",
+              "object-detection losses' matching (linear_sum_assignment)"),
+}
+
+
+def lean_transformers() -> None:
+    """Keep scikit-learn and SciPy out of a training process. transformers imports them, where installed, when
+    modules every model class and AutoTokenizer import are imported (LEAN_SKIPS): scikit-learn with the generation
+    module in some releases (5.17, on the H200 machine: 1.8-1.9 s there), SciPy's optimiser with the loss module
+    (5.17 and 5.24: 0.4 s on this CPU box). Training never runs the code they serve. Called before shardwise's
+    first import of transformers' model or tokenizer classes: for each package whose importing module is not
+    imported yet, transformers' availability check reports it unavailable in this process. A model's own code can
+    still import either package itself."""
+    try:
+        import transformers.utils as tu
+        from transformers.utils import import_utils
+    except Exception:  # noqa: BLE001 - no transformers: the caller's own import reports it
+        return
+    for check, importer, _why in LEAN_SKIPS.values():
+        if importer in sys.modules:
+            continue  # imported already: nothing left to save
+
+        def unavailable() -> bool:
+            return False
+
+        for module in (tu, import_utils):
+            if hasattr(module, check):
+                setattr(module, check, unavailable)
 
 
 def check_weights(model_dir: str) -> dict[str, list[int]]:
@@ -71,6 +107,8 @@ def check_shapes(model_dir: str, shapes: dict, trust_remote_code: bool = False):
     name is compared, so a mismatch is one line before launch, not an error in each worker.
     Returns the meta-device model (None where it was not built: custom code, packed weights, a build error)."""
     import torch
+
+    lean_transformers()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -168,6 +206,7 @@ def remember_passed(key: str, model_dir: str) -> None:
 
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
+    lean_transformers()
     from transformers import AutoTokenizer
 
     try:
@@ -181,6 +220,7 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
 
 def load_model(model_dir: str, dtype, trust_remote_code: bool = False):
     """The model on the CPU in `dtype`, loaded from safetensors with SDPA attention."""
+    lean_transformers()
     from transformers import AutoModelForCausalLM
 
     try:

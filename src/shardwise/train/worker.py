@@ -86,6 +86,9 @@ def preload_model_classes(model: str) -> None:
     loading it would. Only transformers' own classes (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES): nothing from the model
     directory runs. A model the launcher will refuse is simply not preloaded."""
     try:
+        from shardwise.models.load import lean_transformers
+
+        lean_transformers()
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         if model == "tiny":
