@@ -1,4 +1,8 @@
-from shardwise.cli import main
+from shardwise.phases import hold_full_gc
+
+hold_full_gc()  # while the process imports; released once it has started its real work (phases.py)
+
+from shardwise.cli import main  # noqa: E402
 
 code = main()
 if code == 0:

@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    if args.command != "train":
+        from shardwise.phases import release_full_gc
+
+        release_full_gc()  # train's launcher releases it after preparing, or after the first step it trains itself
     try:
         _check_cache_dir()
         rc = int(args.func(args) or 0)

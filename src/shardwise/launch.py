@@ -516,6 +516,7 @@ def launch(p: Prepared) -> dict | None:
             return run_job(p.job_path)
         except Preempted:
             raise Interrupted(signal.SIGTERM) from None
+    phases.release_full_gc()  # prepared: this process only runs the agent from here (phases.py)
     shutil.rmtree(rundir.error_dir(p.output_dir), ignore_errors=True)
     _agent(cfg, [p.job_path])
     return _after_agent(p)
@@ -621,6 +622,7 @@ class _Early:
         except BaseException as e:  # noqa: BLE001 - re-raised by finish() in the main thread
             self.error = e
         finally:
+            phases.release_full_gc()  # prepared: this process only runs the agent from here (phases.py)
             try:
                 rundir.atomic_write(self.pointer, json.dumps({"job": job}))
             except OSError:

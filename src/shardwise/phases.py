@@ -31,6 +31,35 @@ PHASES = (
 )
 
 
+# Full garbage collections while a process starts. CPython runs a full pass (every tracked object) whenever the
+# oldest generation has grown by a quarter since the last one, and importing torch, transformers and inductor grows
+# it many times over: on the tiny CPU job's launcher 7 full passes, 0.74-0.98 s together, which found about 150
+# objects to free (benchmarks/results/time_to_first_step_gc_2026-12-01.md). `hold_full_gc` stops the full passes
+# until `release_full_gc`; the young generations are still collected, so cyclic garbage made and dropped while
+# starting is freed as before. The release freezes what is alive then (gc.freeze: the imported modules' objects
+# move to a permanent generation that later full passes skip) and puts the thresholds back.
+_HELD_GC: list = []
+
+
+def hold_full_gc() -> None:
+    """No full garbage collection until release_full_gc (young generations still collected)."""
+    import gc
+
+    if not _HELD_GC:
+        _HELD_GC.append(gc.get_threshold())
+        t0, t1, _t2 = _HELD_GC[0]
+        gc.set_threshold(t0, t1, 1 << 30)
+
+
+def release_full_gc() -> None:
+    """Freeze the objects alive now and collect as before (idempotent; nothing if never held)."""
+    import gc
+
+    if _HELD_GC:
+        gc.freeze()
+        gc.set_threshold(*_HELD_GC.pop())
+
+
 def process_start() -> float:
     """When this process started (epoch seconds): from /proc on Linux, else when this module
     was first imported."""

@@ -296,6 +296,7 @@ class Trainer:
                     if env.device.type == "cuda":
                         torch.cuda.synchronize(env.device)  # once: the first step's time, compile included
                     self.marks["first_step"] = time.time()
+                    phases.release_full_gc()  # started: collect as usual from here (phases.py)
                 step, profiler = self.step, self.profiler
                 # a profiled step is logged on its own: the step before it closes the window
                 if (step % cfg.log_every == 0 or step == total or profiler.wants(step) or profiler.wants(step + 1)

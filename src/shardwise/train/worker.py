@@ -30,6 +30,9 @@ def die_with_launcher() -> None:
 
 if __name__ == "__main__":
     die_with_launcher()
+    from shardwise.phases import hold_full_gc
+
+    hold_full_gc()  # while the worker imports; released after its first step (phases.py)
 
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
