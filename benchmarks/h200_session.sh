@@ -367,7 +367,7 @@ ttfs14c() {  # single only, more rounds (the machine's round-to-round noise is Â
   export PYTHONPYCACHEPREFIX=/tmp/pycache14
   env -u PYTHONDONTWRITEBYTECODE python3 -c "import torch, transformers.trainer, torch._inductor.compile_fx, shardwise.train.loop"
   env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$PWD/.whl/base_src:/tmp/site" python3 -c "import shardwise.train.loop"
-  env -u PYTHONDONTWRITEBYTECODE timeout -k 10 330 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 7 \
+  env -u PYTHONDONTWRITEBYTECODE timeout -k 10 250 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 7 \
     --shardwise base-single,single --base-src .whl/base_src
 }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)

@@ -80,7 +80,9 @@ def main() -> int:
     if a.setup_only:
         print(" ".join(cmd))
         return 0
-    variants = ([("base", {"PYTHONPATH": os.path.abspath(a.base_src)})] if a.base_src else []) + [("shardwise", {})]
+    # base: its tree first on the path, then whatever PYTHONPATH the caller set for both (e.g. extra packages)
+    base_path = os.pathsep.join([os.path.abspath(a.base_src), *filter(None, [os.environ.get("PYTHONPATH")])])
+    variants = ([("base", {"PYTHONPATH": base_path})] if a.base_src else []) + [("shardwise", {})]
     results = []
     for i in range(a.runs):
         for name, env in variants:
