@@ -28,6 +28,8 @@
 #                                                    since reverted: inductor imported on a thread, SHARDWISE_IMPORT_AHEAD)
 #                                                    ttfs14b ttfs14c (fourteenth session; carry .whl/base_src = b7c4d15's src;
 #                                                    14b ran with scikit-learn skipped only, 14c with SciPy too)
+#                                                    ttfs15 (prepared in the fourteenth session, not run: carry .whl/base_src =
+#                                                    1912748's src, lean imports without the full-collection hold)
 #                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests z3eager (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
 #                                                    carries DeepSpeed's wheels and .whl/opt/accelerate, installed only
 #                                                    where the machine lacks accelerate)
@@ -369,6 +371,14 @@ ttfs14c() {  # single only, more rounds (the machine's round-to-round noise is Â
   env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$PWD/.whl/base_src:/tmp/site" python3 -c "import shardwise.train.loop"
   env -u PYTHONDONTWRITEBYTECODE timeout -k 10 250 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 7 \
     --shardwise base-single,single --base-src .whl/base_src
+}
+# the full-collection hold (phases.hold_full_gc, df1fdca) against 1912748 (lean imports, no hold), single and ddp
+ttfs15() {
+  export PYTHONPYCACHEPREFIX=/tmp/pycache15
+  env -u PYTHONDONTWRITEBYTECODE python3 -c "import torch, transformers.trainer, torch._inductor.compile_fx, shardwise.train.loop"
+  env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$PWD/.whl/base_src:/tmp/site" python3 -c "import shardwise.train.loop"
+  env -u PYTHONDONTWRITEBYTECODE timeout -k 10 500 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 6 \
+    --shardwise base-single,single,base-ddp,ddp --base-src .whl/base_src
 }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {

@@ -33,8 +33,8 @@ PHASES = (
 
 # Full garbage collections while a process starts. CPython runs a full pass (every tracked object) whenever the
 # oldest generation has grown by a quarter since the last one, and importing torch, transformers and inductor grows
-# it many times over: on the tiny CPU job's launcher 7 full passes, 0.74-0.98 s together, which found about 150
-# objects to free (benchmarks/results/time_to_first_step_gc_2026-12-01.md). `hold_full_gc` stops the full passes
+# it many times over: on the tiny CPU job's launcher 7 full passes, 0.74-0.98 s together, which found 142 objects
+# to free (benchmarks/results/time_to_first_step_cpu_2026-12-01-lean.md). `hold_full_gc` stops the full passes
 # until `release_full_gc`; the young generations are still collected, so cyclic garbage made and dropped while
 # starting is freed as before. The release freezes what is alive then (gc.freeze: the imported modules' objects
 # move to a permanent generation that later full passes skip) and puts the thresholds back.
