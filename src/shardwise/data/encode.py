@@ -16,6 +16,7 @@ more than about 10 characters per token over a span, and 32 leaves room to spare
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -144,8 +145,29 @@ def _ids_and_mask(tokenizer, rec: Record, enc_ids: list[int], offsets, spans, cu
         return ids, [1] * len(ids)
     if spans is None:
         return enc_ids, [1] * len(enc_ids)
-    mask = [int(e > s and any(a <= s < b for a, b in spans)) for s, e in offsets]
-    return enc_ids, mask
+    return enc_ids, span_mask(offsets, spans)
+
+
+def span_mask(offsets, spans) -> list[int]:
+    """1 for each token (its character offsets (s, e)) that is not empty and starts inside one of `spans`
+    (character ranges [a, b)), else 0: `int(e > s and any(a <= s < b for a, b in spans))` per token. The spans are
+    merged into sorted disjoint ranges (their union, so the same starts fall inside) and each token is looked up by
+    bisection: a third of a first run's tokenizing was that expression's generator, per token and span."""
+    starts: list[int] = []
+    ends: list[int] = []
+    for a, b in sorted(sp for sp in spans if sp[1] > sp[0]):
+        if ends and a <= ends[-1]:
+            ends[-1] = max(ends[-1], b)
+        else:
+            starts.append(a)
+            ends.append(b)
+    if not starts:
+        return [0] * len(offsets)
+    out = []
+    for s, e in offsets:
+        i = bisect_right(starts, s) - 1
+        out.append(1 if e > s and i >= 0 and s < ends[i] else 0)
+    return out
 
 
 def _tokenize(tokenizer, rec: Record, text: str):
@@ -193,7 +215,7 @@ def encode_records(tokenizer, records: list[Record], opts: ChatOptions | None, b
 
 def shift(ids: list[int], mask: list[int]) -> list[int]:
     """Next-token targets: targets[i] = ids[i+1] where that token carries loss."""
-    return [ids[i + 1] if mask[i + 1] else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
+    return [t if m else IGNORE for t, m in zip(ids[1:], mask[1:])] + [IGNORE]
 
 
 def check_options(tokenizer, options: ChatOptions | None, chat: bool) -> None:
