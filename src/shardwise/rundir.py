@@ -351,7 +351,9 @@ def quiet_libraries(transformers: bool = True) -> None:
     """Progress bars and accelerator banners of the libraries we drive are noise here. `transformers=False` sets
     the environment only (transformers reads it when imported): the launcher starts the workers before it imports
     transformers (launch._begin)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if "TOKENIZERS_PARALLELISM" not in os.environ:  # ours, not the user's: data/encode.py turns it on around batches
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        os.environ["SHARDWISE_TOKENIZERS_PARALLELISM_OURS"] = "1"
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

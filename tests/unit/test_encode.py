@@ -138,3 +138,54 @@ def test_span_mask_matches_the_per_token_definition_on_random_offsets_and_spans(
             spans.append((a, a + rng.randint(-2, 12)))
         want = [int(e > s and any(a <= s < b for a, b in spans)) for s, e in offsets]
         assert span_mask(offsets, spans) == want, (offsets, spans)
+
+
+def test_rust_threads_turn_the_tokenizer_pool_on_only_around_a_batch_and_only_where_shardwise_turned_it_off(
+        monkeypatch):
+    """data/encode.rust_threads: TOKENIZERS_PARALLELISM is true inside (a fast tokenizer's batch on all cores) and
+    false again after, so a process forked later finds it set; a value the user set is never touched."""
+    import os
+
+    from shardwise.data.encode import rust_threads
+    from shardwise.rundir import quiet_libraries
+
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    monkeypatch.delenv("SHARDWISE_TOKENIZERS_PARALLELISM_OURS", raising=False)
+    quiet_libraries(transformers=False)  # what every shardwise process does first: off, and marked as ours
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    with rust_threads():
+        assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    with pytest.raises(RuntimeError):
+        with rust_threads():
+            raise RuntimeError("a batch failed")
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"  # back off after an error too
+
+    for users in ("false", "true", "0"):  # the user's own setting, before shardwise started
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", users)
+        monkeypatch.delenv("SHARDWISE_TOKENIZERS_PARALLELISM_OURS", raising=False)
+        quiet_libraries(transformers=False)
+        with rust_threads():
+            assert os.environ["TOKENIZERS_PARALLELISM"] == users
+        assert os.environ["TOKENIZERS_PARALLELISM"] == users
+
+
+def test_the_tokenizer_pool_changes_no_token(tok, monkeypatch):
+    """The same records encode to the same tensors with the tokenizer's thread pool on around the batches (a
+    shardwise process) and off (the user's TOKENIZERS_PARALLELISM=false)."""
+    import random
+
+    rng = random.Random(1)
+    words = "the a cat sat on mat reverse sort these words again please ok".split()
+    recs = [chat(("user", " ".join(rng.choices(words, k=rng.randint(1, 20)))),
+                 ("assistant", " ".join(rng.choices(words, k=rng.randint(1, 30))))) for _ in range(300)]
+    recs += [Record("text", " ".join(rng.choices(words, k=rng.randint(1, 40))), "t:2") for _ in range(100)]
+    results = []
+    for ours in ("1", ""):
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+        monkeypatch.setenv("SHARDWISE_TOKENIZERS_PARALLELISM_OURS", ours)
+        results.append(encode(recs, tok, 64, packing=True))
+    on, off = results
+    for name in ("input_ids", "targets"):
+        assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+                   for a, b in zip(getattr(on, name), getattr(off, name), strict=True))
