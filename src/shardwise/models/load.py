@@ -30,39 +30,36 @@ def resolve_model_dir(model: str, seed: int) -> str:
     return path
 
 
-# Optional packages some transformers modules import when they are imported, for code a causal LM's training never
-# runs: {package: (transformers' availability check, the module that imports it, why)}.
-LEAN_SKIPS = {
-    "sklearn": ("is_sklearn_available", "transformers.generation.candidate_generator",
-                "assisted decoding's confidence threshold (roc_curve); SciPy and pandas come with it"),
-    "scipy": ("is_scipy_available", "transformers.loss.loss_for_object_detection",
-              "object-detection losses' matching (linear_sum_assignment)"),
-}
+# (transformers' availability check, the transformers module that imports the package when it is itself imported):
+# optional packages imported for code a causal LM's training never runs
+LEAN_SKIPS = (
+    ("is_sklearn_available", "transformers.generation.candidate_generator"),  # assisted decoding's roc_curve
+    ("is_scipy_available", "transformers.loss.loss_for_object_detection"),  # detection losses' matching
+)
+
+
+def _unavailable() -> bool:
+    return False
 
 
 def lean_transformers() -> None:
     """Keep scikit-learn and SciPy out of a training process. transformers imports them, where installed, when
     modules every model class and AutoTokenizer import are imported (LEAN_SKIPS): scikit-learn with the generation
-    module in some releases (5.17, on the H200 machine: 1.8-1.9 s there), SciPy's optimiser with the loss module
-    (5.17 and 5.24: 0.4 s on this CPU box). Training never runs the code they serve. Called before shardwise's
-    first import of transformers' model or tokenizer classes: for each package whose importing module is not
-    imported yet, transformers' availability check reports it unavailable in this process. A model's own code can
-    still import either package itself."""
+    module in some releases (5.17, on the H200 machine: 1.8-1.9 s there, SciPy's stats and pandas with it), SciPy's
+    optimiser with the loss module (5.17 and 5.24: 0.4 s on this CPU box). Training never runs the code they serve.
+    Called before shardwise's first import of transformers' model or tokenizer classes: for each package whose
+    importing module is not imported yet, transformers' availability check reports it unavailable in this process.
+    A model's own code can still import either package itself."""
     try:
         import transformers.utils as tu
         from transformers.utils import import_utils
     except Exception:  # noqa: BLE001 - no transformers: the caller's own import reports it
         return
-    for check, importer, _why in LEAN_SKIPS.values():
-        if importer in sys.modules:
-            continue  # imported already: nothing left to save
-
-        def unavailable() -> bool:
-            return False
-
-        for module in (tu, import_utils):
-            if hasattr(module, check):
-                setattr(module, check, unavailable)
+    for check, importer in LEAN_SKIPS:
+        if importer not in sys.modules:  # imported already: nothing left to save
+            for module in (tu, import_utils):
+                if hasattr(module, check):
+                    setattr(module, check, _unavailable)
 
 
 def check_weights(model_dir: str) -> dict[str, list[int]]:
