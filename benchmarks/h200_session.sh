@@ -323,17 +323,20 @@ z3eager() {
 }
 # the CUDA tests with whole-block ZeRO-3 (zero3 compiled on tied embeddings, QLoRA, the defaults)
 cudatests() { timeout -k 10 450 python3 -m pytest -n 0 -q -rs -p no:cacheprovider tests/gpu/test_cuda.py; }
+# bytecode written and cached as on a user's machine (the device sets PYTHONDONTWRITEBYTECODE), filled by one import
+# of this tree and of .whl/base_src first; then ttfs_h200.py: ttfs_ab PYCACHE TIMEOUT RUNS VARIANTS
+ttfs_ab() {
+  export PYTHONPYCACHEPREFIX=$1
+  env -u PYTHONDONTWRITEBYTECODE python3 -c "import torch, transformers.trainer, torch._inductor.compile_fx, shardwise.train.loop"
+  env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$PWD/.whl/base_src:/tmp/site" python3 -c "import shardwise.train.loop"
+  env -u PYTHONDONTWRITEBYTECODE timeout -k 10 "$2" python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs "$3" \
+    --shardwise "$4" --base-src .whl/base_src
+}
 # thirteenth session (issue 17.3): the launcher's model checks remembered across runs and DCP imported only when a
 # checkpoint is read or written (39f2b09, b735191), against abbcc08's src/ (carried as .whl/base_src, made with
 # `git archive abbcc08 src | tar -x -C .whl/base_src --strip-components=1`), with bytecode cached as on a user's
 # machine: base single, single, the HF Trainer; round 0 fills the inductor, data and check caches
-ttfs13() {
-  export PYTHONPYCACHEPREFIX=/tmp/pycache13
-  env -u PYTHONDONTWRITEBYTECODE python3 -c "import torch, transformers.trainer, torch._inductor.compile_fx, shardwise.train.loop"
-  env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$PWD/.whl/base_src:/tmp/site" python3 -c "import shardwise.train.loop"
-  env -u PYTHONDONTWRITEBYTECODE timeout -k 10 480 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 3 \
-    --shardwise base-single,single --base-src .whl/base_src
-}
+ttfs13() { ttfs_ab /tmp/pycache13 480 3 base-single,single; }
 # fourteenth session: inductor imported on a thread from the start of the worker's setup (single) against
 # SHARDWISE_IMPORT_AHEAD=0, beside the HF Trainer; then py-spy timelines of one warm run of each (all threads, idle
 # included; and the GIL holder only)
@@ -356,30 +359,15 @@ ttfs14() {
 # fourteenth session: scikit-learn kept out of shardwise's processes (models/load.py lean_transformers) against the
 # commit before it, single and ddp (one rank, early worker), beside the HF Trainer; what importing scikit-learn costs
 ttfs14b() {
-  export PYTHONPYCACHEPREFIX=/tmp/pycache14
-  env -u PYTHONDONTWRITEBYTECODE python3 -c "import torch, transformers.trainer, torch._inductor.compile_fx, shardwise.train.loop"
-  env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$PWD/.whl/base_src:/tmp/site" python3 -c "import shardwise.train.loop"
+  export PYTHONPYCACHEPREFIX=/tmp/pycache14  # the importtime runs below as ttfs_ab's imports see it
   grep -n "sklearn" "$(python3 -c 'import transformers, os; print(os.path.dirname(transformers.__file__))')/generation/candidate_generator.py" | head -3
   for i in 1 2 3; do env -u PYTHONDONTWRITEBYTECODE python3 -X importtime -c "import torch, sklearn.metrics" 2>&1 \
     | grep -E "\| (sklearn|sklearn.metrics|scipy.stats|pandas)$"; done
-  env -u PYTHONDONTWRITEBYTECODE timeout -k 10 540 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 4 \
-    --shardwise base-single,single,base-ddp,ddp --base-src .whl/base_src
+  ttfs_ab /tmp/pycache14 540 4 base-single,single,base-ddp,ddp
 }
-ttfs14c() {  # single only, more rounds (the machine's round-to-round noise is ±2 s)
-  export PYTHONPYCACHEPREFIX=/tmp/pycache14
-  env -u PYTHONDONTWRITEBYTECODE python3 -c "import torch, transformers.trainer, torch._inductor.compile_fx, shardwise.train.loop"
-  env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$PWD/.whl/base_src:/tmp/site" python3 -c "import shardwise.train.loop"
-  env -u PYTHONDONTWRITEBYTECODE timeout -k 10 250 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 7 \
-    --shardwise base-single,single --base-src .whl/base_src
-}
+ttfs14c() { ttfs_ab /tmp/pycache14 250 7 base-single,single; }  # more rounds (±2 s round to round there)
 # the full-collection hold (phases.hold_full_gc, df1fdca) against 1912748 (lean imports, no hold), single and ddp
-ttfs15() {
-  export PYTHONPYCACHEPREFIX=/tmp/pycache15
-  env -u PYTHONDONTWRITEBYTECODE python3 -c "import torch, transformers.trainer, torch._inductor.compile_fx, shardwise.train.loop"
-  env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$PWD/.whl/base_src:/tmp/site" python3 -c "import shardwise.train.loop"
-  env -u PYTHONDONTWRITEBYTECODE timeout -k 10 500 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 6 \
-    --shardwise base-single,single,base-ddp,ddp --base-src .whl/base_src
-}
+ttfs15() { ttfs_ab /tmp/pycache15 500 6 base-single,single,base-ddp,ddp; }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {
   python3 benchmarks/long_context.py --lengths 8192 --sp 1 --steps 4 --timeout 260 --tag tp2 --out "$OUT" -- \
