@@ -181,13 +181,9 @@ class _WriteGate:
 
 def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: bool, t0: float = 0.0,
              gate: _WriteGate | None = None, loaded: tuple | None = None, marks: dict | None = None) -> Prepared:
-    quiet_libraries()
+    quiet_libraries(transformers=False)  # transformers only where the tokenizer loads (_tokenized)
     from safetensors.torch import save_file
 
-    from shardwise.data.cache import encode_cached
-    from shardwise.data.encode import ChatOptions, check_options
-    from shardwise.data.templates import use_chat_template
-    from shardwise.models.load import load_tokenizer
     from shardwise.train import checkpoint as ckpt
 
     node0 = lock is not None
@@ -221,20 +217,10 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
         check_tensor_parallel(cfg, res, world, model_dir)
         check_sequence_parallel(cfg, res, world, model_dir)
     check_fit(cfg, res, world, force)
-    tokenizer = load_tokenizer(model_dir, cfg.trust_remote_code)
-    use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
     if loaded is None:
         loaded = read_data(cfg, res)
     records, stats, val = loaded
-    opts = ChatOptions.from_config(cfg)
-    check_options(tokenizer, opts, any(r.kind == "chat" for r in records + val))  # not hidden by a cache hit
-    encoded, tensors, hit = encode_cached(records, tokenizer, model_dir, cfg.seq_len, cfg.packing, opts,
-                                          cfg.data_cache, say)
-    val_tensors = None
-    if val:
-        val, val_tensors, _ = encode_cached(val, tokenizer, model_dir, cfg.seq_len, False, opts, cfg.data_cache, say)
-    else:
-        val = None
+    encoded, tensors, hit, val, val_tensors = _tokenized(cfg, res, model_dir, records, val)
     if val is not None and not val.stats["loss_tokens"]:
         raise ShardwiseError(f"{res.where('val_data' if cfg.val_data else 'val_split')}: the validation set has no "
                              "loss token (every example empty or truncated away); give more or longer examples")
@@ -303,6 +289,41 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     job_path = os.path.join(prep, "job.json")
     rundir.atomic_write(job_path, json.dumps(job, indent=1))
     return Prepared(cfg, out, job_path, world, lock)
+
+
+def _tokenized(cfg: Config, res: Resolved, model_dir: str, records: list, val: list) -> tuple:
+    """(encoded, tensors, from the cache, validation encoded or None, its tensors or None). A launch whose data
+    a launch with the same source key (data/cache.py source_key) tokenized or read before takes both sets from
+    the cache without loading the tokenizer; otherwise the tokenizer loads, its checks run, and the sets are
+    tokenized or read from the cache by their entry key."""
+    from shardwise.data import cache
+    from shardwise.data.encode import ChatOptions, check_options
+    from shardwise.data.templates import template_text, use_chat_template
+
+    opts = ChatOptions.from_config(cfg)
+    template = template_text(cfg.chat_template, res.where("chat_template")) if cfg.chat_template else ""
+    sets = [(records, cfg.packing)] + ([(val, False)] if val else [])
+    digests = [cache.records_digest(recs) for recs, _ in sets] if cfg.data_cache else [None] * len(sets)
+    sources = [cache.source_key(recs, model_dir, template, cfg.trust_remote_code, cfg.seq_len, packing, opts, d)
+               for (recs, packing), d in zip(sets, digests)] if cfg.data_cache else [None] * len(sets)
+    got = [cache.cached_by_source(k) for k in sources] if cfg.data_cache else [None]
+    if all(g is not None for g in got):
+        (encoded, tensors), *rest = got
+        hit = True
+    else:
+        from shardwise.models.load import load_tokenizer
+
+        quiet_libraries()
+        tokenizer = load_tokenizer(model_dir, cfg.trust_remote_code)
+        use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
+        check_options(tokenizer, opts, any(r.kind == "chat" for r in records + val))  # not hidden by a cache hit
+        done = [cache.encode_cached(recs, tokenizer, model_dir, cfg.seq_len, packing, opts, cfg.data_cache, say,
+                                    source, d)
+                for (recs, packing), source, d in zip(sets, sources, digests)]
+        (encoded, tensors, hit), *rest = done
+    if not val:
+        return encoded, tensors, hit, None, None
+    return encoded, tensors, hit, rest[0][0], rest[0][1]
 
 
 def read_data(cfg: Config, res: Resolved) -> tuple[list, object, list]:
@@ -505,8 +526,8 @@ class Interrupted(Exception):
 
 def launch(p: Prepared) -> dict | None:
     cfg = p.cfg
-    quiet_libraries()
     if presets.trains_in_process(cfg.strategy, p.world_size):
+        quiet_libraries()
         import signal
 
         from shardwise.train.loop import Preempted

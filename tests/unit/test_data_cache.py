@@ -33,7 +33,7 @@ def run(env, recs=None, seq_len=64, packing=True, opts=None, note=None):
 
 def entries():
     d = cache.cache_dir()
-    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+    return sorted(n for n in os.listdir(d) if n.endswith(".safetensors")) if os.path.isdir(d) else []
 
 
 def same(a, b):
@@ -145,3 +145,112 @@ def test_prepare_reads_a_repeat_run_from_the_cache_byte_identical(tiny_dir, tmp_
     shutil.rmtree(tmp_path / "cache")
     third = prepare(tmp_path / "c", data_cache=False)
     assert "from the cache" not in third[0] and third[1:] == first[1:] and entries() == []
+
+
+# -- a repeat launch without the tokenizer (source keys) -------------------------------------------------------------
+
+
+def _prepare(model, data, out, **kw):
+    """The launcher's prepare (no workers); (printed output, data.safetensors bytes)."""
+    from shardwise import config, launch
+
+    flags = {"model": model, "data": str(data), "seq_len": 64, "val_split": 0.1, "output_dir": str(out),
+             "nproc_per_node": 2, "strategy": "ddp", **kw}
+    p = launch.prepare(config.load_config(None, {k: (v, "flag") for k, v in flags.items()}))
+    p.lock.release()
+    with open(os.path.join(str(out), ".prep", "node0", "data.safetensors"), "rb") as fh:
+        return fh.read()
+
+
+@pytest.fixture()
+def launch_env(tiny_dir, tmp_path, monkeypatch):
+    """A cache and a model directory of this test's own, chat data, and a switch that makes loading the tokenizer
+    fail (to show a launch did not load it)."""
+    import json
+
+    import shardwise.models.load as load
+
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"},
+                                                     {"role": "assistant", "content": f"a {i}"}]}) + "\n"
+                            for i in range(40)))
+    real, loads = load.load_tokenizer, []
+
+    def counted(*a, **k):
+        loads.append(a[0])
+        return real(*a, **k)
+
+    monkeypatch.setattr(load, "load_tokenizer", counted)
+    return model, data, loads
+
+
+def test_a_repeat_launch_takes_its_data_from_the_cache_without_loading_the_tokenizer(launch_env, tmp_path):
+    model, data, loads = launch_env
+    first = _prepare(str(model), data, tmp_path / "a")
+    assert len(loads) == 1 and len(entries()) == 2  # training and validation sets
+    assert len(os.listdir(os.path.join(cache.cache_dir(), "by-source"))) == 2
+    second = _prepare(str(model), data, tmp_path / "b")
+    assert len(loads) == 1 and second == first  # no load, the same bytes
+    # anything the tokenizer depends on that changed loads it again: a setting, the template, a tokenizer file
+    _prepare(str(model), data, tmp_path / "c", seq_len=48)
+    assert len(loads) == 2
+    _prepare(str(model), data, tmp_path / "d", chat_template="chatml")
+    assert len(loads) == 3
+    with open(model / "tokenizer_config.json", "a") as fh:
+        fh.write("\n")
+    again = _prepare(str(model), data, tmp_path / "e")
+    assert len(loads) == 4 and again == first  # a blank line changes nothing encoded, but it was checked again
+    _prepare(str(model), data, tmp_path / "f")
+    assert len(loads) == 4
+
+
+def test_a_refusal_is_never_remembered_and_a_changed_tokenizer_is_checked_again(launch_env, tmp_path):
+    """Chat data needs a chat template. A model directory whose template was removed after a run that passed is
+    refused again: its files are part of the source key, so the launch loads and checks the tokenizer."""
+    from shardwise.errors import ShardwiseError
+
+    model, data, loads = launch_env
+    _prepare(str(model), data, tmp_path / "a")
+    os.remove(model / "chat_template.jinja")
+    for out in ("b", "c"):
+        with pytest.raises(ShardwiseError, match="no chat template but the data is chat"):
+            _prepare(str(model), data, tmp_path / out)
+    assert len(loads) == 3 and len(os.listdir(os.path.join(cache.cache_dir(), "by-source"))) == 2
+
+
+def test_an_index_naming_a_missing_or_foreign_entry_loads_the_tokenizer_and_is_rewritten(launch_env, tmp_path):
+    model, data, loads = launch_env
+    first = _prepare(str(model), data, tmp_path / "a")
+    index = os.path.join(cache.cache_dir(), "by-source")
+    names = sorted(os.listdir(index))
+    for n in entries():
+        os.remove(os.path.join(cache.cache_dir(), n))
+    with open(os.path.join(index, names[0]), "w") as fh:
+        fh.write('{"key": "../../etc/passwd"}')
+    assert _prepare(str(model), data, tmp_path / "b") == first and len(loads) == 2
+    assert sorted(os.listdir(index)) == names
+    assert _prepare(str(model), data, tmp_path / "c") == first and len(loads) == 2
+
+
+def test_the_source_key_changes_with_each_thing_it_covers(tmp_path, tiny_dir):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    recs = [Record("text", "hello there", "d.jsonl:1"), Record("text", "bye", "d.jsonl:2")]
+    base = dict(records=recs, model_dir=str(model), template="", trust_remote_code=False, seq_len=64, packing=False,
+                opts=ChatOptions())
+    variants = [{}, {"records": recs[:1]}, {"records": [Record("text", "hello there", "d.jsonl:9"), recs[1]]},
+                {"template": "{{ messages }}"}, {"trust_remote_code": True}, {"seq_len": 65}, {"packing": True},
+                {"opts": ChatOptions(system="be brief")}, {"opts": ChatOptions(train_on_prompt=True)},
+                {"opts": ChatOptions(last_turn_only=True)}]
+    keys = [cache.source_key(**{**base, **v}) for v in variants]
+    assert keys[0] == cache.source_key(**base)
+    (model / "tokenizer.json").write_bytes((model / "tokenizer.json").read_bytes() + b" ")
+    keys.append(cache.source_key(**base))
+    (model / "extra_tokens.txt").write_text("x")  # any file that is not a weight, the tokenizer may read it
+    keys.append(cache.source_key(**base))
+    (model / "model.safetensors").write_bytes(b"")  # weights are not read by the tokenizer
+    assert cache.source_key(**base) == keys[-1]
+    assert len(set(keys)) == len(keys)

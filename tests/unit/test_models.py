@@ -144,23 +144,29 @@ def test_model_checks_are_remembered_for_what_passed_and_redone_for_anything_cha
     assert len(built) == 7 and len(os.listdir(tmp_path / "cache" / "checks")) == 3
 
 
-def test_a_repeat_launch_checks_the_model_without_transformers_modelling_or_dcp(tmp_path, tiny_dir):
-    """What the launcher's checks import once the model passed before: neither transformers' modelling stack (the
-    meta-device build) nor torch.distributed.checkpoint (0.6 s; only a resume reads a checkpoint). In a fresh
-    interpreter, with a cache of its own."""
+def test_a_repeat_launch_prepares_without_transformers_or_dcp(tmp_path, tiny_dir):
+    """What the launcher's prepare imports once the model passed its checks and the data was tokenized before:
+    not transformers at all (neither the modelling stack of the meta-device build nor the tokenizer's classes:
+    data/cache.py source_key), nor torch.distributed.checkpoint (0.6 s; only a resume reads a checkpoint). In a
+    fresh interpreter, with a cache of its own."""
     import subprocess
     import sys
 
-    code = ("import sys; from shardwise import config; from shardwise.launch import check_model; "
-            "import shardwise.train.checkpoint; "
-            f"res = config.load_config(None, {{'model': ({tiny_dir!r}, '--model')}}); check_model(res.cfg, res); "
-            "print(sorted(m for m in ('transformers.modeling_utils', 'torch.distributed.checkpoint') if m in sys.modules))")
-    env = {**os.environ, "SHARDWISE_CACHE_DIR": str(tmp_path)}
-    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-            for _ in range(2)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"line {i} " * 5}) + "\n" for i in range(24)))
+    code = ("import sys; from shardwise import config, launch; "
+            f"flags = {{'model': {tiny_dir!r}, 'data': {str(data)!r}, 'seq_len': 32, 'val_split': 0.1, "
+            "'nproc_per_node': 2, 'strategy': 'ddp', 'output_dir': sys.argv[1]}; "
+            "p = launch.prepare(config.load_config(None, {k: (v, 'flag') for k, v in flags.items()})); "
+            "p.lock.release(); "
+            "print(sorted(m for m in ('transformers', 'transformers.modeling_utils', 'torch.distributed.checkpoint') "
+            "if m in sys.modules))")
+    env = {**os.environ, "SHARDWISE_CACHE_DIR": str(tmp_path / "cache")}
+    runs = [subprocess.run([sys.executable, "-c", code, str(tmp_path / f"run{i}")], env=env, capture_output=True,
+                           text=True, timeout=300) for i in range(2)]
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
     assert "'transformers.modeling_utils'" in runs[0].stdout  # the first run builds the meta model
-    assert runs[1].stdout.strip() == "[]"
+    assert runs[1].stdout.strip().splitlines()[-1] == "[]", runs[1].stdout
 
 
 def test_saving_a_model_does_not_import_deepspeed(tmp_path, tiny_dir):

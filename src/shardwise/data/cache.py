@@ -21,6 +21,15 @@ The key is a SHA-256 over everything `encode` reads, so no setting can be left o
 Entries are written atomically (a reader sees a whole entry or none); an entry that cannot
 be read or does not match its key is ignored and rewritten. The newest KEEP entries are
 kept, older ones removed (a hit refreshes an entry's time).
+
+A repeat launch finds its entry without loading the tokenizer (issue 17.3): AutoTokenizer
+imports transformers and the model's configuration module, about 2.5 s of the launcher's
+CPU on the tiny job, for files the launcher read the same way in an earlier run. Beside
+each entry an index file, $SHARDWISE_CACHE_DIR/data/by-source/<source key>.json, names the
+entry's key; the source key (source_key) covers, read from files and package metadata
+only, everything the tokenizer and the launcher's tokenizer checks depend on. The index is
+written only after those checks passed and the entry was read or written, so a refusal is
+never remembered, and a miss of the index is the ordinary path (load, check, encode).
 """
 
 from __future__ import annotations
@@ -55,6 +64,12 @@ def tokenizer_digest(tokenizer, model_dir: str) -> str:
 
     h.update(json.dumps([type(tokenizer).__name__, transformers.__version__, tokenizers.__version__,
                          getattr(tokenizer, "chat_template", None), tokenizer.eos_token_id]).encode())
+    _hash_model_files(h, model_dir)
+    return h.hexdigest()
+
+
+def _hash_model_files(h, model_dir: str) -> None:
+    """Every file of `model_dir` that is not a weight file: name, size and bytes."""
     for name in sorted(os.listdir(model_dir)):
         path = os.path.join(model_dir, name)
         if name.endswith(WEIGHT_SUFFIXES) or not os.path.isfile(path):
@@ -63,16 +78,96 @@ def tokenizer_digest(tokenizer, model_dir: str) -> str:
         with open(path, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
-    return h.hexdigest()
 
 
-def key(records: list[Record], tok_digest: str, seq_len: int, packing: bool, opts: ChatOptions) -> str:
-    h = hashlib.sha256(json.dumps([FORMAT, tok_digest, seq_len, packing, opts.system, opts.train_on_prompt,
-                                   opts.last_turn_only, len(records)]).encode())
+def records_digest(records: list[Record]) -> str:
+    h = hashlib.sha256(str(len(records)).encode())
     for r in records:
         h.update(json.dumps([r.kind, r.payload, r.source], ensure_ascii=False, default=repr).encode("utf-8", "surrogatepass"))
         h.update(b"\n")
     return h.hexdigest()
+
+
+def key(records: list[Record], tok_digest: str, seq_len: int, packing: bool, opts: ChatOptions,
+        rec_digest: str | None = None) -> str:
+    return hashlib.sha256(json.dumps([FORMAT, tok_digest, seq_len, packing, opts.system, opts.train_on_prompt,
+                                      opts.last_turn_only, rec_digest or records_digest(records)]).encode()).hexdigest()
+
+
+# -- finding an entry without the tokenizer -------------------------------------------------------------------------
+
+SOURCES_KEEP = 64
+# packages whose presence or version can change which tokenizer class loads or what it and the chat template give
+TOKENIZER_PACKAGES = ("transformers", "tokenizers", "jinja2", "sentencepiece", "protobuf", "tiktoken")
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        if package == "transformers":  # a source tree on PYTHONPATH has no installed metadata
+            import transformers
+
+            return transformers.__version__
+        return None
+
+
+def source_key(records: list[Record], model_dir: str, template: str, trust_remote_code: bool, seq_len: int,
+               packing: bool, opts: ChatOptions, rec_digest: str | None = None) -> str:
+    """SHA-256 over everything the launcher's tokenizer, its checks (models/load.load_tokenizer,
+    data/templates.use_chat_template, data/encode.check_options) and `key` depend on, read without loading the
+    tokenizer: every file of the model directory that is not a weight file (as tokenizer_digest reads them, code
+    files included), the versions of TOKENIZER_PACKAGES (None where absent), the --chat-template text in effect
+    ('' keeps the tokenizer's own, which those files hold), remote code, seq_len, packing, the chat options, the
+    records, and the source of the modules that load, check and encode."""
+    h = hashlib.sha256(json.dumps([FORMAT, [_version(p) for p in TOKENIZER_PACKAGES], template, trust_remote_code,
+                                   seq_len, packing, opts.system, opts.train_on_prompt, opts.last_turn_only,
+                                   rec_digest or records_digest(records)]).encode())
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for rel in (("models", "load.py"), ("data", "templates.py"), ("data", "encode.py"), ("data", "cache.py")):
+        with open(os.path.join(pkg, *rel), "rb") as fh:
+            h.update(fh.read())
+    _hash_model_files(h, model_dir)
+    return h.hexdigest()
+
+
+def _index_path(skey: str) -> str:
+    return os.path.join(cache_dir(), "by-source", f"{skey}.json")
+
+
+def cached_by_source(skey: str) -> tuple[Encoded, dict] | None:
+    """The entry a run with source key `skey` read or wrote before, whole and matching its key; None otherwise."""
+    try:
+        with open(_index_path(skey), encoding="utf-8") as fh:
+            k = json.load(fh)["key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (isinstance(k, str) and len(k) == 64 and all(c in "0123456789abcdef" for c in k)):
+        return None
+    path = os.path.join(cache_dir(), f"{k}.safetensors")
+    got = _read(path, k) if os.path.isfile(path) else None
+    if got is not None:
+        for p in (path, _index_path(skey)):  # most recently used: kept by the pruning
+            try:
+                os.utime(p)
+            except OSError:
+                pass
+    return got
+
+
+def _remember_source(skey: str, k: str) -> None:
+    """Best effort: an index that cannot be written costs the next launch the tokenizer, nothing else."""
+    from shardwise.rundir import atomic_write
+
+    path = _index_path(skey)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_write(path, json.dumps({"key": k}))
+    except OSError:
+        return
+    prune_keyed(os.path.dirname(path), ".json", SOURCES_KEEP)
 
 
 def _read(path: str, k: str) -> tuple[Encoded, dict] | None:
@@ -112,13 +207,16 @@ def _write(path: str, k: str, enc: Encoded, tensors: dict) -> None:
 
 
 def encode_cached(records: list[Record], tokenizer, model_dir: str, seq_len: int, packing: bool,
-                  opts: ChatOptions, enabled: bool = True, note=None) -> tuple[Encoded, dict, bool]:
+                  opts: ChatOptions, enabled: bool = True, note=None, source: str | None = None,
+                  rec_digest: str | None = None) -> tuple[Encoded, dict, bool]:
     """(encoded, its tensors as data.safetensors holds them, whether it came from the cache).
-    `note(msg)` is told about an entry that was ignored or could not be written."""
+    `note(msg)` is told about an entry that was ignored or could not be written. `source`: the records' source
+    key (source_key), indexed to the entry once it was read or written: give it only after the tokenizer's checks
+    passed."""
     if not enabled:
         enc = encode(records, tokenizer, seq_len, packing, opts)
         return enc, enc.to_tensors(), False
-    k = key(records, tokenizer_digest(tokenizer, model_dir), seq_len, packing, opts)
+    k = key(records, tokenizer_digest(tokenizer, model_dir), seq_len, packing, opts, rec_digest)
     path = os.path.join(cache_dir(), f"{k}.safetensors")
     if os.path.exists(path):
         got = _read(path, k)
@@ -127,6 +225,8 @@ def encode_cached(records: list[Record], tokenizer, model_dir: str, seq_len: int
                 os.utime(path)
             except OSError:
                 pass
+            if source:
+                _remember_source(source, k)
             return got[0], got[1], True
         if note:
             note(f"data cache: {path} is unreadable or not this data's; tokenizing again and replacing it")
@@ -139,4 +239,7 @@ def encode_cached(records: list[Record], tokenizer, model_dir: str, seq_len: int
         if note:
             note(f"data cache: cannot write {path} ({e.strerror or e}); the run goes on without it "
                  "(--no-data-cache skips the cache)")
+        return enc, tensors, False
+    if source:
+        _remember_source(source, k)
     return enc, tensors, False
