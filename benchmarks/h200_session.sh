@@ -31,6 +31,7 @@
 #                                                    ttfs15 (run in the fifteenth session: carry .whl/base_src = 1912748's src,
 #                                                    lean imports without the full-collection hold; results
 #                                                    time_to_first_step_h200_2026-12-02-gc.md)
+#                                                    ttfs16 (fifteenth session: carry .whl/base_src = b021912's src)
 #                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests z3eager (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
 #                                                    carries DeepSpeed's wheels and .whl/opt/accelerate, installed only
 #                                                    where the machine lacks accelerate)
@@ -369,6 +370,10 @@ ttfs14b() {
 ttfs14c() { ttfs_ab /tmp/pycache14 250 7 base-single,single; }  # more rounds (±2 s round to round there)
 # the full-collection hold (phases.hold_full_gc, df1fdca) against 1912748 (lean imports, no hold), single and ddp
 ttfs15() { ttfs_ab /tmp/pycache15 540 6 base-single,single,base-ddp,ddp; }
+# fifteenth session: a repeat launch finds its tokenized data without loading the tokenizer (data/cache.py source_key,
+# 11d5690) against b021912 (carried as .whl/base_src), single and ddp (one rank, early worker), beside the
+# HF Trainer; the data cache is warm from round 0 on
+ttfs16() { ttfs_ab /tmp/pycache16 480 5 base-single,single,base-ddp,ddp; }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {
   python3 benchmarks/long_context.py --lengths 8192 --sp 1 --steps 4 --timeout 260 --tag tp2 --out "$OUT" -- \
