@@ -292,24 +292,26 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
 
 
 def _tokenized(cfg: Config, res: Resolved, model_dir: str, records: list, val: list) -> tuple:
-    """(encoded, tensors, from the cache, validation encoded or None, its tensors or None). A launch whose data
-    a launch with the same source key (data/cache.py source_key) tokenized or read before takes both sets from
-    the cache without loading the tokenizer; otherwise the tokenizer loads, its checks run, and the sets are
-    tokenized or read from the cache by their entry key."""
+    """(encoded, tensors, from the cache, validation encoded or None, its tensors or None). A launch whose sets a
+    launch with the same source key (data/cache.py source_key) tokenized or read before takes them from the cache
+    without loading the tokenizer; otherwise the tokenizer loads, its checks run, and each set not found so is
+    tokenized or read from the cache by its entry key. Remote code always loads the tokenizer."""
     from shardwise.data import cache
     from shardwise.data.encode import ChatOptions, check_options
     from shardwise.data.templates import template_text, use_chat_template
 
     opts = ChatOptions.from_config(cfg)
-    template = template_text(cfg.chat_template, res.where("chat_template")) if cfg.chat_template else ""
     sets = [(records, cfg.packing)] + ([(val, False)] if val else [])
-    digests = [cache.records_digest(recs) for recs, _ in sets] if cfg.data_cache else [None] * len(sets)
-    sources = [cache.source_key(recs, model_dir, template, cfg.trust_remote_code, cfg.seq_len, packing, opts, d)
-               for (recs, packing), d in zip(sets, digests)] if cfg.data_cache else [None] * len(sets)
-    got = [cache.cached_by_source(k) for k in sources] if cfg.data_cache else [None]
+    digests, sources, got = [None] * len(sets), [None] * len(sets), [None] * len(sets)
+    if cfg.data_cache and not cfg.trust_remote_code:
+        template = template_text(cfg.chat_template, res.where("chat_template")) if cfg.chat_template else ""
+        files = cache.model_files_digest(model_dir)
+        digests = [cache.records_digest(recs) for recs, _ in sets]
+        sources = [cache.source_key(recs, model_dir, template, False, cfg.seq_len, packing, opts, d, files)
+                   for (recs, packing), d in zip(sets, digests)]
+        got = [cache.cached_by_source(k) for k in sources]
     if all(g is not None for g in got):
-        (encoded, tensors), *rest = got
-        hit = True
+        done = [(g[0], g[1], True) for g in got]
     else:
         from shardwise.models.load import load_tokenizer
 
@@ -317,10 +319,11 @@ def _tokenized(cfg: Config, res: Resolved, model_dir: str, records: list, val: l
         tokenizer = load_tokenizer(model_dir, cfg.trust_remote_code)
         use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
         check_options(tokenizer, opts, any(r.kind == "chat" for r in records + val))  # not hidden by a cache hit
-        done = [cache.encode_cached(recs, tokenizer, model_dir, cfg.seq_len, packing, opts, cfg.data_cache, say,
+        done = [(g[0], g[1], True) if g is not None else
+                cache.encode_cached(recs, tokenizer, model_dir, cfg.seq_len, packing, opts, cfg.data_cache, say,
                                     source, d)
-                for (recs, packing), source, d in zip(sets, sources, digests)]
-        (encoded, tensors, hit), *rest = done
+                for (recs, packing), source, d, g in zip(sets, sources, digests, got)]
+    (encoded, tensors, hit), *rest = done
     if not val:
         return encoded, tensors, hit, None, None
     return encoded, tensors, hit, rest[0][0], rest[0][1]

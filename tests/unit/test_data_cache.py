@@ -235,7 +235,7 @@ def test_an_index_naming_a_missing_or_foreign_entry_loads_the_tokenizer_and_is_r
     assert _prepare(str(model), data, tmp_path / "c") == first and len(loads) == 2
 
 
-def test_the_source_key_changes_with_each_thing_it_covers(tmp_path, tiny_dir):
+def test_the_source_key_changes_with_each_thing_it_covers(tmp_path, tiny_dir, monkeypatch):
     model = tmp_path / "model"
     shutil.copytree(tiny_dir, model)
     recs = [Record("text", "hello there", "d.jsonl:1"), Record("text", "bye", "d.jsonl:2")]
@@ -251,6 +251,75 @@ def test_the_source_key_changes_with_each_thing_it_covers(tmp_path, tiny_dir):
     keys.append(cache.source_key(**base))
     (model / "extra_tokens.txt").write_text("x")  # any file that is not a weight, the tokenizer may read it
     keys.append(cache.source_key(**base))
+    (model / "additional_chat_templates").mkdir()  # named templates; a default.jinja there is the template
+    (model / "additional_chat_templates" / "default.jinja").write_text("{{ messages }}")
+    keys.append(cache.source_key(**base))
     (model / "model.safetensors").write_bytes(b"")  # weights are not read by the tokenizer
+    (model / "original").mkdir()  # nor other folders (a .git folder can hold gigabytes)
+    (model / "original" / "notes.txt").write_text("x")
     assert cache.source_key(**base) == keys[-1]
+    versions = cache._version
+    for package in cache.TOKENIZER_PACKAGES:  # installing, removing or upgrading one changes it
+        monkeypatch.setattr(cache, "_version", lambda p, package=package: "0.0.1" if p == package else versions(p))
+        keys.append(cache.source_key(**base))
     assert len(set(keys)) == len(keys)
+
+
+def _indexes():
+    d = os.path.join(cache.cache_dir(), "by-source")
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def test_remote_code_and_no_data_cache_always_load_the_tokenizer_and_write_no_index(launch_env, tmp_path):
+    model, data, loads = launch_env
+    first = _prepare(str(model), data, tmp_path / "a", trust_remote_code=True)
+    assert _prepare(str(model), data, tmp_path / "b", trust_remote_code=True) == first
+    assert len(loads) == 2 and _indexes() == [] and len(entries()) == 2  # the entries by key still serve
+    _prepare(str(model), data, tmp_path / "c")
+    assert len(loads) == 3 and len(_indexes()) == 2
+    assert _prepare(str(model), data, tmp_path / "d", data_cache=False) == first
+    assert len(loads) == 4
+
+
+def test_a_set_found_by_its_index_is_not_encoded_again_when_the_other_is_not(launch_env, tmp_path, monkeypatch):
+    """The validation set's index gone: the tokenizer loads once for it, the training set still comes from its
+    index, the validation set from its entry, and its index is written again."""
+    import json
+
+    from safetensors import safe_open
+
+    import shardwise.data.cache as mod
+
+    model, data, loads = launch_env
+    first = _prepare(str(model), data, tmp_path / "a")
+    folder = os.path.join(cache.cache_dir(), "by-source")
+
+    def sequences(name):
+        k = json.load(open(os.path.join(folder, name)))["key"]
+        with safe_open(os.path.join(cache.cache_dir(), f"{k}.safetensors"), framework="pt") as f:
+            return json.loads(f.metadata()["stats"])["sequences"]
+
+    val_index = min(_indexes(), key=sequences)
+    os.remove(os.path.join(folder, val_index))
+    encoded = []
+    real = mod.encode_cached
+    monkeypatch.setattr(mod, "encode_cached", lambda recs, *a, **k: encoded.append(len(recs)) or real(recs, *a, **k))
+    assert _prepare(str(model), data, tmp_path / "b") == first
+    assert len(loads) == 2 and encoded == [4] and val_index in _indexes()  # 4 of 40 records held out
+
+
+@pytest.mark.parametrize("bad", ["null", "[]", '{"key": 5}', "{", "[" * 100000, "UPPER", "x" * 5000])
+def test_an_index_file_that_is_not_ours_is_a_miss(launch_env, tmp_path, bad):
+    model, data, loads = launch_env
+    first = _prepare(str(model), data, tmp_path / "a")
+    folder = os.path.join(cache.cache_dir(), "by-source")
+    for name in _indexes():
+        path = os.path.join(folder, name)
+        if bad == "UPPER":  # the right entry, not spelt as we write it
+            bad_text = open(path).read().upper().replace('"KEY"', '"key"')
+        else:
+            bad_text = bad
+        with open(path, "w") as fh:
+            fh.write(bad_text)
+    assert _prepare(str(model), data, tmp_path / "b") == first and len(loads) == 2
+    assert _prepare(str(model), data, tmp_path / "c") == first and len(loads) == 2  # rewritten

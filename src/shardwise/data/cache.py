@@ -23,13 +23,14 @@ be read or does not match its key is ignored and rewritten. The newest KEEP entr
 kept, older ones removed (a hit refreshes an entry's time).
 
 A repeat launch finds its entry without loading the tokenizer (issue 17.3): AutoTokenizer
-imports transformers and the model's configuration module, about 2.5 s of the launcher's
+imports transformers and the model's configuration module, about 2 s of the launcher's
 CPU on the tiny job, for files the launcher read the same way in an earlier run. Beside
 each entry an index file, $SHARDWISE_CACHE_DIR/data/by-source/<source key>.json, names the
 entry's key; the source key (source_key) covers, read from files and package metadata
 only, everything the tokenizer and the launcher's tokenizer checks depend on. The index is
 written only after those checks passed and the entry was read or written, so a refusal is
 never remembered, and a miss of the index is the ordinary path (load, check, encode).
+Remote code never uses the index: such a tokenizer may read code from outside the directory.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 
 from shardwise.data.encode import ChatOptions, Encoded, encode
 from shardwise.data.formats import Record
+from shardwise.errors import ShardwiseError
 from shardwise.rundir import prune_keyed
 
 FORMAT = 1
@@ -74,10 +76,14 @@ def _hash_model_files(h, model_dir: str) -> None:
         path = os.path.join(model_dir, name)
         if name.endswith(WEIGHT_SUFFIXES) or not os.path.isfile(path):
             continue
-        h.update(f"\0{name}\0{os.path.getsize(path)}\0".encode())
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
+        try:
+            h.update(f"\0{name}\0{os.path.getsize(path)}\0".encode())
+            with open(path, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+        except OSError as e:
+            raise ShardwiseError(f"--model {model_dir}: cannot read {name} ({e.strerror or e}); "
+                                 "check the file's permissions") from None
 
 
 def records_digest(records: list[Record]) -> str:
@@ -97,8 +103,17 @@ def key(records: list[Record], tok_digest: str, seq_len: int, packing: bool, opt
 # -- finding an entry without the tokenizer -------------------------------------------------------------------------
 
 SOURCES_KEEP = 64
-# packages whose presence or version can change which tokenizer class loads or what it and the chat template give
-TOKENIZER_PACKAGES = ("transformers", "tokenizers", "jinja2", "sentencepiece", "protobuf", "tiktoken")
+# Packages whose presence or version can change which tokenizer class loads or what it and the chat template give:
+# those transformers' tokenizer loading asks about (is_*_available in tokenization_auto.py and the tokenizer
+# classes), and jinja2, which renders the template. Keep it in step with transformers.
+TOKENIZER_PACKAGES = ("transformers", "tokenizers", "jinja2", "sentencepiece", "protobuf", "tiktoken",
+                      "mistral_common")
+# The only subfolder of a model directory the tokenizer reads (transformers' CHAT_TEMPLATE_DIR: named templates,
+# a default.jinja there replaces chat_template.jinja). Other subfolders are not read: a .git folder can hold gigabytes.
+TEMPLATE_SUBDIR = "additional_chat_templates"
+# The modules whose code the remembered verdicts come from: a changed check is checked again.
+CHECKING_MODULES = (("models", "load.py"), ("data", "templates.py"), ("data", "encode.py"), ("data", "cache.py"),
+                    ("launch.py",))
 
 
 def _version(package: str) -> str | None:
@@ -114,22 +129,34 @@ def _version(package: str) -> str | None:
         return None
 
 
+def model_files_digest(model_dir: str) -> str:
+    """What of the model directory the tokenizer can read, without loading it: every top-level file that is not a
+    weight file (code files included) and the files of TEMPLATE_SUBDIR, by name, size and bytes."""
+    h = hashlib.sha256()
+    _hash_model_files(h, model_dir)
+    sub = os.path.join(model_dir, TEMPLATE_SUBDIR)
+    if os.path.isdir(sub):
+        h.update(f"\0{TEMPLATE_SUBDIR}/\0".encode())
+        _hash_model_files(h, sub)
+    return h.hexdigest()
+
+
 def source_key(records: list[Record], model_dir: str, template: str, trust_remote_code: bool, seq_len: int,
-               packing: bool, opts: ChatOptions, rec_digest: str | None = None) -> str:
+               packing: bool, opts: ChatOptions, rec_digest: str | None = None, files_digest: str | None = None) -> str:
     """SHA-256 over everything the launcher's tokenizer, its checks (models/load.load_tokenizer,
-    data/templates.use_chat_template, data/encode.check_options) and `key` depend on, read without loading the
-    tokenizer: every file of the model directory that is not a weight file (as tokenizer_digest reads them, code
-    files included), the versions of TOKENIZER_PACKAGES (None where absent), the --chat-template text in effect
-    ('' keeps the tokenizer's own, which those files hold), remote code, seq_len, packing, the chat options, the
-    records, and the source of the modules that load, check and encode."""
+    data/templates.use_chat_template, data/encode.check_options, as launch._tokenized calls them) and `key` depend on,
+    read without loading the tokenizer: model_files_digest, the versions of TOKENIZER_PACKAGES (None where absent),
+    the --chat-template text in effect ('' keeps the tokenizer's own, which those files hold), remote code,
+    seq_len, packing, the chat options, the records, and the source of CHECKING_MODULES. Not for remote code: its
+    tokenizer may read code from outside the directory (the launcher does not use the index then)."""
     h = hashlib.sha256(json.dumps([FORMAT, [_version(p) for p in TOKENIZER_PACKAGES], template, trust_remote_code,
                                    seq_len, packing, opts.system, opts.train_on_prompt, opts.last_turn_only,
-                                   rec_digest or records_digest(records)]).encode())
+                                   rec_digest or records_digest(records),
+                                   files_digest or model_files_digest(model_dir)]).encode())
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for rel in (("models", "load.py"), ("data", "templates.py"), ("data", "encode.py"), ("data", "cache.py")):
+    for rel in CHECKING_MODULES:
         with open(os.path.join(pkg, *rel), "rb") as fh:
             h.update(fh.read())
-    _hash_model_files(h, model_dir)
     return h.hexdigest()
 
 
@@ -138,11 +165,13 @@ def _index_path(skey: str) -> str:
 
 
 def cached_by_source(skey: str) -> tuple[Encoded, dict] | None:
-    """The entry a run with source key `skey` read or wrote before, whole and matching its key; None otherwise."""
+    """The entry a run with source key `skey` read or wrote before, whole and matching its key; None otherwise
+    (an index file that is missing, too long, not JSON or not ours is a miss)."""
     try:
-        with open(_index_path(skey), encoding="utf-8") as fh:
-            k = json.load(fh)["key"]
-    except (OSError, ValueError, KeyError, TypeError):
+        with open(_index_path(skey), "rb") as fh:
+            raw = fh.read(1024)
+        k = json.loads(raw)["key"]
+    except Exception:  # noqa: BLE001 - anything there that is not our small JSON object is a miss
         return None
     if not (isinstance(k, str) and len(k) == 64 and all(c in "0123456789abcdef" for c in k)):
         return None
