@@ -374,6 +374,33 @@ ttfs15() { ttfs_ab /tmp/pycache15 540 6 base-single,single,base-ddp,ddp; }
 # 11d5690) against b021912 (carried as .whl/base_src), single and ddp (one rank, early worker), beside the
 # HF Trainer; the data cache is warm from round 0 on
 ttfs16() { ttfs_ab /tmp/pycache16 480 5 base-single,single,base-ddp,ddp; }
+# fifteenth session: what an early ddp worker imports before it waits for its job (about 9 s there, the critical path
+# of a one-node launch since the launcher's prepare shrank), bytecode cached as on a user's machine: -X importtime of
+# the worker's own sequence (worker.wait_for_job without the wait), twice, and CUDA's initialisation after it
+wimports() {
+  export PYTHONPYCACHEPREFIX=/tmp/pycache-wi
+  local code="import time; t0 = time.time()
+import shardwise.train.worker as w; w.set_up_process(); import shardwise.train.loop
+t1 = time.time(); w.preload_model_classes('/tmp/wi-model'); t2 = time.time()
+import torch._inductor.compile_fx; t3 = time.time(); import torch; torch.cuda.init(); torch.zeros(1, device='cuda')
+t4 = time.time(); print(f'loop {t1 - t0:.2f} model classes {t2 - t1:.2f} inductor {t3 - t2:.2f} cuda {t4 - t3:.2f}')"
+  mkdir -p /tmp/wi-model && echo '{"model_type": "llama"}' > /tmp/wi-model/config.json
+  env -u PYTHONDONTWRITEBYTECODE python3 -c "$code"  # fills the bytecode cache
+  for i in 1 2; do env -u PYTHONDONTWRITEBYTECODE python3 -X importtime -c "$code" 2> "$OUT/wimports$i.txt"; done
+  python3 - "$OUT/wimports2.txt" <<'PY'
+import sys
+rows = []
+for ln in open(sys.argv[1]):
+    if ln.startswith("import time:") and "self" not in ln:
+        p = ln.split("|")
+        name = p[2].rstrip()
+        rows.append((int(p[1]), int(p[0].split(":")[1]), (len(name) - len(name.lstrip())) // 2, name.strip()))
+print("self total", sum(r[1] for r in rows) / 1e6)
+for cum, _, depth, name in rows:
+    if depth <= 2 and cum > 150000:
+        print(f"{cum / 1e6:6.2f} {'  ' * depth}{name}")
+PY
+}
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {
   python3 benchmarks/long_context.py --lengths 8192 --sp 1 --steps 4 --timeout 260 --tag tp2 --out "$OUT" -- \
