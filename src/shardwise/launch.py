@@ -307,7 +307,7 @@ def _tokenized(cfg: Config, res: Resolved, model_dir: str, records: list, val: l
         template = template_text(cfg.chat_template, res.where("chat_template")) if cfg.chat_template else ""
         files = cache.model_files_digest(model_dir)
         digests = [cache.records_digest(recs) for recs, _ in sets]
-        sources = [cache.source_key(recs, model_dir, template, False, cfg.seq_len, packing, opts, d, files)
+        sources = [cache.source_key(recs, model_dir, template, cfg.seq_len, packing, opts, d, files)
                    for (recs, packing), d in zip(sets, digests)]
         got = [cache.cached_by_source(k) for k in sources]
     if all(g is not None for g in got):

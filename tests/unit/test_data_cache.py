@@ -239,10 +239,9 @@ def test_the_source_key_changes_with_each_thing_it_covers(tmp_path, tiny_dir, mo
     model = tmp_path / "model"
     shutil.copytree(tiny_dir, model)
     recs = [Record("text", "hello there", "d.jsonl:1"), Record("text", "bye", "d.jsonl:2")]
-    base = dict(records=recs, model_dir=str(model), template="", trust_remote_code=False, seq_len=64, packing=False,
-                opts=ChatOptions())
+    base = dict(records=recs, model_dir=str(model), template="", seq_len=64, packing=False, opts=ChatOptions())
     variants = [{}, {"records": recs[:1]}, {"records": [Record("text", "hello there", "d.jsonl:9"), recs[1]]},
-                {"template": "{{ messages }}"}, {"trust_remote_code": True}, {"seq_len": 65}, {"packing": True},
+                {"template": "{{ messages }}"}, {"seq_len": 65}, {"packing": True},
                 {"opts": ChatOptions(system="be brief")}, {"opts": ChatOptions(train_on_prompt=True)},
                 {"opts": ChatOptions(last_turn_only=True)}]
     keys = [cache.source_key(**{**base, **v}) for v in variants]

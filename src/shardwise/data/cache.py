@@ -141,16 +141,16 @@ def model_files_digest(model_dir: str) -> str:
     return h.hexdigest()
 
 
-def source_key(records: list[Record], model_dir: str, template: str, trust_remote_code: bool, seq_len: int,
-               packing: bool, opts: ChatOptions, rec_digest: str | None = None, files_digest: str | None = None) -> str:
+def source_key(records: list[Record], model_dir: str, template: str, seq_len: int, packing: bool, opts: ChatOptions,
+               rec_digest: str | None = None, files_digest: str | None = None) -> str:
     """SHA-256 over everything the launcher's tokenizer, its checks (models/load.load_tokenizer,
     data/templates.use_chat_template, data/encode.check_options, as launch._tokenized calls them) and `key` depend on,
     read without loading the tokenizer: model_files_digest, the versions of TOKENIZER_PACKAGES (None where absent),
-    the --chat-template text in effect ('' keeps the tokenizer's own, which those files hold), remote code,
-    seq_len, packing, the chat options, the records, and the source of CHECKING_MODULES. Not for remote code: its
-    tokenizer may read code from outside the directory (the launcher does not use the index then)."""
-    h = hashlib.sha256(json.dumps([FORMAT, [_version(p) for p in TOKENIZER_PACKAGES], template, trust_remote_code,
-                                   seq_len, packing, opts.system, opts.train_on_prompt, opts.last_turn_only,
+    the --chat-template text in effect ('' keeps the tokenizer's own, which those files hold), seq_len, packing,
+    the chat options, the records, and the source of CHECKING_MODULES. Not for remote code: its tokenizer may read
+    code from outside the directory (the launcher does not use the index then)."""
+    h = hashlib.sha256(json.dumps([FORMAT, [_version(p) for p in TOKENIZER_PACKAGES], template, seq_len, packing,
+                                   opts.system, opts.train_on_prompt, opts.last_turn_only,
                                    rec_digest or records_digest(records),
                                    files_digest or model_files_digest(model_dir)]).encode())
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -175,14 +175,9 @@ def cached_by_source(skey: str) -> tuple[Encoded, dict] | None:
         return None
     if not (isinstance(k, str) and len(k) == 64 and all(c in "0123456789abcdef" for c in k)):
         return None
-    path = os.path.join(cache_dir(), f"{k}.safetensors")
-    got = _read(path, k) if os.path.isfile(path) else None
+    got = _entry(k)
     if got is not None:
-        for p in (path, _index_path(skey)):  # most recently used: kept by the pruning
-            try:
-                os.utime(p)
-            except OSError:
-                pass
+        _touch(_index_path(skey))
     return got
 
 
@@ -197,6 +192,23 @@ def _remember_source(skey: str, k: str) -> None:
     except OSError:
         return
     prune_keyed(os.path.dirname(path), ".json", SOURCES_KEEP)
+
+
+def _touch(path: str) -> None:
+    """Most recently used: kept by the pruning (prune_keyed goes by modification time)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _entry(k: str) -> tuple[Encoded, dict] | None:
+    """The entry of key `k` if it is there, whole and `k`'s (its time refreshed); None otherwise."""
+    path = os.path.join(cache_dir(), f"{k}.safetensors")
+    got = _read(path, k) if os.path.exists(path) else None
+    if got is not None:
+        _touch(path)
+    return got
 
 
 def _read(path: str, k: str) -> tuple[Encoded, dict] | None:
@@ -247,18 +259,13 @@ def encode_cached(records: list[Record], tokenizer, model_dir: str, seq_len: int
         return enc, enc.to_tensors(), False
     k = key(records, tokenizer_digest(tokenizer, model_dir), seq_len, packing, opts, rec_digest)
     path = os.path.join(cache_dir(), f"{k}.safetensors")
-    if os.path.exists(path):
-        got = _read(path, k)
-        if got is not None:
-            try:
-                os.utime(path)
-            except OSError:
-                pass
-            if source:
-                _remember_source(source, k)
-            return got[0], got[1], True
-        if note:
-            note(f"data cache: {path} is unreadable or not this data's; tokenizing again and replacing it")
+    got = _entry(k)
+    if got is not None:
+        if source:
+            _remember_source(source, k)
+        return got[0], got[1], True
+    if note and os.path.exists(path):
+        note(f"data cache: {path} is unreadable or not this data's; tokenizing again and replacing it")
     enc = encode(records, tokenizer, seq_len, packing, opts)
     tensors = enc.to_tensors()
     try:
