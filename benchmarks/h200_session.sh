@@ -32,6 +32,7 @@
 #                                                    lean imports without the full-collection hold; results
 #                                                    time_to_first_step_h200_2026-12-02-gc.md)
 #                                                    ttfs16 (fifteenth session: carry .whl/base_src = b021912's src)
+#                                                    host16 offload16 offload16base (sixteenth session: carry .whl/base_src = 567f1bb's src)
 #                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests z3eager (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
 #                                                    carries DeepSpeed's wheels and .whl/opt/accelerate, installed only
 #                                                    where the machine lacks accelerate)
@@ -400,6 +401,18 @@ for cum, _, depth, name in rows:
     if depth <= 2 and cum > 150000:
         print(f"{cum / 1e6:6.2f} {'  ' * depth}{name}")
 PY
+}
+# sixteenth session: the offloaded optimizer step with torch's fused AdamW on the host instead of foreach. First the
+# two kernels alone on the host (the anchor's 1.14B fp32 tensors, every core), then the offload presets on the anchor
+# job with this tree (fused) and with 567f1bb's src/ (foreach; carried as .whl/base_src), as in the part `offload`
+host16() { python3 benchmarks/host_adamw.py --json "$OUT/host_adamw.json"; }
+offload16() {
+  python3 benchmarks/strategies_gpu.py --strategies fsdp-offload,zero2-offload,zero3-offload --steps 6 --log-every 2 \
+    --timeout 170 --tag offload16 --out "$OUT"
+}
+offload16base() {
+  PYTHONPATH="/tmp/site:$PWD/.whl/base_src:$PWD" python3 benchmarks/strategies_gpu.py \
+    --strategies fsdp-offload,zero2-offload --steps 6 --log-every 2 --timeout 170 --tag offload16-base --out "$OUT"
 }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {

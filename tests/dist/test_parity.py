@@ -46,6 +46,9 @@ CASES = {
     "zero1": ("--strategy", "zero1", "--no-save-final"),
     "zero2": ("--strategy", "zero2", "--no-save-final"),
     "zero3": ("--strategy", "zero3", "--gradient-checkpointing", "--save-every", "6", "--save-final"),
+    # the optimizer step on the host's fp32 state (the fused AdamW there too, strategies/base.py optimizer_kernel)
+    "fsdp-offload": ("--strategy", "fsdp-offload", "--no-save-final"),
+    "zero2-offload": ("--strategy", "zero2-offload", "--no-save-final"),
 }
 # zero3 under LoRA: its frozen embedding once let DeepSpeed free the first block's gradients before that block's
 # backward (strategies/deepspeed.py apply_leaves)

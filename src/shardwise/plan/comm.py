@@ -23,11 +23,13 @@ from shardwise.plan.memory import (
 )
 from shardwise.plan.model_spec import ModelSpec
 
-# The optimizer step on the host, parameters per second per node: torch's foreach AdamW and DeepSpeed's CPUAdam ran
-# at the same rate on a 16-core host; both scale with the host's cores (docs/planner.md, "Where the constants come
-# from").
-DS_CPU_ADAM_PARAMS_PER_S = 6.3e8
-TORCH_CPU_ADAM_PARAMS_PER_S = 6.3e8
+# The offloaded optimizer step's host share, parameters per second per node: torch's fused AdamW on the host's fp32
+# state plus what each engine does around it there (FSDP2: the clip over per-parameter host shards; DeepSpeed: its
+# flat fp32 partition). Fitted on the 1.14B anchor on one 16-core H200 host (2026-12-02: fsdp-offload 1.223 s and
+# zero2-offload 0.830 s a step; the kernel alone ran 4.1e9 parameters/s there); both scale with the host's cores
+# (docs/planner.md, "Where the constants come from").
+DS_HOST_STEP_PARAMS_PER_S = 1.94e9
+FSDP_HOST_STEP_PARAMS_PER_S = 1.15e9
 HOST_LINK_GBPS = 200.0  # PCIe Gen4 x16 nominal, per GPU, for offload traffic
 HBM_BYTES_PER_S = 2.0e12  # effective device memory bandwidth for the optimizer step (GPU)
 # Per-step work of a strategy beyond the model's FLOPs, the collectives and the optimizer step, as device-memory bytes
@@ -455,7 +457,7 @@ def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, co
     cpu_step = (o.base == "fsdp" and o.cpu_offload) or (o.base == "deepspeed" and o.offload_optimizer)
     host_s = 0.0  # the host's own share of the step (the offloaded optimizer step)
     if cpu_step:
-        node_rate = DS_CPU_ADAM_PARAMS_PER_S if o.base == "deepspeed" else TORCH_CPU_ADAM_PARAMS_PER_S
+        node_rate = DS_HOST_STEP_PARAMS_PER_S if o.base == "deepspeed" else FSDP_HOST_STEP_PARAMS_PER_S
         host_s = per_rank_params / (node_rate / job.gpus_per_node)
         other += host_s
     else:  # AdamW reads p, g, m, v and writes p, m, v in the state dtype

@@ -737,8 +737,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     N = max(1, shard_ranks(job, o) // job.tp)  # FSDP shards over the data-parallel ranks, not the tp ones
     st = States(*trainable(spec, job))
     FAMILY_STATES[o.base](spec, job, o, N, st)
-    P_t, tw, grads, extraA, extraB, persist = st.P_t, st.tw, st.grads, st.extraA, st.extraB, st.persist
-    offload_moves = job.accelerator != "cpu"
+    P_t, grads, extraA, extraB, persist = st.P_t, st.grads, st.extraA, st.extraB, st.persist
 
     if job.tuner == "qlora":  # bitsandbytes dequantises one weight at a time for the matmul
         extraB["dequant"] = job.c * spec.hidden_size * spec.intermediate_size
@@ -753,12 +752,8 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     # a block's backward: its saved activations (recomputed under checkpointing) plus the gradients in flight
     workspace = (per_layer + job.tokens * (3 * spec.mlp_width * job.c + 8 * spec.hidden_size) / job.tp
                  + float8_backward_bytes(spec, job))
-    step_tmp = 0.0
-    if o.base in ("single", "ddp", "fsdp") and not (o.base == "fsdp" and o.cpu_offload and offload_moves):
-        # torch AdamW: fused on GPU needs no full-size temporaries; foreach (CPU) makes one sqrt(v) list
-        step_tmp = 0.0 if job.accelerator == "cuda" else tw * P_t / (N if o.base == "fsdp" else 1)
     g = 0.0 if st.grads_persist else grads
-    moment_b = states + g + max(workspace + sum(extraB.values()), st.root_bwd, step_tmp)
+    moment_b = states + g + max(workspace + sum(extraB.values()), st.root_bwd)  # the fused AdamW: no temporaries
     # start of backward (the last block's backward) under checkpointing, where the gradients leave the device
     # (offloaded): the inputs saved at the other blocks' boundaries are still alive beside the recomputed block.
     # Where the gradients stay on the device, the end of backward holds them in place of the boundaries; without

@@ -225,10 +225,6 @@ class DeepSpeedStrategy(Strategy):
             # hook would then fetch the frozen embedding in every backward).
             blocks[0].register_forward_pre_hook(_input_needs_grad, with_kwargs=True)
 
-    def optimizer_kernel(self) -> dict:
-        # offloaded: the step runs on CPU partitions; else DeepSpeed moves them to the GPU
-        return {"foreach": True} if self.cfg.deepspeed.offload_optimizer else super().optimizer_kernel()
-
     def autocast(self):
         return contextlib.nullcontext()  # DeepSpeed runs the whole module in its bf16/fp16
 

@@ -146,9 +146,6 @@ class FSDPStrategy(Strategy):
         return presets.FSDP.keeps_gathered(f.keep_gathered_one_rank, f.cpu_offload, self.mesh.shape[-1],
                                            self.compute_dtype.itemsize, self.param_dtype.itemsize)
 
-    def optimizer_kernel(self) -> dict:
-        return {"foreach": True} if self.cfg.fsdp.cpu_offload else super().optimizer_kernel()
-
     def sync(self, model, enabled: bool):
         model.set_requires_gradient_sync(enabled)  # off: gradients accumulate unsharded, no reduce
         return contextlib.nullcontext()

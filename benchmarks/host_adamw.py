@@ -1,0 +1,97 @@
+"""The optimizer step on the host: torch's AdamW, foreach against fused, on the CPU's own cores.
+
+An offloaded optimizer step (fsdp-offload, zero2-offload, zero3-offload) runs torch's AdamW on the host's fp32
+master weights; the planner's host rates (plan/comm.py *_HOST_STEP_PARAMS_PER_S) are fitted on whole steps that
+include it.
+This times one step of each kernel on the tensors of a Llama-shaped model (default: the 1.14B anchor of
+benchmarks/strategies_gpu.py), in the engine's two groups (weight decay on matrices, none on norms), alternating the
+kernels for --rounds rounds after one warm-up step each, and checks that both kernels made the same update.
+
+    python benchmarks/host_adamw.py                       # the anchor, all cores
+    python benchmarks/host_adamw.py --layers 2 --json F   # a quick check
+
+Prints one line per kernel and writes --json (medians, every step, threads, versions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+ANCHOR = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+              num_key_value_heads=8)
+
+
+def shapes(layers: int, vocab: int, hidden: int, inter: int, heads: int, kv_heads: int) -> list[tuple[int, ...]]:
+    kv = hidden // heads * kv_heads
+    block = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden), (inter, hidden),
+             (hidden, inter), (hidden,), (hidden,)]
+    return [(vocab, hidden)] + block * layers + [(hidden,), (vocab, hidden)]
+
+
+def make(shape_list, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for s in shape_list:
+        p = torch.nn.Parameter(torch.randn(s, generator=g) * 0.02)
+        p.grad = torch.randn(s, generator=g) * 1e-3
+        params.append(p)
+    return params
+
+
+def optimizer(params, kernel: str):
+    decay = [p for p in params if p.ndim >= 2]
+    rest = [p for p in params if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
+                             lr=1e-4, betas=(0.9, 0.999), eps=1e-8, **{kernel: True})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=ANCHOR["num_hidden_layers"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, the cores)")
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = dict(ANCHOR, num_hidden_layers=a.layers)
+    sl = shapes(cfg["num_hidden_layers"], cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"],
+                cfg["num_attention_heads"], cfg["num_key_value_heads"])
+    n = sum(torch.Size(s).numel() for s in sl)
+    kernels = ("foreach", "fused")
+    sets = {k: make(sl, 0) for k in kernels}  # the same weights and gradients for both
+    opts = {k: optimizer(sets[k], k) for k in kernels}
+    times: dict[str, list[float]] = {k: [] for k in kernels}
+    for k in kernels:  # warm-up: the states are allocated in the first step
+        opts[k].step()
+    for _ in range(a.rounds):
+        for k in kernels:
+            t = time.perf_counter()
+            opts[k].step()
+            times[k].append(time.perf_counter() - t)
+    diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(sets["foreach"], sets["fused"]))
+    out = {"params": n, "layers": a.layers, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+           "torch": torch.__version__, "python": platform.python_version(), "machine": platform.processor() or
+           platform.machine(), "max_abs_diff_after_steps": diff, "steps_s": times,
+           "median_s": {k: statistics.median(v) for k, v in times.items()},
+           "params_per_s": {k: n / statistics.median(v) for k, v in times.items()}}
+    for k in kernels:
+        print(f"{k:8s} {n / 1e9:.3f}B params, {torch.get_num_threads()} threads: {out['median_s'][k]:.3f} s a step "
+              f"({out['params_per_s'][k]:.3g} params/s)")
+    print(f"fused / foreach: {out['median_s']['foreach'] / out['median_s']['fused']:.2f}x; "
+          f"largest difference between their weights after {a.rounds + 1} steps: {diff:.2e}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
