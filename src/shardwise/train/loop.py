@@ -401,10 +401,12 @@ def forward_backward_step(model, strategy, batch: StepBatch, dp_size: int, devic
             else:
                 out = model(input_ids=ids, position_ids=pos)
                 summed = loss_sum(out.logits, tg)
+            aux = out.aux_loss if aux_weight else None
+            del out  # the output holds the full logits: gone before backward (the loss kept what it needs)
             loss = faults.poison_loss(step, summed * scale)
         total += loss.detach() / (dp_size * loss_replicas)
         if aux_weight:  # MoE router balance (models/moe.py): the mean over every rank's micro-batches, not logged
-            loss = loss + out.aux_loss * (aux_weight / len(batch.micro))
+            loss = loss + aux * (aux_weight / len(batch.micro))
         strategy.backward(loss)
     return total
 
