@@ -411,7 +411,7 @@ offload16() {
     --timeout 170 --tag offload16 --out "$OUT"
 }
 offload16base() {
-  PYTHONPATH="/tmp/site:$PWD/.whl/base_src:$PWD" python3 benchmarks/strategies_gpu.py \
+  PYTHONPATH="$PWD/.whl/base_src:/tmp/site:$PWD" python3 benchmarks/strategies_gpu.py \
     --strategies fsdp-offload,zero2-offload --steps 6 --log-every 2 --timeout 170 --tag offload16-base --out "$OUT"
 }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)

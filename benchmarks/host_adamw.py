@@ -5,7 +5,7 @@ master weights; the planner's host rates (plan/comm.py *_HOST_STEP_PARAMS_PER_S)
 include it.
 This times one step of each kernel on the tensors of a Llama-shaped model (default: the 1.14B anchor of
 benchmarks/strategies_gpu.py), in the engine's two groups (weight decay on matrices, none on norms), alternating the
-kernels for --rounds rounds after one warm-up step each, and checks that both kernels made the same update.
+kernels for --rounds rounds after one warm-up step each, and reports how far apart the two kernels' weights end.
 
     python benchmarks/host_adamw.py                       # the anchor, all cores
     python benchmarks/host_adamw.py --layers 2 --json F   # a quick check

@@ -11,7 +11,7 @@ activations are freed by backward, so they are not alive in full at the same tim
   A  end of forward / loss backward: states + all saved activations + logits and their
      fp32 loss tensors + gathered parameters (+ gradients when accumulating);
   B  end of backward / optimizer step: states + all gradients + the last block's
-     activations and their gradients + reduce buffers + optimizer temporaries;
+     activations and their gradients + reduce buffers (the fused AdamW makes no temporaries);
   B0 start of a checkpointed backward where the gradients leave the device (offload on a GPU):
      states + the other blocks' checkpointed inputs + the recomputed block + its buffers;
   C  ZeRO-3 reducing a gradient bucket: states + the bucket's copies + the parameters and

@@ -289,7 +289,7 @@ def simulate(spec: ModelSpec, job: Job, opts: Opts, shard_ranks: int | None = No
             decay = [p for p in train if p.ndim >= 2]
             rest = [p for p in train if p.ndim < 2]
             optimizer = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-4,
-                                          foreach=True)
+                                          fused=True)  # the engine's kernel (strategies/base.py)
             batches = [(torch.randint(0, spec.vocab_size, (job.micro_batch, job.seq_len)),
                         torch.randint(0, spec.vocab_size, (job.micro_batch, job.seq_len)))
                        + ((packed_positions(job.micro_batch, job.seq_len),) if job.packing else ())

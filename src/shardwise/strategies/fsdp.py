@@ -146,6 +146,13 @@ class FSDPStrategy(Strategy):
         return presets.FSDP.keeps_gathered(f.keep_gathered_one_rank, f.cpu_offload, self.mesh.shape[-1],
                                            self.compute_dtype.itemsize, self.param_dtype.itemsize)
 
+    def optimizer_kernel(self) -> dict:
+        # fp16 with the step offloaded from a GPU: the grad scaler hands a fused optimizer its found-inf flag on the
+        # GPU, and the fused CPU kernel copies it back without waiting for it; with foreach the scaler reads it first
+        if self.scaler is not None and self.cfg.fsdp.cpu_offload and self.env.device.type == "cuda":
+            return {"foreach": True}
+        return super().optimizer_kernel()
+
     def sync(self, model, enabled: bool):
         model.set_requires_gradient_sync(enabled)  # off: gradients accumulate unsharded, no reduce
         return contextlib.nullcontext()
