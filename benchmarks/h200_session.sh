@@ -33,6 +33,8 @@
 #                                                    time_to_first_step_h200_2026-12-02-gc.md)
 #                                                    ttfs16 (fifteenth session: carry .whl/base_src = b021912's src)
 #                                                    host16 offload16 offload16base (sixteenth session: carry .whl/base_src = 567f1bb's src)
+#                                                    spy16 (sixteenth session: carries .whl/opt/py_spy-*.whl)
+#                                                    fold16 (sixteenth session: carry .whl/base_src = 8d5afb2's src)
 #                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests z3eager (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
 #                                                    carries DeepSpeed's wheels and .whl/opt/accelerate, installed only
 #                                                    where the machine lacks accelerate)
@@ -413,6 +415,27 @@ offload16() {
 offload16base() {
   PYTHONPATH="$PWD/.whl/base_src:/tmp/site:$PWD" python3 benchmarks/strategies_gpu.py \
     --strategies fsdp-offload,zero2-offload --steps 6 --log-every 2 --timeout 170 --tag offload16-base --out "$OUT"
+}
+# sixteenth session: where fsdp-offload's step goes with the fused host AdamW (1.22 s, of which the kernel is ~0.3 s):
+# a py-spy profile of the main thread, idle included (the model directory comes from strategies_gpu.py)
+spy16() {
+  python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl/opt/py_spy-*.whl
+  [ -d /tmp/shardwise-bench-gpu/llama-16l ] || python3 benchmarks/strategies_gpu.py --strategies fsdp-offload --steps 2 \
+    --log-every 1 --timeout 150 --tag spyprep --out /tmp/spyprep
+  timeout -k 5 240 /tmp/spy/bin/py-spy record --subprocesses --idle --rate 100 -f raw -o "$OUT/spy-fsdp-offload.txt" -- \
+    python3 -m shardwise train --model /tmp/shardwise-bench-gpu/llama-16l --data /tmp/shardwise-bench-gpu/data.jsonl \
+    --data-format text --strategy fsdp-offload --nproc-per-node 1 --seq-len 2048 --micro-batch-size 8 --max-steps 12 \
+    --log-every 2 --lr 1e-5 --warmup-steps 0 --mixed-precision bf16 --param-dtype fp32 --no-save-final \
+    --output-dir /tmp/spy-fo --overwrite --force
+  cp /tmp/spy-fo/metrics.jsonl "$OUT/spy-fo-metrics.jsonl"
+}
+# sixteenth session: the clip folded into the fused AdamW (its grad_scale) against clipping first (8d5afb2's src/,
+# carried as .whl/base_src), fsdp-offload on the anchor, base first
+fold16() {
+  PYTHONPATH="$PWD/.whl/base_src:/tmp/site:$PWD" python3 benchmarks/strategies_gpu.py --strategies fsdp-offload \
+    --steps 8 --log-every 2 --timeout 150 --tag fold16-base --out "$OUT"
+  python3 benchmarks/strategies_gpu.py --strategies fsdp-offload --steps 8 --log-every 2 --timeout 150 --tag fold16 \
+    --out "$OUT"
 }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {

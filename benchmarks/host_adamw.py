@@ -9,6 +9,8 @@ kernels for --rounds rounds after one warm-up step each, and reports how far apa
 
     python benchmarks/host_adamw.py                       # the anchor, all cores
     python benchmarks/host_adamw.py --layers 2 --json F   # a quick check
+    python benchmarks/host_adamw.py --clip                # the clip then the fused step, against the clip folded
+                                                          # into the step (its grad_scale), as Strategy.step does
 
 Prints one line per kernel and writes --json (medians, every step, threads, versions).
 """
@@ -52,11 +54,40 @@ def optimizer(params, kernel: str):
                              lr=1e-4, betas=(0.9, 0.999), eps=1e-8, **{kernel: True})
 
 
+def clip_variants(sl, rounds: int, max_norm: float = 1.0) -> dict[str, list[float]]:
+    """The whole host step, fused kernel: clip_grad_norm_ (a norm pass and a scaling pass over the gradients) then
+    the step, against the norm alone then the step dividing each gradient by the clip's divisor as it reads it."""
+    sets = {k: make(sl, 1) for k in ("clip_then_step", "folded")}
+    opts = {k: optimizer(ps, "fused") for k, ps in sets.items()}
+    times: dict[str, list[float]] = {k: [] for k in sets}
+
+    def run(k):
+        ps, opt = sets[k], opts[k]
+        if k == "clip_then_step":
+            torch.nn.utils.clip_grad_norm_(ps, max_norm, foreach=True)
+            opt.step()
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in ps], foreach=True)
+            opt.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+            opt.step()
+            del opt.grad_scale
+
+    for k in sets:
+        run(k)  # warm-up
+    for _ in range(rounds):
+        for k in sets:
+            t = time.perf_counter()
+            run(k)
+            times[k].append(time.perf_counter() - t)
+    return times
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=ANCHOR["num_hidden_layers"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, the cores)")
+    ap.add_argument("--clip", action="store_true", help="time the clip folded into the fused step instead")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     if a.threads:
@@ -65,6 +96,18 @@ def main() -> int:
     sl = shapes(cfg["num_hidden_layers"], cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"],
                 cfg["num_attention_heads"], cfg["num_key_value_heads"])
     n = sum(torch.Size(s).numel() for s in sl)
+    if a.clip:
+        times = clip_variants(sl, a.rounds)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for k, v in med.items():
+            print(f"{k:15s} {n / 1e9:.3f}B params, {torch.get_num_threads()} threads: {v:.3f} s a step")
+        print(f"folded saves {med['clip_then_step'] - med['folded']:.3f} s a step "
+              f"({1 - med['folded'] / med['clip_then_step']:.0%})")
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump({"params": n, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                           "steps_s": times, "median_s": med}, fh, indent=1)
+        return 0
     kernels = ("foreach", "fused")
     sets = {k: make(sl, 0) for k in kernels}  # the same weights and gradients for both
     opts = {k: optimizer(sets[k], k) for k in kernels}

@@ -121,6 +121,8 @@ def test_every_preset_steps_with_the_fused_adamw(preset, device):
     """The fused AdamW wherever the step runs, the host of an offload preset included (4.1x foreach there on a
     16-core H200 host: benchmarks/results/offload_fused_adamw_h200_2026-12-02.md). Building the strategy touches
     no GPU, so the CUDA choice is checked here too."""
+    if preset.startswith("zero"):
+        pytest.importorskip("deepspeed")
     assert _kernel(preset, device, mixed_precision="bf16") == {"fused": True}
 
 
@@ -130,3 +132,67 @@ def test_fp16_with_fsdp_offloaded_from_a_gpu_keeps_foreach():
     assert _kernel("fsdp-offload", "cuda", mixed_precision="fp16") == {"foreach": True}
     assert _kernel("fsdp", "cuda", mixed_precision="fp16") == {"fused": True}
     assert _kernel("fsdp-offload", "cpu", mixed_precision="fp16") == {"fused": True}
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 100.0, 0.0], ids=["clipping", "under-the-norm", "no-clipping"])
+def test_the_clip_folded_into_the_fused_step_equals_clipping_first(max_norm):
+    """Strategy.step hands the clip to the fused AdamW (grad_scale = 1 / torch's clamped clip coefficient) instead of
+    scaling the gradients first: the updates equal clip_grad_norm_ then the step, and the norm returned is the
+    pre-clip one; no grad_scale is left on the optimizer."""
+    cfg = config.load_config(None, {"mixed_precision": ("no", "test"), "max_grad_norm": (max_norm, "test")}).cfg
+    strategy = Strategy(cfg, DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo"))
+    torch.manual_seed(0)
+    folded, reference = torch.nn.Linear(8, 5), torch.nn.Linear(8, 5)
+    reference.load_state_dict(folded.state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, fused=True) for m in (folded, reference)]
+    x = torch.randn(4, 8)
+    for step in range(3):
+        for m in (folded, reference):
+            (m(x * (step + 1)) ** 2).sum().backward()
+        norm = strategy.step(folded, opts[0])
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm if max_norm > 0 else float("inf"))
+        opts[1].step()
+        opts[1].zero_grad(set_to_none=True)
+        torch.testing.assert_close(norm, expected)
+        for a, b in zip(folded.parameters(), reference.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert not hasattr(opts[0], "grad_scale")
+    if max_norm == 0.05:
+        assert float(norm) > 10 * max_norm  # the clip did fire, so the comparison is sharp
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_the_folded_clip_on_fsdp2_dtensors_equals_clipping_first(device, tmp_path):
+    """The same on FSDP2's DTensor parameters (one rank, gloo on the CPU, NCCL on a GPU): the fused AdamW takes the
+    plain-tensor divisor beside its DTensor lists, as it takes found_inf."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(device, (1,))
+        cfg = config.load_config(None, {"mixed_precision": ("no", "test"), "max_grad_norm": (0.05, "test")}).cfg
+        strategy = Strategy(cfg, DistEnv(0, 1, 0, 1, torch.device(device), "gloo"))
+        torch.manual_seed(0)
+        models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(device) for _ in range(2)]
+        models[1].load_state_dict(models[0].state_dict())
+        for m in models:
+            fully_shard(m, mesh=mesh)
+        opts = [torch.optim.AdamW(m.parameters(), lr=0.1, fused=True) for m in models]
+        x = torch.randn(4, 8, device=device)
+        for step in range(3):
+            for m in models:
+                (m(x * (step + 1)) ** 2).sum().backward()
+            norm = strategy.step(models[0], opts[0])
+            expected = torch.nn.utils.clip_grad_norm_(list(models[1].parameters()), 0.05, foreach=True)
+            opts[1].step()
+            opts[1].zero_grad(set_to_none=True)
+            torch.testing.assert_close(norm, expected.full_tensor())
+            assert float(norm) > 0.5  # the clip fires
+            for a, b in zip(models[0].parameters(), models[1].parameters()):
+                torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-6, atol=1e-7)
+    finally:
+        dist.destroy_process_group()

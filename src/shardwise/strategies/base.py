@@ -156,8 +156,9 @@ class Strategy:
         with self.loss_parallel():
             (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def clip_grad_norm(self, model: torch.nn.Module, optimizer) -> torch.Tensor:
-        """Clip to the global gradient norm; returns the pre-clip norm (a plain tensor).
+    def clip_grad_norm(self, model: torch.nn.Module, optimizer, scale: bool = True) -> torch.Tensor:
+        """Clip to the global gradient norm; returns the pre-clip norm (a plain tensor). `scale=False` only
+        measures it (the fused AdamW then applies the clip itself: `step`).
 
         torch's clip_grad_norm_ needs every gradient on one mesh (or none). Tensor parallelism
         leaves several: DTensors over the tp mesh (or FSDP's 2-D mesh) beside the replicated
@@ -171,14 +172,26 @@ class Strategy:
         for p in params:
             groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
         if len(groups) <= 1:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+            if scale:
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
             return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         norms = [torch.nn.utils.get_total_norm([p.grad for p in g], foreach=True) for g in groups.values()]
         norm = torch.linalg.vector_norm(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n
                                                      for n in norms]))
-        for g in groups.values():
+        for g in groups.values() if scale else ():
             torch.nn.utils.clip_grads_with_norm_(g, max_norm, norm, foreach=True)
         return norm
+
+    def clip_divisor(self, norm: torch.Tensor) -> torch.Tensor | None:
+        """What the fused AdamW divides every gradient by to clip it (its `grad_scale`): 1 / torch's clamped clip
+        coefficient, max(1, (norm + 1e-6) / max_norm); 1 where the norm is not finite (that step is skipped).
+        None without clipping."""
+        if self.cfg.max_grad_norm <= 0:
+            return None
+        d = torch.clamp((norm.float() + 1e-6) / self.cfg.max_grad_norm, min=1.0)
+        return torch.where(torch.isfinite(d), d, torch.ones_like(d))
 
     def step(self, model: torch.nn.Module, optimizer) -> torch.Tensor:
         """Unscale (fp16), clip, step, zero the gradients; returns the pre-clip global norm.
@@ -189,27 +202,39 @@ class Strategy:
         an event, so neither the step nor reading the flag a step later waits for the GPU to drain.
         Any other kernel (an optimizer a subclass builds) cannot skip by itself: the norm is read here,
         which is free on the CPU; `sync_step` does that everywhere. Under fp16 the grad scaler
-        skips and rescales by itself (not counted: it is how loss scaling works)."""
+        skips and rescales by itself (not counted: it is how loss scaling works).
+
+        With the fused AdamW and no grad scaler the clip rides in the kernel: its `grad_scale` divides each
+        gradient as the step reads it (`clip_divisor`), one pass over the gradients fewer than scaling them
+        first (on an offloaded step, a pass over the host's fp32 gradients)."""
         if self.scaler:
             self.scaler.unscale_(optimizer)
-        norm = self.clip_grad_norm(model, optimizer)
-        if self.scaler:
-            self.scaler.step(optimizer)
-            self.scaler.update()
-            self._nonfinite.append(False)
-        elif all(g.get("fused") for g in optimizer.param_groups) and not self.cfg.sync_step:
-            bad = ~torch.isfinite(norm)
-            optimizer.found_inf = bad.to(torch.float32)  # the kernel skips the update (and undoes its step count)
-            try:
+        fused = all(g.get("fused") for g in optimizer.param_groups)
+        fold = fused and not self.scaler
+        norm = self.clip_grad_norm(model, optimizer, scale=not fold)
+        if fold and (divisor := self.clip_divisor(norm)) is not None:
+            optimizer.grad_scale = divisor
+        try:
+            if self.scaler:
+                self.scaler.step(optimizer)
+                self.scaler.update()
+                self._nonfinite.append(False)
+            elif fused and not self.cfg.sync_step:
+                bad = ~torch.isfinite(norm)
+                optimizer.found_inf = bad.to(torch.float32)  # the kernel skips the update (and undoes its step count)
+                try:
+                    optimizer.step()
+                finally:
+                    del optimizer.found_inf  # as GradScaler does: never left for another step() to see
+                self._nonfinite.append(_host_flag(bad))
+            elif bool(torch.isfinite(norm)):
                 optimizer.step()
-            finally:
-                del optimizer.found_inf  # as GradScaler does: never left for another step() to see
-            self._nonfinite.append(_host_flag(bad))
-        elif bool(torch.isfinite(norm)):
-            optimizer.step()
-            self._nonfinite.append(False)
-        else:
-            self._nonfinite.append(True)
+                self._nonfinite.append(False)
+            else:
+                self._nonfinite.append(True)
+        finally:
+            if hasattr(optimizer, "grad_scale"):
+                del optimizer.grad_scale
         optimizer.zero_grad(set_to_none=True)
         return norm
 
