@@ -35,6 +35,8 @@ def _controls(store, monkeypatch, secret):
     else:
         monkeypatch.delenv("SHARDWISE_CONTROL_SECRET", raising=False)
     ranks = [Control(SimpleNamespace(rank=r, world_size=1), 0.0, store=store) for r in (0, 1)]
+    for k in ranks[0].keys:  # rank 0 wrote "0" to each key through this connection; a get waits for those writes,
+        store.get(k)         # so a later write by another client cannot be overtaken by them (CI saw "0" after "5")
     return ranks
 
 
