@@ -57,6 +57,11 @@ def optimizer(params, kernel: str):
 def clip_variants(sl, rounds: int, max_norm: float = 1.0) -> dict[str, list[float]]:
     """The whole host step, fused kernel: clip_grad_norm_ (a norm pass and a scaling pass over the gradients) then
     the step, against the norm alone then the step dividing each gradient by the clip's divisor as it reads it."""
+    from shardwise import config
+    from shardwise.strategies.base import DistEnv, Strategy
+
+    cfg = config.load_config(None, {"mixed_precision": ("no", "bench"), "max_grad_norm": (max_norm, "bench")}).cfg
+    strategy = Strategy(cfg, DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo"))  # its clip_divisor, as step uses it
     sets = {k: make(sl, 1) for k in ("clip_then_step", "folded")}
     opts = {k: optimizer(ps, "fused") for k, ps in sets.items()}
     times: dict[str, list[float]] = {k: [] for k in sets}
@@ -68,7 +73,7 @@ def clip_variants(sl, rounds: int, max_norm: float = 1.0) -> dict[str, list[floa
             opt.step()
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in ps], foreach=True)
-            opt.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+            opt.grad_scale = strategy.clip_divisor(norm)
             opt.step()
             del opt.grad_scale
 

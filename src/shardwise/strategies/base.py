@@ -186,12 +186,11 @@ class Strategy:
 
     def clip_divisor(self, norm: torch.Tensor) -> torch.Tensor | None:
         """What the fused AdamW divides every gradient by to clip it (its `grad_scale`): 1 / torch's clamped clip
-        coefficient, max(1, (norm + 1e-6) / max_norm); 1 where the norm is not finite (that step is skipped).
-        None without clipping."""
+        coefficient, max(1, (norm + 1e-6) / max_norm) (a non-finite norm's step is skipped through found_inf or
+        not taken). None without clipping."""
         if self.cfg.max_grad_norm <= 0:
             return None
-        d = torch.clamp((norm.float() + 1e-6) / self.cfg.max_grad_norm, min=1.0)
-        return torch.where(torch.isfinite(d), d, torch.ones_like(d))
+        return torch.clamp((norm.float() + 1e-6) / self.cfg.max_grad_norm, min=1.0)
 
     def step(self, model: torch.nn.Module, optimizer) -> torch.Tensor:
         """Unscale (fp16), clip, step, zero the gradients; returns the pre-clip global norm.
