@@ -35,6 +35,7 @@
 #                                                    host16 offload16 offload16base (sixteenth session: carry .whl/base_src = 567f1bb's src)
 #                                                    spy16 (sixteenth session: carries .whl/opt/py_spy-*.whl)
 #                                                    fold16 (sixteenth session: carry .whl/base_src = 8d5afb2's src)
+#                                                    prof17 z3mod17 (seventeenth session; prof17 after fold16)
 #                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests z3eager (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
 #                                                    carries DeepSpeed's wheels and .whl/opt/accelerate, installed only
 #                                                    where the machine lacks accelerate)
@@ -436,6 +437,25 @@ fold16() {
     --steps 8 --log-every 2 --timeout 150 --tag fold16-base --out "$OUT"
   python3 benchmarks/strategies_gpu.py --strategies fsdp-offload --steps 8 --log-every 2 --timeout 150 --tag fold16 \
     --out "$OUT"
+}
+# seventeenth session: one profiled step of each offload preset on the anchor (--profile-steps writes the operator
+# table and the Chrome trace to the run's profile/), after fold16 built the anchor model
+prof17() {
+  for s in fsdp-offload zero2-offload; do
+    python3 -m shardwise train --model /tmp/shardwise-bench-gpu/llama-16l --data /tmp/shardwise-bench-gpu/data.jsonl \
+      --data-format text --strategy $s --nproc-per-node 1 --seq-len 2048 --micro-batch-size 8 --max-steps 7 \
+      --log-every 1 --lr 1e-5 --warmup-steps 0 --mixed-precision bf16 --param-dtype fp32 --no-save-final \
+      --profile-steps 1 --profile-start 6 --output-dir /tmp/prof-$s --overwrite --force
+    cp /tmp/prof-$s/profile/step-6-rank0.txt "$OUT/prof17-$s.txt"
+    cp /tmp/prof-$s/profile/step-6-rank0.json.gz "$OUT/prof17-$s.json.gz"
+    cp /tmp/prof-$s/metrics.jsonl "$OUT/prof17-$s-metrics.jsonl"
+  done
+}
+# seventeenth session: zero3-offload with DeepSpeed's own per-submodule fetch, with the fused host AdamW (the anchor
+# test's lost figure)
+z3mod17() {
+  python3 benchmarks/strategies_gpu.py --strategies zero3-offload --steps 6 --log-every 2 --timeout 240 --tag z3mod17 \
+    --out "$OUT" -- --deepspeed-fetch module
 }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {

@@ -1,5 +1,6 @@
 """The CLI as a user meets it: the demo, and one clear line for each bad input."""
 
+import gzip
 import json
 import os
 import shlex
@@ -36,6 +37,16 @@ def test_demo_command_trains_and_the_loss_falls(tmp_path):
     assert [(r["step"], r.get("profiled", False)) for r in recs] == [(1, False), (2, True), (3, False)]
     assert 0 <= recs[1]["comm_exposed_s"] <= recs[1]["comm_total_s"] and recs[1]["comm_total_s"] > 0
     assert again.returncode == 0
+    # the profiled step's operators and timeline, each rank its own, whole files only
+    prof = again_dir / "profile"
+    assert sorted(os.listdir(prof)) == ["step-2-rank0.json.gz", "step-2-rank0.txt", "step-2-rank1.json.gz",
+                                        "step-2-rank1.txt"]
+    table = (prof / "step-2-rank1.txt").read_text()
+    assert "operators by their own time on the host" in table and "aten::mm" in table
+    with gzip.open(prof / "step-2-rank0.json.gz", "rt") as fh:
+        names = {e.get("name") for e in json.load(fh)["traceEvents"]}
+    assert "shardwise/profiled_step" in names and any(str(n).startswith("gloo:") for n in names)
+    assert f"step 2's operators and trace: {prof / 'step-2-rank0.txt'}" in again.stdout
 
 
 def one_line_error(p, pattern):

@@ -47,3 +47,6 @@ def test_profiled_train_run_logs_cuda_communication(tmp_path):
         assert r["comm_method"].startswith("cuda: nccl kernels") and 0 <= r["comm_exposed_s"] <= r["comm_total_s"]
         if n > 1:  # DDP all-reduces gradients with NCCL kernels
             assert r["comm_total_s"] > 0
+    table = (out / "profile" / "step-4-rank0.txt").read_text()
+    assert "operators by their own time on the GPU" in table and "operators by their own time on the host" in table
+    assert (out / "profile" / f"step-5-rank{n - 1}.json.gz").stat().st_size > 0

@@ -160,7 +160,7 @@ class Trainer:
             self.peak = peak_flops(torch.cuda.get_device_name(env.device),
                                    cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32")
         self.control = Control(env, cfg.save_every_minutes)
-        self.profiler = StepProfiler.from_config(cfg, env.device, self.total)
+        self.profiler = StepProfiler.from_config(cfg, env.device, self.total, self.out, env.rank)
         self.evaluator = Evaluator(cfg, env, job.val_file, self.tokenizer.pad_token_id, self.total, self.out)
         self.new_window()
         self.skipped, self.tokens_run, self.first_loss, self.last_rec = 0, 0, self.earlier["first_loss"], {}
@@ -262,15 +262,21 @@ class Trainer:
         step = self.step
         self.phase = f"step {step}: metrics reduction"
         self.settle()
+        comm = self.profiler.take()
         rec = log_record(self.env, self.cfg, self.window, self.loss_acc, self.loss_n, self.seq_acc, step, self.total,
                          grad_norm, self.pos, self.tokens_seen, self.skipped, self.peak, self.n_params, self.hf_config,
-                         self.profiler.take())
+                         comm)
         self.phase = f"step {step}: validation"
         rec.update(self.evaluator.run(self.model, self.strategy, step, self.fused_head))
         self.rep.log(rec)
         if rec.get("profiled"):
             self.rep.say(f"shardwise: step {step} profiled: communication {rec['comm_total_s'] * 1e3:.1f} ms, "
                          f"exposed {rec['comm_exposed_s'] * 1e3:.1f} ms (max over ranks; {rec['comm_method']})")
+            files = comm.get("profile_files") if comm else None
+            if isinstance(files, list):
+                self.rep.say(f"shardwise: step {step}'s operators and trace: {files[0]}, {files[1]} (each rank its own)")
+            elif files:
+                self.rep.say(f"shardwise: step {step}'s operators and trace were not written: {files}")
         self.first_loss = rec["loss"] if self.first_loss is None else self.first_loss
         self.last_rec = rec
         self.new_window()

@@ -22,6 +22,12 @@ Which intervals are communication and which are compute depends on the device
   the CPU `comm_exposed_s` is therefore an upper bound on the wait, tight when operators
   dominate the step.
 
+Each profiled step also leaves what it measured in the run directory, for a person to read:
+`profile/step-<N>-rank<R>.txt`, the operators by their own time (on the GPU and on the host,
+or on the host alone), and `profile/step-<N>-rank<R>.json.gz`, the whole timeline as a Chrome
+trace (chrome://tracing, https://ui.perfetto.dev). Both are written to a temporary name and
+renamed, so a file there is whole.
+
 The loop reads nothing of this unless a step is profiled: `StepProfiler.step` is a shared
 null context for every other step.
 """
@@ -29,8 +35,10 @@ null context for every other step.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -171,21 +179,24 @@ class StepProfiler:
     first: int
     last: int
     device: torch.device
+    out_dir: Path | None = None  # where each profiled step's table and trace go (none: not written)
+    rank: int = 0
     _result: dict | None = None
 
     @classmethod
-    def from_config(cls, cfg, device: torch.device, total: int) -> "StepProfiler":
+    def from_config(cls, cfg, device: torch.device, total: int, out_dir: Path | None = None,
+                    rank: int = 0) -> "StepProfiler":
         first, last = profiled_range(cfg.profile_steps, cfg.profile_start, total)
-        return cls(first, last, device)
+        return cls(first, last, device, Path(out_dir) / "profile" if out_dir is not None else None, rank)
 
     def wants(self, step: int) -> bool:
         return self.first <= step <= self.last
 
     def step(self, step: int):
-        return self._profile() if self.wants(step) else contextlib.nullcontext()
+        return self._profile(step) if self.wants(step) else contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def _profile(self):
+    def _profile(self, step: int):
         from torch.profiler import ProfilerActivity, profile, record_function
 
         cuda = self.device.type == "cuda"
@@ -208,7 +219,39 @@ class StepProfiler:
             nan = float("nan")
             self._result = {"comm_total_s": nan, "comm_exposed_s": nan,
                             "comm_method": f"failed: {type(e).__name__}: {str(e)[:120]}"}
+        if self.out_dir is not None:
+            try:
+                self._result["profile_files"] = write_profile(prof, self.out_dir, step, self.rank, cuda)
+            except Exception as e:  # a full disk or a profiler that cannot export must not end the run either
+                self._result["profile_files"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
 
     def take(self) -> dict | None:
         r, self._result = self._result, None
         return r
+
+
+def operator_table(prof, cuda: bool, rows: int = 40) -> str:
+    """The step's operators by their own time: on the GPU first when there is one, then on the host."""
+    avg = prof.key_averages()
+    parts = []
+    if cuda:
+        parts.append(f"# operators by their own time on the GPU (top {rows})\n"
+                     + avg.table(sort_by="self_device_time_total", row_limit=rows))
+    parts.append(f"# operators by their own time on the host (top {rows})\n"
+                 + avg.table(sort_by="self_cpu_time_total", row_limit=rows))
+    return "\n\n".join(parts) + "\n"
+
+
+def write_profile(prof, out_dir: Path, step: int, rank: int, cuda: bool) -> list[str]:
+    """Write one profiled step's operator table and Chrome trace under out_dir; their paths.
+    Each is written under a temporary name first and renamed, so a file there is whole."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"step-{step}-rank{rank}"
+    table, trace = stem.with_suffix(".txt"), Path(f"{stem}.json.gz")
+    tmp = Path(f"{table}.tmp")
+    tmp.write_text(operator_table(prof, cuda))
+    os.replace(tmp, table)
+    tmp = Path(f"{stem}.tmp.json.gz")  # export_chrome_trace compresses by the name's suffix
+    prof.export_chrome_trace(str(tmp))
+    os.replace(tmp, trace)
+    return [str(table), str(trace)]
