@@ -35,7 +35,8 @@
 #                                                    host16 offload16 offload16base (sixteenth session: carry .whl/base_src = 567f1bb's src)
 #                                                    spy16 (sixteenth session: carries .whl/opt/py_spy-*.whl)
 #                                                    fold16 (sixteenth session: carry .whl/base_src = 8d5afb2's src)
-#                                                    prof17 z3mod17 (seventeenth session; prof17 after fold16)
+#                                                    prof17 z3mod17 norm17 gputests17 (seventeenth session; prof17 after
+#                                                    fold16 or norm17; norm17 carries .whl/base_src = 3d31060's src)
 #                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests z3eager (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
 #                                                    carries DeepSpeed's wheels and .whl/opt/accelerate, installed only
 #                                                    where the machine lacks accelerate)
@@ -441,7 +442,7 @@ fold16() {
 # seventeenth session: one profiled step of each offload preset on the anchor (--profile-steps writes the operator
 # table and the Chrome trace to the run's profile/), after fold16 built the anchor model
 prof17() {
-  for s in fsdp-offload zero2-offload; do
+  for s in ${PROF_STRATEGIES:-fsdp-offload zero2-offload}; do
     python3 -m shardwise train --model /tmp/shardwise-bench-gpu/llama-16l --data /tmp/shardwise-bench-gpu/data.jsonl \
       --data-format text --strategy $s --nproc-per-node 1 --seq-len 2048 --micro-batch-size 8 --max-steps 7 \
       --log-every 1 --lr 1e-5 --warmup-steps 0 --mixed-precision bf16 --param-dtype fp32 --no-save-final \
@@ -450,6 +451,20 @@ prof17() {
     cp /tmp/prof-$s/profile/step-6-rank0.json.gz "$OUT/prof17-$s.json.gz"
     cp /tmp/prof-$s/metrics.jsonl "$OUT/prof17-$s-metrics.jsonl"
   done
+}
+# seventeenth session: the host gradient norm (strategies/gradnorm.py) against torch's (3d31060's src/, carried as
+# .whl/base_src), fsdp-offload on the anchor, alternating, base first; then the GPU tests it touches
+norm17() {
+  for i in 1 2; do
+    PYTHONPATH="$PWD/.whl/base_src:/tmp/site:$PWD" python3 benchmarks/strategies_gpu.py --strategies fsdp-offload \
+      --steps 10 --log-every 2 --timeout 150 --tag norm17-base$i --out "$OUT"
+    python3 benchmarks/strategies_gpu.py --strategies fsdp-offload --steps 10 --log-every 2 --timeout 150 \
+      --tag norm17-new$i --out "$OUT"
+  done
+}
+gputests17() {
+  python3 -m pytest -n 0 -q -rs -p no:cacheprovider tests/gpu/test_offload_clip.py tests/gpu/test_profile_cuda.py \
+    tests/dist/test_gradnorm.py tests/unit/test_nonfinite_step.py tests/unit/test_profile.py
 }
 # seventeenth session: zero3-offload with DeepSpeed's own per-submodule fetch, with the fused host AdamW (the anchor
 # test's lost figure)

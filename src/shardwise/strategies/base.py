@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.config import Config
+from shardwise.strategies.gradnorm import host_grad_norm, scale_grads_
 from shardwise.strategies.parallel import ParallelDims, replicate_all
 from shardwise.strategies.parallelize import (
     apply_activation_checkpointing,
@@ -165,9 +166,18 @@ class Strategy:
         plain tensors (norms, embeddings, head) or FSDP's 1-D DTensors. Then each group's norm is
         taken on its own (a DTensor norm is reduced over its mesh: a sharded weight's pieces are
         summed, a replicated one counted once), the groups' norms combined, and every group
-        scaled by the same coefficient."""
+        scaled by the same coefficient.
+
+        Gradients on the host take strategies/gradnorm.py's path instead: torch's is single-threaded there, and
+        over an NCCL-only group a host DTensor's reduction fails."""
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        grads = [p.grad for p in params]
+        norm = host_grad_norm(grads)  # gradients on the host (a CPU run, FSDP's CPU offload): strategies/gradnorm.py
+        if norm is not None:
+            if scale and max_norm < float("inf"):
+                scale_grads_(grads, norm, max_norm)
+            return norm
         groups: dict = {}
         for p in params:
             groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)

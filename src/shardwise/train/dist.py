@@ -12,16 +12,18 @@ import torch.distributed as dist
 from shardwise.strategies.base import DistEnv
 
 
-def init_distributed(timeout_s: float = 1800.0) -> DistEnv:
+def init_distributed(timeout_s: float = 1800.0, host_collectives: bool = False) -> DistEnv:
     """Join the process group torchrun's agent prepared (RANK, WORLD_SIZE, MASTER_ADDR ...),
     or make a one-rank group in this process. NCCL with one GPU per rank when CUDA is
-    available, gloo otherwise."""
+    available, gloo otherwise. `host_collectives` (FSDP's CPU offload on GPUs): gloo beside NCCL
+    in the same group, for the collectives torch runs on host DTensors (their shards live on the
+    CPU; NCCL takes none), as torchtune and torchtitan do there."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
+    backend = ("cpu:gloo,cuda:nccl" if host_collectives else "nccl") if cuda else "gloo"
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

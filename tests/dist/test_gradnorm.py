@@ -1,0 +1,110 @@
+"""The host gradient norm (strategies/gradnorm.py) on real gloo ranks: DTensor gradients sharded over a 1-D mesh,
+over one dimension of a 2-D mesh, replicated, and plain tensors beside them give the norm of the full gradients
+(float64 reference) and torch's DTensor norm; the clip scales every rank's shard by the same coefficient. And one
+host tensor's square sum is as exact as float64 says, where torch's single reduction is not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# sizes: a small tensor, one over the rows' threshold with elements left over, one that splits evenly
+SIZES = [(6, 5), (1031, 301), (512, 1024)]
+
+
+def _full_grads() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(*s, generator=g) * (i + 1) for i, s in enumerate(SIZES)]
+
+
+def _case(rank: int, world: int, layout: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from shardwise.strategies.gradnorm import host_grad_norm, scale_grads_
+
+    full = _full_grads()
+    if layout == "1d":
+        mesh = init_device_mesh("cpu", (world,))
+        grads = [distribute_tensor(t, mesh, [Shard(0)]) for t in full[1:]] + [full[0].clone()]  # a plain one beside
+    elif layout == "2d-shard-inner":
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("rep", "shard"))
+        grads = [distribute_tensor(t, mesh, [Replicate(), Shard(0)]) for t in full]
+    elif layout == "2d-shard-outer-and-replicated":
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("shard", "rep"))
+        grads = [distribute_tensor(full[0].clone(), mesh, [Replicate(), Replicate()])]  # counted once, not world times
+        grads += [distribute_tensor(t, mesh, [Shard(0), Replicate()]) for t in full[1:]]
+    else:
+        raise ValueError(layout)
+    want = torch.linalg.vector_norm(torch.cat([t.double().reshape(-1) for t in full]))
+    # torch's own norm, one per mesh (it takes no mix), combined: base.Strategy.clip_grad_norm's GPU path
+    meshes: dict = {}
+    for t in grads:
+        meshes.setdefault(getattr(t, "device_mesh", None), []).append(t)
+    norms = [torch.nn.utils.get_total_norm(ts, foreach=True) for ts in meshes.values()]
+    torch_norm = torch.linalg.vector_norm(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n
+                                                      for n in norms]))
+    norm = host_grad_norm(grads)
+    out = {"norm": float(norm), "want": float(want), "torch": float(torch_norm), "device": str(norm.device),
+           "dtype": str(norm.dtype)}
+    max_norm = float(want) / 4  # the clip fires: every gradient times about 1/4
+    scale_grads_(grads, norm, max_norm)
+    coef = max_norm / (float(norm) + 1e-6)
+    out["clipped"] = all(
+        torch.allclose(g.full_tensor() if hasattr(g, "full_tensor") else g, t * coef, rtol=1e-6, atol=1e-7)
+        for g, t in zip(grads, full[1:] + full[:1] if layout == "1d" else full))
+    return out
+
+
+def _worker(rank: int, world: int, init_file: str, layouts, q) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        q.put((rank, {lay: _case(rank, world, lay) for lay in layouts}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_host_grad_norm_on_two_gloo_ranks_equals_the_full_gradients_norm(tmp_path):
+    layouts = ["1d", "2d-shard-inner", "2d-shard-outer-and-replicated"]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), layouts, q), nprocs=2, start_method="spawn")
+    for _ in range(2):
+        rank, results = q.get(timeout=120)
+        for lay, r in results.items():
+            assert abs(r["norm"] - r["want"]) <= 1e-6 * r["want"], (rank, lay, r)
+            assert abs(r["torch"] - r["want"]) <= 1e-4 * r["want"], (rank, lay, r)  # the same semantics as torch's
+            assert r["device"] == "cpu" and r["dtype"] == "torch.float32", (rank, lay, r)
+            assert r["clipped"], (rank, lay, r)
+
+
+def test_square_sum_of_a_large_host_tensor_is_as_exact_as_float64():
+    from shardwise.strategies.gradnorm import ROW, square_sum
+
+    g = torch.Generator().manual_seed(0)
+    for n in (5, 2 * ROW - 1, 2 * ROW, 4_000_037):  # one reduction; the rows, even and with elements left over
+        t = torch.randn(n, generator=g) + 0.5  # a mean: a long float32 running sum drifts
+        want = float(t.double().square().sum())
+        assert abs(float(square_sum(t)) - want) <= 1e-6 * want, n
+        if n == 4_000_037:  # torch's one reduction, for the record: over 100 times further off
+            assert abs(float(torch.linalg.vector_norm(t).double().square()) - want) > 1e-5 * want
+
+
+def test_bf16_host_gradients_give_a_float32_norm():
+    from shardwise.strategies.gradnorm import host_grad_norm
+
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(300_000, generator=g).bfloat16(), torch.randn(7, generator=g).bfloat16()]
+    norm = host_grad_norm(grads)
+    want = torch.linalg.vector_norm(torch.cat([t.double() for t in grads]))
+    assert norm.dtype == torch.float32 and abs(float(norm) - float(want)) <= 1e-6 * float(want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_grad_norm_leaves_accelerator_gradients_to_torch():
+    from shardwise.strategies.gradnorm import host_grad_norm
+
+    assert host_grad_norm([torch.ones(3, device="cuda")]) is None
+    assert float(host_grad_norm([torch.ones(3, device="cuda"), torch.ones(1)])) == 2.0
