@@ -455,6 +455,7 @@ prof17() {
 # seventeenth session: the host gradient norm (strategies/gradnorm.py) against torch's (3d31060's src/, carried as
 # .whl/base_src), fsdp-offload on the anchor, alternating, base first; then the GPU tests it touches
 norm17() {
+  python3 benchmarks/host_adamw.py --norm --rounds 5 --json "$OUT/host_norm_h200_2026-12-02.json"
   for i in 1 2; do
     PYTHONPATH="$PWD/.whl/base_src:/tmp/site:$PWD" python3 benchmarks/strategies_gpu.py --strategies fsdp-offload \
       --steps 10 --log-every 2 --timeout 150 --tag norm17-base$i --out "$OUT"

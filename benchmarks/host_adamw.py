@@ -11,6 +11,8 @@ kernels for --rounds rounds after one warm-up step each, and reports how far apa
     python benchmarks/host_adamw.py --layers 2 --json F   # a quick check
     python benchmarks/host_adamw.py --clip                # the clip then the fused step, against the clip folded
                                                           # into the step (its grad_scale), as Strategy.step does
+    python benchmarks/host_adamw.py --norm                # the gradient norm alone: torch's get_total_norm
+                                                          # against strategies/gradnorm.py's host_grad_norm
 
 Prints one line per kernel and writes --json (medians, every step, threads, versions).
 """
@@ -87,12 +89,33 @@ def clip_variants(sl, rounds: int, max_norm: float = 1.0) -> dict[str, list[floa
     return times
 
 
+def norm_variants(sl, rounds: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """The global gradient norm alone over the model's host gradients: torch's get_total_norm (foreach; one
+    reduction per tensor) against host_grad_norm (rows over the threads). Also each one's relative error against a
+    float64 norm."""
+    from shardwise.strategies.gradnorm import host_grad_norm
+
+    grads = [p.grad for p in make(sl, 2)]
+    variants = {"torch_get_total_norm": lambda: torch.nn.utils.get_total_norm(grads, foreach=True),
+                "host_grad_norm": lambda: host_grad_norm(grads)}
+    want = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])))
+    errors = {k: abs(float(f()) - want) / want for k, f in variants.items()}  # also the warm-up
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for k, f in variants.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    return times, errors
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=ANCHOR["num_hidden_layers"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, the cores)")
     ap.add_argument("--clip", action="store_true", help="time the clip folded into the fused step instead")
+    ap.add_argument("--norm", action="store_true", help="time the gradient norm alone, torch's against ours")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     if a.threads:
@@ -101,6 +124,19 @@ def main() -> int:
     sl = shapes(cfg["num_hidden_layers"], cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"],
                 cfg["num_attention_heads"], cfg["num_key_value_heads"])
     n = sum(torch.Size(s).numel() for s in sl)
+    if a.norm:
+        times, errors = norm_variants(sl, a.rounds)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for k, v in med.items():
+            print(f"{k:21s} {n / 1e9:.3f}B params, {torch.get_num_threads()} threads: {v * 1e3:.1f} ms "
+                  f"(relative error against float64 {errors[k]:.1e})")
+        print(f"host_grad_norm / torch: {med['host_grad_norm'] / med['torch_get_total_norm']:.2f}")
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump({"params": n, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                           "torch": torch.__version__, "steps_s": times, "median_s": med, "rel_error": errors},
+                          fh, indent=1)
+        return 0
     if a.clip:
         times = clip_variants(sl, a.rounds)
         med = {k: statistics.median(v) for k, v in times.items()}
