@@ -50,7 +50,7 @@ def test_offloaded_fsdp_clip_runs_on_an_nccl_only_group_and_equals_clipping_the_
             assert norm.device.type == "cpu" and float(norm) > 1.0  # the clip fires
             torch.testing.assert_close(norm, want.cpu(), rtol=1e-5, atol=0)
             for a, b in zip(model.parameters(), ref.parameters()):
-                torch.testing.assert_close(a.to_local(), b.detach().cpu(), rtol=1e-4, atol=1e-6)
+                torch.testing.assert_close(a.to_local(), b.detach().cpu(), rtol=1e-4, atol=1e-4)
     finally:
         dist.destroy_process_group()
 

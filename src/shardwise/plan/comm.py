@@ -24,12 +24,12 @@ from shardwise.plan.memory import (
 from shardwise.plan.model_spec import ModelSpec
 
 # The offloaded optimizer step's host share, parameters per second per node: torch's fused AdamW on the host's fp32
-# state plus what each engine does around it there (FSDP2: the clip over per-parameter host shards; DeepSpeed: its
-# flat fp32 partition). Fitted on the 1.14B anchor on one 16-core H200 host (2026-12-02: fsdp-offload 1.223 s and
-# zero2-offload 0.830 s a step; the kernel alone ran 4.1e9 parameters/s there); both scale with the host's cores
-# (docs/planner.md, "Where the constants come from").
+# state plus what each engine does around it there (FSDP2: the clip's norm over per-parameter host shards, now over
+# the host's threads, strategies/gradnorm.py; DeepSpeed: its flat fp32 partition). Fitted on the 1.14B anchor on one
+# 16-core H200 host (2026-12-02: fsdp-offload 0.803 s and zero2-offload 0.830 s a step; the kernel alone ran 4.1e9
+# parameters/s there); both scale with the host's cores (docs/planner.md, "Where the constants come from").
 DS_HOST_STEP_PARAMS_PER_S = 1.94e9
-FSDP_HOST_STEP_PARAMS_PER_S = 1.15e9
+FSDP_HOST_STEP_PARAMS_PER_S = 1.98e9
 HOST_LINK_GBPS = 200.0  # PCIe Gen4 x16 nominal, per GPU, for offload traffic
 HBM_BYTES_PER_S = 2.0e12  # effective device memory bandwidth for the optimizer step (GPU)
 # Per-step work of a strategy beyond the model's FLOPs, the collectives and the optimizer step, as device-memory bytes
