@@ -1,7 +1,8 @@
 """The host gradient norm (strategies/gradnorm.py) on real gloo ranks: DTensor gradients sharded over a 1-D mesh,
-over one dimension of a 2-D mesh, replicated, and plain tensors beside them give the norm of the full gradients
-(float64 reference) and torch's DTensor norm; the clip scales every rank's shard by the same coefficient. And one
-host tensor's square sum is as exact as float64 says, where torch's single reduction is not."""
+over one dimension of a 2-D mesh, replicated, strided (FSDP2 around TP) with a rank holding no rows, and plain
+tensors beside them give the norm of the full gradients (float64 reference) and torch's DTensor norm; the clip scales
+every rank's shard by the same coefficient. And one host tensor's square sum is as exact as float64 says, where
+torch's single reduction is not."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def _full_grads() -> list[torch.Tensor]:
 def _case(rank: int, world: int, layout: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     from shardwise.strategies.gradnorm import host_grad_norm, scale_grads_
 
@@ -36,6 +38,13 @@ def _case(rank: int, world: int, layout: str) -> dict:
         mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("shard", "rep"))
         grads = [distribute_tensor(full[0].clone(), mesh, [Replicate(), Replicate()])]  # counted once, not world times
         grads += [distribute_tensor(t, mesh, [Shard(0), Replicate()]) for t in full[1:]]
+    elif layout == "strided-and-an-empty-shard":
+        # FSDP2 around tensor parallelism shards a TP Shard(0) weight's dp dimension as _StridedShard (whose
+        # is_shard() is False); and FSDP's uneven sharding leaves a rank no rows (here rank 1 of a 1-row tensor)
+        mesh = init_device_mesh("cpu", (world,))
+        grads = [distribute_tensor(full[1], mesh, [Shard(0)]),
+                 distribute_tensor(full[2], mesh, [_StridedShard(0, split_factor=2)])]  # rows: 4 | 512
+        grads += [distribute_tensor(full[0].reshape(1, -1), mesh, [Shard(0)])]
     else:
         raise ValueError(layout)
     want = torch.linalg.vector_norm(torch.cat([t.double().reshape(-1) for t in full]))
@@ -53,8 +62,9 @@ def _case(rank: int, world: int, layout: str) -> dict:
     scale_grads_(grads, norm, max_norm)
     coef = max_norm / (float(norm) + 1e-6)
     out["clipped"] = all(
-        torch.allclose(g.full_tensor() if hasattr(g, "full_tensor") else g, t * coef, rtol=1e-6, atol=1e-7)
-        for g, t in zip(grads, full[1:] + full[:1] if layout == "1d" else full))
+        torch.allclose((g.full_tensor() if hasattr(g, "full_tensor") else g).reshape(t.shape), t * coef, rtol=1e-6,
+                       atol=1e-7)
+        for g, t in zip(grads, full if layout.startswith("2d") else full[1:] + full[:1]))
     return out
 
 
@@ -67,7 +77,7 @@ def _worker(rank: int, world: int, init_file: str, layouts, q) -> None:
 
 
 def test_host_grad_norm_on_two_gloo_ranks_equals_the_full_gradients_norm(tmp_path):
-    layouts = ["1d", "2d-shard-inner", "2d-shard-outer-and-replicated"]
+    layouts = ["1d", "2d-shard-inner", "2d-shard-outer-and-replicated", "strided-and-an-empty-shard"]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     mp.start_processes(_worker, args=(2, str(tmp_path / "init"), layouts, q), nprocs=2, start_method="spawn")

@@ -63,11 +63,13 @@ def _group_square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _layout(g: torch.Tensor):
-    """(mesh, mesh dims the gradient is sharded on) for a DTensor, None for a plain tensor."""
+    """(mesh, mesh dims the gradient is sharded on) for a DTensor, None for a plain tensor. Every placement but
+    Replicate shards (partial ones never come here): Shard, and the _StridedShard FSDP2 puts on the data-parallel
+    dimension of a weight tensor parallelism already split on the same dimension, whose is_shard() is False."""
     mesh = getattr(g, "device_mesh", None)
     if mesh is None:
         return None
-    return mesh, tuple(i for i, p in enumerate(g.placements) if p.is_shard())
+    return mesh, tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())
 
 
 def host_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
