@@ -2,7 +2,9 @@
 
 - The clip's norm reduces its host partial sums on the mesh's device: on an NCCL-only group (what a job of two
   or more GPUs had before it got gloo beside NCCL) the step runs and clips like torch's clip on the full
-  gradients. Before strategies/gradnorm.py, torch's DTensor norm sent a host tensor to NCCL there.
+  gradients. On two or more GPUs torch's DTensor norm sent a host tensor to NCCL there (pytorch/pytorch#148532);
+  on one GPU DTensor skips that collective, so this test cannot show torch's failure. It shows ours does not
+  happen: host_grad_norm always reduces, and every collective of the step is checked to get a device tensor.
 - `init_distributed(host_collectives=True)` (what a fsdp-offload job starts) makes one group that takes host and
   device tensors alike.
 """
@@ -39,7 +41,24 @@ def test_offloaded_fsdp_clip_runs_on_an_nccl_only_group_and_equals_clipping_the_
         opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, fused=True)
         x = torch.randn(16, 64, device="cuda")
-        for step in range(3):
+        seen = []
+        real_all_reduce = dist.all_reduce
+
+        def all_reduce(tensor, *args, **kwargs):  # the real collective, with a record of what it was handed
+            seen.append(tensor.device.type)
+            return real_all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = all_reduce
+        try:
+            for m in (model, ref):
+                (m(x) ** 2).sum().backward()
+            strategy.step(model, opt)
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+        finally:
+            dist.all_reduce = real_all_reduce
+        assert seen and set(seen) == {"cuda"}, seen
+        for step in range(1, 3):
             for m in (model, ref):
                 (m(x * (step + 1)) ** 2).sum().backward()
             assert all(p.grad.to_local().device.type == "cpu" for p in model.parameters())
