@@ -37,8 +37,7 @@ def square_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum of squares of one host tensor in float32, over the threads: the norms of the ROW-element rows of a 2-D
     view (plus the elements left over), then their squares summed (torch's sum is pairwise)."""
     if not t.is_contiguous():  # no copy of a strided gradient (FSDP2's shards are contiguous): its last dim's rows
-        rows = torch.linalg.vector_norm(t, dim=-1, dtype=torch.float32) if t.dim() > 1 else torch.linalg.vector_norm(t, dtype=torch.float32)
-        return rows.square().sum()
+        return torch.linalg.vector_norm(t, dim=-1 if t.dim() > 1 else None, dtype=torch.float32).square().sum()
     flat = t.view(-1)
     n = flat.numel()
     r = n // ROW
