@@ -53,6 +53,7 @@ def test_offloaded_fsdp_clip_runs_on_an_nccl_only_group_and_equals_clipping_the_
             for m in (model, ref):
                 (m(x) ** 2).sum().backward()
             strategy.step(model, opt)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, foreach=True)
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
         finally:
