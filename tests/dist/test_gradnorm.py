@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# sizes: a small tensor, one over the rows' threshold with elements left over, one that splits evenly
-SIZES = [(6, 5), (1031, 301), (512, 1024)]
+# sizes: a small tensor (torch's foreach norm); two whose shards reach the rows' threshold (gradnorm.SMALL), one
+# with elements left over after its rows of 4,096, one that splits evenly
+SIZES = [(6, 5), (2063, 1021), (2048, 1024)]
 
 
 def _full_grads() -> list[torch.Tensor]:
@@ -43,7 +44,7 @@ def _case(rank: int, world: int, layout: str) -> dict:
         # is_shard() is False); and FSDP's uneven sharding leaves a rank no rows (here rank 1 of a 1-row tensor)
         mesh = init_device_mesh("cpu", (world,))
         grads = [distribute_tensor(full[1], mesh, [Shard(0)]),
-                 distribute_tensor(full[2], mesh, [_StridedShard(0, split_factor=2)])]  # rows: 4 | 512
+                 distribute_tensor(full[2], mesh, [_StridedShard(0, split_factor=2)])]
         grads += [distribute_tensor(full[0].reshape(1, -1), mesh, [Shard(0)])]
     else:
         raise ValueError(layout)
@@ -113,7 +114,9 @@ def test_bf16_host_gradients_give_a_float32_norm():
     from shardwise.strategies.gradnorm import host_grad_norm
 
     g = torch.Generator().manual_seed(1)
-    grads = [torch.randn(300_000, generator=g).bfloat16(), torch.randn(7, generator=g).bfloat16()]
+    from shardwise.strategies.gradnorm import SMALL
+
+    grads = [torch.randn(SMALL + 4099, generator=g).bfloat16(), torch.randn(7, generator=g).bfloat16()]  # rows; one
     norm = host_grad_norm(grads)
     want = torch.linalg.vector_norm(torch.cat([t.double() for t in grads]))
     assert norm.dtype == torch.float32 and abs(float(norm) - float(want)) <= 1e-6 * float(want)

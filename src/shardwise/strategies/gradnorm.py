@@ -9,7 +9,8 @@ job it can fail:
   writes four times as much (315 ms; the profiled step's operator table,
   benchmarks/results/offload_profile_h200_2026-12-02.md). The norms of a 2-D view's rows of 4,096 are spread over
   the threads, and each row is a short sum, so the result is also closer to a float64 reference: 7.6M values of
-  mean 0.5, 8e-8 relative error of the square sum, against 5e-4 for torch's single reduction.
+  mean 0.5, 8e-8 relative error of the square sum, against 5e-4 for torch's single reduction. Tensors under 1M
+  values keep torch's foreach norm (SMALL, below).
 - A DTensor whose shard lies on the host reduces its partial norm with a collective on a CPU tensor. Over an
   NCCL-only process group that is "No backend type associated with device type cpu" at the first clip, on every
   job of two or more GPUs (pytorch/pytorch#148532, meta-pytorch/torchtune#1977). Here the partial sums of squares
@@ -27,6 +28,10 @@ import torch.distributed as dist
 
 # Rows of this many elements: each row's norm is one thread's short sum, the rows spread over the threads.
 ROW = 4096
+# Smaller tensors go through torch's foreach norm in one call, one reduction each: the rows' few operators per
+# tensor cost more than the threads save there (a 3.9M-parameter model: 0.6 ms a step more on one thread), and a
+# reduction of up to 1M float32 values is off by about 1e-6 relative (the anchor's 65M-value embedding: 1e-3).
+SMALL = 1 << 20
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
@@ -58,7 +63,10 @@ def _group_square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
         by_device.setdefault(t.device, []).append(t)
     for dev, ts in by_device.items():
         if dev.type == "cpu":
-            parts.extend(square_sum(t) for t in ts)
+            small = [t for t in ts if t.numel() < SMALL]
+            if small:
+                parts.append(torch.stack(torch._foreach_norm(small, dtype=torch.float32)).square().sum())
+            parts.extend(square_sum(t) for t in ts if t.numel() >= SMALL)
         else:  # a GPU's share: torch's fused foreach norms
             parts.append(torch.stack(torch._foreach_norm(ts, dtype=torch.float32)).square().sum().to(device))
     return torch.stack([p.to(device) for p in parts]).sum()
