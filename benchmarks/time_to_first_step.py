@@ -73,6 +73,8 @@ def main() -> int:
     ap.add_argument("--base-src", default="", help="Also time shardwise from this src/ directory (an A/B).")
     ap.add_argument("--swift", default="", help="Also time this ms-swift script on the same job.")
     ap.add_argument("--json", default="", help="Write every run here.")
+    ap.add_argument("--abba", action="store_true", help="With --base-src: this tree first in every other pair (the "
+                    "second run of a pair has trained slower on the 2-core box, whichever tree it was)")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     model_dir, data = build(a.work)
@@ -85,7 +87,7 @@ def main() -> int:
     variants = ([("base", {"PYTHONPATH": base_path})] if a.base_src else []) + [("shardwise", {})]
     results = []
     for i in range(a.runs):
-        for name, env in variants:
+        for name, env in (variants[::-1] if a.abba and i % 2 else variants):
             t0 = time.perf_counter()
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **env})
             wall = time.perf_counter() - t0
