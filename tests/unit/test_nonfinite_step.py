@@ -196,3 +196,13 @@ def test_the_folded_clip_on_fsdp2_dtensors_equals_clipping_first(device, tmp_pat
                 torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-6, atol=1e-7)
     finally:
         dist.destroy_process_group()
+
+
+def test_only_fsdp_cpu_offload_asks_for_host_collectives():
+    """The loop asks the strategy whether its group needs gloo beside NCCL (train/dist.py): FSDP's CPU offload only."""
+    from shardwise import strategies
+
+    for name, want in (("fsdp-offload", True), ("fsdp", False), ("ddp", False), ("zero2-offload", False),
+                       ("zero3-offload", False), ("single", False)):
+        cfg = config.load_config(None, {"strategy": (name, "test")}).cfg
+        assert strategies.get(cfg.strategy).host_collectives(cfg) is want, name

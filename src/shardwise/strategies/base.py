@@ -125,6 +125,12 @@ class Strategy:
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.cfg.lr, betas=(0.9, 0.999),
                                  eps=1e-8, **self.optimizer_kernel())
 
+    @classmethod
+    def host_collectives(cls, cfg: Config) -> bool:
+        """Whether torch runs collectives on host tensors of this strategy on GPUs (the process group then gets
+        gloo beside NCCL: train/dist.py init_distributed). FSDP's CPU offload does."""
+        return False
+
     def optimizer_kernel(self) -> dict:
         """The fused AdamW, wherever the step runs: on the GPU one kernel per parameter group; on the CPU (a CPU
         run, or a step offloaded to the host) one pass over each tensor instead of foreach's dozen (3.9M

@@ -146,6 +146,10 @@ class FSDPStrategy(Strategy):
         return presets.FSDP.keeps_gathered(f.keep_gathered_one_rank, f.cpu_offload, self.mesh.shape[-1],
                                            self.compute_dtype.itemsize, self.param_dtype.itemsize)
 
+    @classmethod
+    def host_collectives(cls, cfg) -> bool:
+        return cfg.fsdp.cpu_offload  # the shards, gradients and step live on the host
+
     def optimizer_kernel(self) -> dict:
         # fp16 with the step offloaded from a GPU: the grad scaler hands a fused optimizer its found-inf flag on the
         # GPU, and the fused CPU kernel copies it back without waiting for it; with foreach the scaler reads it first

@@ -116,9 +116,10 @@ class Trainer:
         marks["worker_process_start"] = phases.process_start()
         marks["worker_start"] = max(marks["worker_process_start"], marks.get("prepared", 0.0))
         marks["setup_start"] = time.time()
-        env = self.env = sdist.init_distributed(cfg.collective_timeout, host_collectives=cfg.fsdp.cpu_offload)
-        marks["initialized"] = time.time()
         strategy_cls = strategies.get(cfg.strategy)
+        env = self.env = sdist.init_distributed(cfg.collective_timeout,
+                                                host_collectives=strategy_cls.host_collectives(cfg))
+        marks["initialized"] = time.time()
         # the run's parallel degrees and its one device mesh: everything below reads them from here
         env.dims = self.dims = strategy_cls.parallel_dims(cfg, env, model_heads(job.model_dir))
         torch.manual_seed(cfg.seed)
