@@ -35,7 +35,6 @@ null context for every other step.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,15 +242,13 @@ def operator_table(prof, cuda: bool, rows: int = 40) -> str:
 
 
 def write_profile(prof, out_dir: Path, step: int, rank: int, cuda: bool) -> list[str]:
-    """Write one profiled step's operator table and Chrome trace under out_dir; their paths.
-    Each is written under a temporary name first and renamed, so a file there is whole."""
+    """Write one profiled step's operator table and Chrome trace under out_dir (rundir's atomic writes: a file
+    there is whole); their paths."""
+    from shardwise.rundir import atomic_path, atomic_write
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"step-{step}-rank{rank}"
-    table, trace = stem.with_suffix(".txt"), Path(f"{stem}.json.gz")
-    tmp = Path(f"{table}.tmp")
-    tmp.write_text(operator_table(prof, cuda))
-    os.replace(tmp, table)
-    tmp = Path(f"{stem}.tmp.json.gz")  # export_chrome_trace compresses by the name's suffix
-    prof.export_chrome_trace(str(tmp))
-    os.replace(tmp, trace)
+    table, trace = out_dir / f"step-{step}-rank{rank}.txt", out_dir / f"step-{step}-rank{rank}.json.gz"
+    atomic_write(str(table), operator_table(prof, cuda))
+    with atomic_path(str(trace), suffix=".json.gz") as tmp:  # export_chrome_trace compresses by the suffix
+        prof.export_chrome_trace(tmp)
     return [str(table), str(trace)]
