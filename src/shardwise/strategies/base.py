@@ -25,7 +25,6 @@ loss-token count.
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +38,6 @@ from shardwise.strategies.parallelize import (
     apply_float8,
     apply_tensor_parallel,
 )
-
-log = logging.getLogger(__name__)
 
 DTYPES = {"no": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -82,6 +79,7 @@ class Strategy:
         self.compute_dtype = DTYPES[cfg.mixed_precision]
         self.param_dtype = DTYPES[cfg.param_dtype]
         self.scaler = None
+        self.applied: list[str] = []  # parallelize's steps that are on
         self._nonfinite: list = []  # one flag per step() not read yet: a bool, a tensor, or (pinned copy, event)
         if cfg.mixed_precision == "fp16":
             self.scaler = torch.amp.GradScaler(env.device.type)
@@ -98,9 +96,9 @@ class Strategy:
                 apply_tensor_parallel(model, self.dims),
                 apply_activation_checkpointing(model, cfg),
                 apply_compile(model, cfg, self.dims, hooks_eager=self.compile_hooks_eager)]
+        # what is on, for the run's header (the loop prints it): "compile: 16 blocks", "activation checkpointing: ..."
+        self.applied = [d for d in done if not d.endswith(": off")]
         model, optimizer = self.apply_data_parallel(model)
-        if self.env.is_main:
-            log.info("parallelize: %s; then %s", "; ".join(done), self.name)
         return model, optimizer
 
     def apply_data_parallel(self, model: torch.nn.Module):

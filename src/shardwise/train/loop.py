@@ -216,6 +216,8 @@ class Trainer:
                      f"{env.device.type}), {self.n_params / 1e6:.2f}M params ({self.n_trainable / 1e6:.2f}M "
                      f"trainable), {len(self.data)} sequences, global batch {self.sampler.global_batch}, "
                      f"{self.total} steps")
+        if self.strategy.applied:
+            self.rep.say("shardwise: " + "; ".join(self.strategy.applied))
         for n in notes:
             self.rep.say("shardwise: " + n)
 
