@@ -35,6 +35,7 @@
 #                                                    host16 offload16 offload16base (sixteenth session: carry .whl/base_src = 567f1bb's src)
 #                                                    spy16 (sixteenth session: carries .whl/opt/py_spy-*.whl)
 #                                                    fold16 (sixteenth session: carry .whl/base_src = 8d5afb2's src)
+#                                                    gputests18 (eighteenth session)
 #                                                    prof17 z3mod17 norm17 gputests17 (seventeenth session; prof17 after
 #                                                    fold16 or norm17; norm17 carries .whl/base_src = 3d31060's src)
 #                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests z3eager (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
@@ -472,6 +473,13 @@ gputests17() {
 z3mod17() {
   python3 benchmarks/strategies_gpu.py --strategies zero3-offload --steps 6 --log-every 2 --timeout 240 --tag z3mod17 \
     --out "$OUT" -- --deepspeed-fetch module
+}
+# eighteenth session: a hybrid model's compiled blocks on CUDA (new test), then the whole GPU suite on torch 2.11 (the
+# seventeenth session's last host-norm threshold and test sizes never ran there)
+gputests18() {
+  timeout -k 10 250 python3 -m pytest -n 0 -q -rs -p no:cacheprovider tests/gpu/test_hybrid_compile.py
+  timeout -k 10 320 python3 -m pytest -n 0 -q -rs -p no:cacheprovider tests/gpu/test_cuda.py tests/gpu/test_offload_clip.py \
+    tests/gpu/test_profile_cuda.py tests/gpu/test_sequence_parallel.py tests/dist/test_gradnorm.py
 }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {
