@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
+from tests.e2e.test_security_audit import planted  # noqa: F401 - a fixture: a copied run whose model has code
 from tests.helpers import run_cli
 from tests.ui.conftest import UIServer
 
@@ -284,3 +285,37 @@ def test_runs_page_diffs_two_configs(server, page, runs_dir, shots):
     keys = page.locator("#diff tbody td:first-child").all_inner_texts()
     assert "max_steps" in keys and "strategy" not in keys
     page.screenshot(path=os.path.join(shots, "runs-diff.png"), full_page=True)
+
+
+def test_resume_asks_before_it_runs_a_copied_runs_remote_code(planted, page):  # noqa: F811 - the fixture
+    """A run directory copied into the runs directory, whose config.yaml turns trust_remote_code on: Resume shows
+    the server's question in a confirm dialog. Declined, nothing starts and the message stays on the page;
+    accepted, the same click resumes with the user's word and the model's code runs."""
+    runs, name, marker = planted
+    os.makedirs(os.path.join(runs, name, ".prep"))
+    with open(os.path.join(runs, name, ".prep", "interrupted.json"), "w") as fh:  # shown as interrupted: Resume on
+        json.dump({"step": 1, "checkpoint": None}, fh)
+    s = UIServer(runs).start()
+    try:
+        asked = []
+        page.once("dialog", lambda d: (asked.append(d.message), d.dismiss()))
+        page.goto(f"{s.base}/runs?run={name}")
+        page.wait_for_function("() => !document.getElementById('resume').disabled")
+        page.click("#resume")
+        page.wait_for_function("() => document.getElementById('action-msg').textContent.includes('trust_remote_code')")
+        assert len(asked) == 1 and "turns on trust_remote_code" in asked[0], asked
+        assert not os.path.exists(os.path.join(runs, name, "ui-launch.json")) and not marker.exists()
+
+        page.once("dialog", lambda d: d.accept())
+        page.click("#resume")
+        page.wait_for_function("() => document.getElementById('run-state').textContent !== 'interrupted'",
+                               timeout=60_000)
+        with open(os.path.join(runs, name, "ui-launch.json")) as fh:
+            proc = psutil.Process(json.load(fh)["pid"])
+        try:
+            proc.wait(timeout=200)
+        except psutil.NoSuchProcess:
+            pass
+        assert marker.exists(), open(os.path.join(runs, name, "ui-launch.log")).read()[-3000:]
+    finally:
+        s.stop()

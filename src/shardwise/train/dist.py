@@ -34,8 +34,24 @@ def init_distributed(timeout_s: float = 1800.0, host_collectives: bool = False) 
             store = worker_store(rank, world, timeout, other_hosts=world > local_world)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
         else:
+            keep_on_loopback()
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistEnv(rank, world, local_rank, local_world, device, backend)
+
+
+def keep_on_loopback() -> None:
+    """A group of one rank in this process: no other rank will ever connect, yet gloo's device (and NCCL's
+    bootstrap) listen on the address the host name resolves to, which on many machines is a network address.
+    Point both at the loopback interface, as the launcher does for a one-node group (launch.loopback_only); a
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME of the user's own is kept."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return
+    lo = next((n for n in ("lo", "lo0") if n in names), None)  # Linux, macOS
+    if lo:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
 
 
 def tcp_store(host: str, port: int, is_master: bool, timeout: timedelta, other_hosts: bool = False,

@@ -147,7 +147,10 @@ def create_app(runs_dir: str, token: str | None = None, allowed_hosts: list[str]
         try:
             body = await _body(request)
             path = runs.resolve(runs_dir, str(body.get("run", "")))
-            result = await asyncio.to_thread(runs.stop if action == "stop" else runs.resume, path)
+            if action == "stop":
+                result = await asyncio.to_thread(runs.stop, path)
+            else:  # remote code only when this request says so (body.trust_remote_code is true)
+                result = await asyncio.to_thread(runs.resume, path, body.get("trust_remote_code") is True)
         except ShardwiseError as e:
             return _error(e)
         return JSONResponse(result)

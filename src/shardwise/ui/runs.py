@@ -365,8 +365,10 @@ def _check_unlocked(path: str) -> None:
         os.close(fd)
 
 
-def resume(path: str) -> dict:
-    """`shardwise train RUN/config.yaml --output-dir RUN --resume auto`, as the CLI prints it."""
+def resume(path: str, trust_remote_code: bool = False) -> dict:
+    """`shardwise train RUN/config.yaml --output-dir RUN --resume auto`, as the CLI prints it. A config.yaml that
+    turns on trust_remote_code is resumed only with `trust_remote_code` (the page's user saying so for this
+    resume): a run directory may be copied or planted, and its file is not the user's word."""
     if _alive(_read_json(os.path.join(path, RECORD)), path):
         raise ShardwiseError(f"{path}: still running; stop it first")
     cfg = os.path.join(path, "config.yaml")
@@ -377,7 +379,13 @@ def resume(path: str) -> dict:
         raise ShardwiseError(f"{path}: no config.yaml; this run never started, launch it again from the Plan page")
     from shardwise import config
 
-    config.load_config(cfg, {"resume": ("auto", "ui"), "output_dir": (path, "ui")})  # validated as the CLI will
+    res = config.load_config(cfg, {"resume": ("auto", "ui"), "output_dir": (path, "ui")})  # validated as the CLI will
+    if res.cfg.trust_remote_code and not trust_remote_code:
+        from shardwise.ui.forms import FormError
+
+        raise FormError(f"{cfg} turns on trust_remote_code: resuming runs the code in its model directory "
+                        f"{res.cfg.model}; resume only a run you trust, and confirm to run its code",
+                        "trust_remote_code")
     _check_unlocked(path)
     pid = _start(path, [cfg, f"--output-dir={path}", "--resume=auto"])
     return {"pid": pid}

@@ -89,12 +89,15 @@ function connect() {
   source.addEventListener("metrics", e => addMetrics(JSON.parse(e.data)));
 }
 
-async function act(action) {
+async function act(action, trust = false) {
   document.getElementById("action-msg").textContent = "";
   try {
-    await sw.post("/api/run/" + action, { run: selected });
+    await sw.post("/api/run/" + action, trust ? { run: selected, trust_remote_code: true } : { run: selected });
     if (action === "resume") { makeCharts(); document.getElementById("points").textContent = "0"; connect(); }
-  } catch (e) { document.getElementById("action-msg").textContent = e.message; }
+  } catch (e) {
+    if (action === "resume" && !trust && e.field === "trust_remote_code" && confirm(e.message + "?")) return act(action, true);
+    document.getElementById("action-msg").textContent = e.message;
+  }
 }
 
 document.querySelector("#runs tbody").addEventListener("click", e => {

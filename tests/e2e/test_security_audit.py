@@ -1,0 +1,132 @@
+"""Remote code only with its flag, through `shardwise ui`: a run directory copied or planted into the runs
+directory whose config.yaml turns trust_remote_code on, and a model directory whose custom code leaves a marker
+when it runs. A real server, real HTTP, the real run it starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import psutil
+import pytest
+
+from shardwise import config, rundir
+from tests.ui.conftest import UIServer
+
+pytestmark = pytest.mark.timeout(300)
+
+CODE = """import os
+with open({marker!r}, "a") as fh:
+    fh.write("ran in %d\\n" % os.getpid())
+from transformers import LlamaConfig
+
+
+class MarkedConfig(LlamaConfig):
+    pass
+"""
+
+
+@pytest.fixture
+def planted(tmp_path, tiny_dir):
+    """(runs dir, run name, marker): a run directory whose config.yaml names a model with custom code and
+    trust_remote_code: true, as a shardwise run directory copied from elsewhere would hold it."""
+    pytest.importorskip("starlette", reason="the 'ui' extra is not installed")
+    marker = tmp_path / "CODE_RAN"
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "configuration_marked.MarkedConfig"}
+    (model / "config.json").write_text(json.dumps(cfg))
+    (model / "configuration_marked.py").write_text(CODE.format(marker=str(marker)))
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"say {i}"},
+                                                     {"role": "assistant", "content": f"{i}"}]}) + "\n"
+                            for i in range(16)))
+    runs = tmp_path / "runs"
+    run = runs / "copied"
+    run.mkdir(parents=True)
+    res = config.load_config(None, {"model": (str(model), "test"), "data": (str(data), "test"),
+                                    "trust_remote_code": (True, "test"), "strategy": ("single", "test"),
+                                    "nproc_per_node": (1, "test"), "max_steps": (1, "test"),
+                                    "micro_batch_size": (2, "test"), "save_final": (False, "test"),
+                                    "report_to": ("none", "test")})
+    (run / "config.yaml").write_text(config.to_yaml(res.cfg))
+    rundir.mark(str(run))
+    return str(runs), "copied", marker
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_resume_from_the_page_runs_a_config_s_remote_code_only_when_the_request_says_so(planted):
+    runs, name, marker = planted
+    s = UIServer(runs).start()
+    try:
+        status, d = _post(s.base + "/api/run/resume", {"run": name})
+        assert status == 400 and d["field"] == "trust_remote_code" and "trust_remote_code" in d["error"], (status, d)
+        for junk in ("true", 1, "yes"):  # only a JSON true is the user's word
+            status, d = _post(s.base + "/api/run/resume", {"run": name, "trust_remote_code": junk})
+            assert status == 400 and d["field"] == "trust_remote_code", (junk, status, d)
+        assert not os.path.exists(os.path.join(runs, name, "ui-launch.json")), "a launcher was started"
+        assert not marker.exists(), marker.read_text()
+
+        status, d = _post(s.base + "/api/run/resume", {"run": name, "trust_remote_code": True})
+        assert status == 200, (status, d)
+        proc = psutil.Process(d["pid"])
+        deadline = time.monotonic() + 200
+        while proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the resumed run did not end"
+            time.sleep(0.5)
+        log = open(os.path.join(runs, name, "ui-launch.log")).read()
+        assert marker.exists(), log  # asked for: the model's code ran (the refusals above were not vacuous)
+    finally:
+        s.stop()
+
+
+def _listening(root: psutil.Process) -> set[str]:
+    """The addresses the TCP sockets of `root` and its descendants listen on, now."""
+    found = set()
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            conns = proc.net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        found |= {c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN}
+    return found
+
+
+def test_doctor_listens_on_loopback_only_even_when_the_environment_asks_torch_to_share_its_store(tmp_path):
+    """torch's elastic agent shares its rendezvous store into the workers unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+    is 1, and makes that shared store with a plain TCPStore server, which listens on every interface. `shardwise
+    doctor` (and `train`, through the same rendezvous) never share it, whatever the environment says: every socket
+    of the launcher and its ranks listens on loopback, polled while the real command runs."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}
+    p = subprocess.Popen([sys.executable, "-m", "shardwise", "doctor", "--nproc", "2", "--sizes", "4096",
+                          "--iters", "2", "--no-save"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                         cwd=str(tmp_path))
+    root, seen = psutil.Process(p.pid), set()
+    deadline = time.monotonic() + 240
+    while p.poll() is None and time.monotonic() < deadline:
+        try:
+            seen |= _listening(root)
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.02)
+    out = p.communicate(timeout=60)[0].decode(errors="replace")
+    assert p.returncode == 0, out[-3000:]
+    assert seen, "no listening socket was seen while doctor ran"  # the rendezvous store and the ranks' store at least
+    assert all(ip.startswith("127.") or ip == "::1" for ip in seen), (seen, out[-2000:])
