@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -509,11 +509,15 @@ def demo_recipe_path() -> str:
     return str(resources.files("shardwise").joinpath("demo.yaml"))
 
 
-def load_config(path: str | None = None, flags: dict[str, tuple[Any, str]] | None = None) -> Resolved:
-    """Build and validate a Config from an optional YAML file and flag overrides."""
+def load_config(path: str | None = None, flags: dict[str, tuple[Any, str]] | None = None,
+                skip: Callable[[str], bool] | None = None) -> Resolved:
+    """Build and validate a Config from an optional YAML file and flag overrides. `skip(key)` leaves keys of the
+    file out (those a caller replaces: `shardwise bench` checks the user's file as each strategy runs it)."""
     flags = flags or {}
     layers: list[dict[str, tuple[Any, str]]] = []
     file_layer = _yaml_with_lines(path) if path else {}
+    if skip is not None:
+        file_layer = {k: v for k, v in file_layer.items() if not skip(k)}
     user = {**file_layer, **flags}
     model_name = user["model"][0] if "model" in user else FIELDS["model"].default
     data_name = user["data"][0] if "data" in user else FIELDS["data"].default

@@ -64,6 +64,11 @@ def export(checkpoint: str, out: str, merge_lora: bool = False, trust_remote_cod
     out = os.path.abspath(os.path.expanduser(out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):  # before the heavy imports
         raise ShardwiseError(f"--out {out}: exists and is not empty; choose a new directory")
+    inside = rundir.enclosing_run(out)
+    if inside:  # e.g. RUN/checkpoints/step_N/merged: rotating that step away (or --overwrite) would delete the export
+        raise ShardwiseError(f"--out {out}: lies in {inside[1]}/ of the run directory {inside[0]}, which that run "
+                             "deletes whole when it is overwritten (or rotates its checkpoints); choose a directory "
+                             "outside it")
     rundir.check_creatable(out, "--out", "--out")
     path = resolve_checkpoint(os.path.expanduser(checkpoint))
 

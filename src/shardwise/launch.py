@@ -23,7 +23,7 @@ import time
 import uuid
 
 from shardwise import phases, presets, rundir
-from shardwise.config import Config, Resolved, to_yaml
+from shardwise.config import Config, Resolved, split_source, to_yaml
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import use_compile_cache
 from shardwise.rundir import quiet_libraries
@@ -84,6 +84,12 @@ def check_output_dir(cfg: Config, res: Resolved, lock: rundir.RunLock | None = N
     entries; a root, the home directory, the current directory and its parents never are.
     With `lock`, a live run's lock is taken (or the run refused) before anything is judged."""
     out, where = cfg.output_dir, res.where("output_dir")
+    _check_outside_data_dirs(cfg, res, out)
+    inside = rundir.enclosing_run(out)
+    if inside:
+        raise ShardwiseError(f"{where}: {out} lies in {inside[1]}/ of the run directory {inside[0]}, which that "
+                             "run deletes whole when it is overwritten (or rotates its checkpoints): choose an "
+                             "--output-dir outside it")
     if not os.path.isdir(out):
         if os.path.lexists(out):
             raise ShardwiseError(f"{where}: {out} exists and is not a directory; choose another --output-dir")
@@ -105,13 +111,47 @@ def check_output_dir(cfg: Config, res: Resolved, lock: rundir.RunLock | None = N
             "nothing there is replaced" + (" (--overwrite only replaces a run directory shardwise created)"
                                            if cfg.overwrite else "") + ": choose another --output-dir")
     if not rundir.has_trained(out):
-        return why is None  # a run that stopped before its first step does not block a rerun
+        if why is None:  # a run that stopped before its first step does not block a rerun
+            _check_inputs_outside(cfg, res, out)
+        return why is None
     if not cfg.overwrite:
         raise ShardwiseError(f"{where}: {out} holds another run; pass --resume auto to continue it, --overwrite "
                              "to replace it, or choose another --output-dir")
     if why:
         raise ShardwiseError(f"{where}: {out} is {why}; --overwrite never clears it: choose another --output-dir")
+    _check_inputs_outside(cfg, res, out)
     return True
+
+
+def _check_outside_data_dirs(cfg: Config, res: Resolved, out: str) -> None:
+    """A data directory is read whole (its subdirectories too), so a run directory inside one would be read as data
+    by the next run over it (its config.yaml repeating this run included)."""
+    sources = [("data", split_source(item.strip())[0]) for item in cfg.data.split(",")]
+    for key, path in sources + [("val_data", cfg.val_data)]:
+        if not path or path == "demo" or not os.path.isdir(path):
+            continue
+        real, inside = os.path.realpath(path), os.path.realpath(out)
+        if inside == real or inside.startswith(real.rstrip(os.sep) + os.sep):
+            raise ShardwiseError(f"{res.where('output_dir')}: {out} is inside the data directory {path} "
+                                 f"({res.where(key)}), whose files are all read as data: the next run over it would "
+                                 "read this run's files too; choose an --output-dir outside it")
+
+
+def _check_inputs_outside(cfg: Config, res: Resolved, out: str) -> None:
+    """A run directory about to be cleared must not hold what this run reads (e.g. --model OUT/final, the model
+    the run being replaced trained): clearing would delete it before the run reads it."""
+    inputs = [("model", cfg.model if cfg.model != "tiny" else ""), ("val_data", cfg.val_data),
+              ("chat_template", cfg.chat_template if os.path.isfile(cfg.chat_template or "") else ""),
+              ("deepspeed.config", cfg.deepspeed.config)]
+    inputs += [("data", split_source(item.strip())[0]) for item in cfg.data.split(",")]
+    for key, path in inputs:
+        if not path or path == "demo":
+            continue
+        entry = rundir.entry_holding(out, os.path.expanduser(path))
+        if entry:
+            raise ShardwiseError(f"{res.where(key)}: {path} lies in {entry}/ of the run directory {out}, which "
+                                 "this run deletes before reading it (it clears the run it replaces): copy it out "
+                                 "first, or choose another --output-dir")
 
 
 def prepare(res: Resolved, force: bool = False) -> Prepared:
@@ -358,6 +398,7 @@ def check_model(cfg: Config, res: Resolved, shapes: bool = True) -> str:
     from shardwise.models import load
 
     model_dir = load.resolve_model_dir(cfg.model, cfg.seed)
+    _check_config_json(model_dir, res.where("model"))
     weights = load.check_weights(model_dir)
     if shapes:
         settings = [cfg.trust_remote_code, cfg.tuner, *([cfg.lora.targets, cfg.lora.r] if cfg.tuner != "full" else [])]
@@ -378,6 +419,22 @@ def check_model(cfg: Config, res: Resolved, shapes: bool = True) -> str:
                              "in its config.json: a rope_scaling entry (e.g. yarn with factor seq_len / "
                              f"{limit}) and max_position_embeddings raised to the new length (docs/long-context.md)")
     return model_dir
+
+
+def _check_config_json(model_dir: str, where: str) -> None:
+    """The model's config.json is one JSON object (every later check and the workers read it)."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path, "rb") as fh:
+            obj = json.load(fh)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        line = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
+        why = e.msg if isinstance(e, json.JSONDecodeError) else str(e).splitlines()[0][:200]
+        raise ShardwiseError(f"{where}: {path}{line}: not valid JSON ({why}); fix or replace the file") from None
+    except OSError as e:
+        raise ShardwiseError(f"{where}: {path}: cannot read it ({e.strerror}); fix or replace the file") from None
+    if not isinstance(obj, dict):
+        raise ShardwiseError(f"{where}: {path}: not a JSON object ({{\"key\": value, ...}}); fix or replace the file")
 
 
 def validation_records(cfg: Config, res: Resolved, records: list) -> tuple[list, list]:
@@ -553,10 +610,6 @@ def _agent(cfg: Config, worker_args: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # With the agent's rendezvous store shared into the workers (torch's default), a group
-    # restarted by --max-restarts reads the previous attempt's unprefixed keys and its gloo
-    # mesh hangs or is refused; a fresh store per rendezvous round avoids that.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
     multi = cfg.nnodes > 1
@@ -732,6 +785,13 @@ def _rendezvous_handler(params):
     class Backend(C10dRendezvousBackend):
         name = RDZV_BACKEND
 
+    # The agent's store is never shared into the workers (torch's default shares it), for two reasons:
+    # - torch makes that shared store with a plain TCPStore server, which listens on every interface;
+    # - a group restarted by --max-restarts reads the previous attempt's unprefixed keys in it, and its gloo mesh
+    #   hangs or is refused. The workers make their own store (train/dist.worker_store, on MASTER_ADDR only).
+    # torch reads this at each rendezvous round; set here, it holds for train and doctor, one node or several, whatever
+    # the environment said.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
     store = tcp_store(host, port, is_master=bool(params.get_as_bool("is_host", True)), multi_tenant=True,
                       timeout=timedelta(seconds=params.get_as_int("read_timeout", 60)))

@@ -190,6 +190,34 @@ def has_trained(output_dir: str) -> bool:
     return False
 
 
+def entry_holding(output_dir: str, path: str) -> str | None:
+    """The run-directory entry of `output_dir` that `path` is or lies inside, as written or with links resolved,
+    else None: what `clear` would delete (or unlink) with it."""
+    paths = {os.path.abspath(path), os.path.realpath(path)}
+    for e in OWN_ENTRIES:
+        entry = os.path.join(os.path.abspath(output_dir), e)
+        # a link entry: clear removes the link, not what it points to, so only paths through it are lost
+        entries = {entry} if os.path.islink(entry) else {entry, os.path.realpath(entry)}
+        if any(p == d or p.startswith(d.rstrip(os.sep) + os.sep) for p in paths for d in entries):
+            return e
+    return None
+
+
+def enclosing_run(path: str) -> tuple[str, str] | None:
+    """(run directory, entry) when `path` lies inside an entry of a marked run directory above it (its checkpoints/,
+    final/, ...), which that run's `--overwrite` or checkpoint rotation deletes whole; else None."""
+    real = os.path.realpath(path)
+    cur = os.path.dirname(real)
+    while True:
+        if run_id(cur) is not None:
+            entry = entry_holding(cur, real)
+            if entry:
+                return cur, entry
+        if os.path.dirname(cur) == cur:
+            return None
+        cur = os.path.dirname(cur)
+
+
 def protected(path: str) -> str | None:
     """Why `path` must never be cleared (a filesystem root, the home directory, the current
     directory or one of its parents), else None."""

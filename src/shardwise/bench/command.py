@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
                     "demo (the tiny model on 2 CPU ranks or the GPUs at hand).")
     b.add_argument("config", nargs="?", help="YAML config file (optional); its strategy and run-control keys are "
                                              "replaced by the bench's.")
-    b.add_argument("--strategies", default="",
+    b.add_argument("--strategies", default=None,
                    help="Comma-separated strategies/presets to compare (default: ddp,fsdp, plus zero2,zero3 when "
                         f"DeepSpeed is installed). Known: {', '.join(presets.PRESETS)}.")
     b.add_argument("--steps", type=int, default=30, help="Counted steps per strategy (default 30).")
@@ -54,8 +54,11 @@ def add_parser(sub) -> None:
 def spec_from_args(args):
     from shardwise.bench.runner import BenchSpec
 
-    if args.strategies:
+    if args.strategies is not None:
         names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        if not names:
+            raise ShardwiseError(f"--strategies: '{args.strategies}' names no strategy; give a comma-separated list "
+                                 f"such as ddp,fsdp (known: {', '.join(presets.PRESETS)}) or leave the flag out")
     else:
         from shardwise import strategies
 
@@ -85,11 +88,35 @@ def spec_from_args(args):
     check_creatable(report_dir, "--report-dir", "--report-dir", if_file="choose another --report-dir")
     if args.runs_dir:
         check_creatable(args.runs_dir, "--runs-dir", "--runs-dir")
-    return BenchSpec(config_path=args.config, flags=flags, strategies=names, steps=args.steps,
+    spec = BenchSpec(config_path=args.config, flags=flags, strategies=names, steps=args.steps,
                      warmup=args.warmup, report_dir=report_dir,
                      runs_dir=args.runs_dir or os.path.join(report_dir, "runs"),
                      report_name=args.report_name, timeout_s=args.timeout, profile_steps=args.profile_steps,
                      repeat=args.repeat)
+    check_inputs(spec)
+    return spec
+
+
+def check_inputs(spec) -> None:
+    """The user's config and flags as each strategy runs them, checked before anything is written: an error that
+    every strategy meets (an unknown key, a bad value) is one line naming the user's own file:line or flag, not a
+    report of runs that could not start; one that only some strategies meet stays their row of the report."""
+    from shardwise.bench.runner import CONTROLLED, strategy_flags
+
+    first = None
+    for name in spec.strategies:
+        base = presets.base_strategy(name)
+
+        def skip(key: str, base=base) -> bool:
+            return key in CONTROLLED or not presets.section_applies(key.split(".", 1)[0] if "." in key else None, base)
+
+        try:
+            config.load_config(spec.config_path, strategy_flags(spec, name, os.path.join(spec.runs_dir, name)), skip)
+            return
+        except ShardwiseError as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def say(msg: str) -> None:

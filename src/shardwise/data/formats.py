@@ -114,7 +114,8 @@ def _str(obj: dict, key: str, required: bool) -> str | None:
 
 def _turns(items, key: str, role_key: tuple[str, str], content_key: tuple[str, str], roles: dict) -> list[dict]:
     if not isinstance(items, list):
-        raise BadRecord(f"missing field '{key}' (a list of turns)")
+        raise BadRecord(f"missing field '{key}' (a list of turns)" if items is None else
+                        f"field '{key}' must be a list of turns, got {type(items).__name__}")
     if not items:
         raise BadRecord(f"empty conversation ('{key}' is [])")
     out = []
@@ -145,7 +146,8 @@ def parse(obj, fmt: str) -> tuple[str, list | str]:
     if fmt == "messages":
         msgs = obj.get("messages")
         if not isinstance(msgs, list):
-            raise BadRecord("missing field 'messages' (a list of {role, content})")
+            raise BadRecord("missing field 'messages' (a list of {role, content})" if msgs is None else
+                            f"field 'messages' must be a list of {{role, content}}, got {type(msgs).__name__}")
         return "chat", _need_answer(_turns(msgs, "messages", ("role", "role"), ("content", "content"),
                                            {r: r for r in ROLES}))
     if fmt == "sharegpt":

@@ -209,7 +209,10 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     try:
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many types here
-        raise ShardwiseError(f"--model {model_dir}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        first = str(e).splitlines()[0][:200] if str(e).strip() else ""
+        raise ShardwiseError(f"--model {model_dir}: cannot load its tokenizer ({type(e).__name__}: {first}); copy the "
+                             "tokenizer files (tokenizer.json or the model's vocabulary files, tokenizer_config.json) "
+                             "from the model it was trained from into this directory") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     return tok

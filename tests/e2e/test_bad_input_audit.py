@@ -1,0 +1,165 @@
+"""Bad input found by an adversarial audit of the CLI: each case is one line, exit 2, nothing of the user's deleted
+and nothing written. The CLI runs in this process (`cli.main`): every refusal here comes before a worker starts."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+
+from shardwise import cli, rundir
+from shardwise.data.sources import read_records
+from shardwise.errors import ShardwiseError
+from tests.helpers import chat_records, write_jsonl
+
+ONE = ("--strategy", "single", "--nproc-per-node", "1", "--max-steps", "1", "--micro-batch-size", "2")
+
+
+def refused(capsys, argv, pattern):
+    """`shardwise ARGV` exits 2 with one `shardwise: error:` line on stderr matching `pattern`."""
+    rc = cli.main(list(argv))
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(err) == 1 and err[0].startswith("shardwise: error: "), (rc, err)
+    assert re.search(pattern, err[0]), err[0]
+    return err[0]
+
+
+def snapshot(d) -> dict:
+    """Every file under `d` (the run's lock file aside: its PID changes) with its bytes."""
+    out = {}
+    for base, _, files in os.walk(d):
+        for f in files:
+            if f != rundir.LOCK:
+                p = os.path.join(base, f)
+                out[os.path.relpath(p, d)] = open(p, "rb").read()
+    return out
+
+
+def trained_run(d, tiny_dir):
+    """A marked run directory that trained, whose final/ is a loadable model (the tiny one)."""
+    d.mkdir(parents=True)
+    rundir.mark(str(d))
+    (d / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    shutil.copytree(tiny_dir, d / "final")
+    (d / "checkpoints").mkdir()
+    return d
+
+
+def test_overwrite_never_deletes_the_model_or_data_the_run_reads(tmp_path, tiny_dir, capsys):
+    """`--model OUT/final --output-dir OUT --overwrite` (train on from the run being replaced) cleared OUT's final/
+    before the workers loaded it: the trained model was deleted and the run failed. Same for a data file kept in
+    one of OUT's entries."""
+    data = write_jsonl(str(tmp_path / "chat.jsonl"), chat_records(16))
+    out = trained_run(tmp_path / "run", tiny_dir)
+    before = snapshot(out)
+    refused(capsys, ["train", "--model", str(out / "final"), "--data", data, "--output-dir", str(out), "--overwrite",
+                     *ONE], r"--model: .*/run/final lies in final/ of the run directory .*/run, which this run deletes")
+    assert snapshot(out) == before
+
+    mine = write_jsonl(str(out / "checkpoints" / "mine.jsonl"), chat_records(16))
+    before = snapshot(out)
+    refused(capsys, ["train", "--model", "tiny", "--data", mine, "--output-dir", str(out), "--overwrite", *ONE],
+            r"--data: .*mine\.jsonl lies in checkpoints/ of the run directory")
+    assert snapshot(out) == before
+
+
+def test_an_output_dir_inside_another_runs_entry_or_a_data_directory_is_refused(tmp_path, tiny_dir, capsys):
+    """A run directory inside another run's checkpoints/ or final/ is deleted with them (that run's --overwrite or
+    checkpoint rotation); one inside a --data directory is read as data by the next run over it (its own
+    config.yaml then fails: 'final/config.json: ... not records'). Both are refused before anything is written."""
+    other = trained_run(tmp_path / "other", tiny_dir)
+    before = snapshot(other)
+    for inside in (other / "checkpoints" / "new", other / "final"):
+        refused(capsys, ["train", "--output-dir", str(inside), *ONE],
+                r"--output-dir: .* lies in (checkpoints|final)/ of the run directory .*/other, which that run deletes")
+    assert snapshot(other) == before and not (other / "checkpoints" / "new").exists()
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    write_jsonl(str(data_dir / "chat.jsonl"), chat_records(16))
+    for flags in (("--data", str(data_dir)), ("--data", str(data_dir / "chat.jsonl"), "--val-data", str(data_dir))):
+        refused(capsys, ["train", "--model", tiny_dir, *flags, "--output-dir", str(data_dir / "out"), *ONE],
+                r"--output-dir: .*/data/out is inside the data directory .*/data \(flag --(val-)?data\)")
+    assert sorted(os.listdir(data_dir)) == ["chat.jsonl"]
+
+
+@pytest.mark.parametrize("text, pattern", [
+    ('{"model_type": "llama",\n', r"config\.json:2: not valid JSON \(Expecting property name"),
+    ("[1, 2]\n", r"config\.json: not a JSON object"),
+])
+def test_a_model_config_json_that_is_not_a_json_object_is_one_line(tmp_path, tiny_dir, capsys, text, pattern):
+    """It was a JSONDecodeError traceback (exit 1) from the launcher's max-positions check."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    (model / "config.json").write_text(text)
+    data = write_jsonl(str(tmp_path / "chat.jsonl"), chat_records(16))
+    refused(capsys, ["train", "--model", str(model), "--data", data, "--output-dir", str(tmp_path / "out"), *ONE],
+            r"^shardwise: error: flag --model: .*/model/" + pattern)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_input_errors_are_one_line_before_anything_is_written(tmp_path, capsys):
+    """A config error every strategy meets was a report of strategies that 'cannot run here' (exit 1), naming a copy
+    of the user's YAML the bench wrote (REPORT/runs/NAME/bench-input.yaml, its lines shifted); an empty
+    --strategies ran the default list."""
+    cfg = tmp_path / "bench.yaml"
+    cfg.write_text("model: tiny\nmax_steps: 3\nseq_len: 64\nbogus_key: 1\n")
+    rep = tmp_path / "rep"
+    refused(capsys, ["bench", str(cfg), "--strategies", "single,ddp", "--steps", "1", "--report-dir", str(rep)],
+            rf"^shardwise: error: {re.escape(str(cfg))}:4: unknown key 'bogus_key'")
+    refused(capsys, ["bench", "--seq-len", "0", "--strategies", "ddp,fsdp", "--steps", "1", "--report-dir", str(rep)],
+            r"flag --seq-len: seq_len must be at least 8")
+    for empty in ("", ","):
+        refused(capsys, ["bench", "--strategies", empty, "--report-dir", str(rep)],
+                r"--strategies: .* names no strategy")
+    assert not rep.exists()
+
+
+def test_a_chat_field_of_the_wrong_type_is_named_as_such(tmp_path):
+    """`{"messages": "hi"}` was reported as "missing field 'messages'"."""
+    sharegpt = {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}
+    for field, value, good in (("messages", "hi", chat_records(2)), ("conversations", {"from": "human"}, [sharegpt])):
+        path = write_jsonl(str(tmp_path / f"{field}.jsonl"), [*good, {field: value}])
+        with pytest.raises(ShardwiseError, match=rf"{field}\.jsonl:{len(good) + 1}: field '{field}' must be a list "
+                                                 rf"of .*, got {type(value).__name__}"):
+            read_records(path)
+
+
+def test_a_chat_template_that_is_not_jinja_is_blamed_not_the_first_record(tmp_path, tiny_dir, capsys):
+    """A syntax error in --chat-template FILE was reported as `chat.jsonl:1: the chat template cannot render this
+    conversation ...; fix the record`: the record was fine."""
+    template = tmp_path / "bad.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }\n")
+    data = write_jsonl(str(tmp_path / "chat.jsonl"), chat_records(16))
+    refused(capsys, ["train", "--model", tiny_dir, "--data", data, "--chat-template", str(template),
+                     "--no-data-cache", "--output-dir", str(tmp_path / "out"), *ONE],
+            r"^shardwise: error: the chat template is not valid Jinja \(its line 1: unexpected '}'\); fix the template")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_export_inside_a_runs_own_entries_is_refused(tmp_path, tiny_dir, capsys):
+    """`export RUN/checkpoints/step_N --out RUN/checkpoints/step_N/merged` was written, and the run's next
+    `--resume auto --keep-checkpoints 1` rotated step_N away with the user's export in it."""
+    run = trained_run(tmp_path / "run", tiny_dir)
+    (run / "checkpoints" / "step_00000004").mkdir()
+    before = snapshot(run)
+    for out in (run / "checkpoints" / "step_00000004" / "merged", run / "final" / "exported"):
+        refused(capsys, ["export", str(run / "checkpoints" / "step_00000004"), "--out", str(out)],
+                r"--out .*: lies in (checkpoints|final)/ of the run directory .*/run, which that run deletes")
+    assert snapshot(run) == before
+    assert not (run / "checkpoints" / "step_00000004" / "merged").exists()
+
+
+def test_a_model_without_tokenizer_files_says_what_to_copy(tmp_path, tiny_dir, capsys):
+    """It named transformers' exception only ("Couldn't instantiate the backend tokenizer from one of: ")."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    for f in os.listdir(model):
+        if f.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            os.remove(model / f)
+    data = write_jsonl(str(tmp_path / "chat.jsonl"), chat_records(16))
+    refused(capsys, ["train", "--model", str(model), "--data", data, "--output-dir", str(tmp_path / "out"), *ONE],
+            r"--model .*/model: cannot load its tokenizer \(.*\); copy the tokenizer files .* into this directory")
+    assert not (tmp_path / "out").exists()
