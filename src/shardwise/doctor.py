@@ -118,14 +118,14 @@ def save(report: dict) -> str:
 
 def measure(nproc: int, sizes, iters: int) -> dict:
     """Launch nproc ranks through the elastic agent; rank 0's measurements."""
-    import logging
 
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if not os.environ.get("SHARDWISE_DEBUG"):
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    from shardwise.launch import loopback_only
+    from shardwise.launch import loopback_only, quiet_agent
+
+    quiet_agent()
 
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"doctor-{uuid.uuid4().hex[:8]}",
                       max_restarts=0, monitor_interval=0.1, start_method="spawn", **loopback_only())
@@ -137,6 +137,10 @@ def measure(nproc: int, sizes, iters: int) -> dict:
         try:
             elastic_launch(lc, sys.executable)("-u", "-m", "shardwise.doctor", "--worker", out,
                                                ",".join(map(str, sizes)), str(iters))
+        except SignalException as e:  # SIGTERM/SIGINT/SIGHUP while the ranks measured: the agent stopped them
+            err = ShardwiseError(f"doctor: interrupted by signal {int(e.sigval)}; nothing was saved")
+            err.exit_code = 128 + int(e.sigval)
+            raise err from None
         except ChildFailedError as e:
             raise ShardwiseError(f"doctor: a measuring rank failed ({str(e).splitlines()[0][:200]}); "
                                  f"rerun with SHARDWISE_DEBUG=1 to see the agent's log")

@@ -613,7 +613,6 @@ def _agent(cfg: Config, worker_args: list[str]) -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
     multi = cfg.nnodes > 1
-    import logging
     import tempfile
 
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
@@ -635,9 +634,7 @@ def _agent(cfg: Config, worker_args: list[str]) -> None:
         logs_specs=DefaultLogsSpecs(log_dir=agent_tmp), **where,
     )
 
-    if not os.environ.get("SHARDWISE_DEBUG"):
-        # the agent's own warnings repeat what our one line says; SHARDWISE_DEBUG=1 keeps them
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    quiet_agent()
     try:
         elastic_launch(lc, sys.executable)("-u", "-m", "shardwise.train.worker", *worker_args)
     except ChildFailedError as e:
@@ -760,6 +757,19 @@ def register_rendezvous() -> None:
 
     if RDZV_BACKEND not in getattr(registry, "_registry", {}):
         registry.register(RDZV_BACKEND, _rendezvous_handler)
+
+
+def quiet_agent() -> None:
+    """The elastic agent's own warnings ("Received 15 death signal, shutting down workers", a failed rank's report)
+    repeat what shardwise's one line says; SHARDWISE_DEBUG=1 keeps them. torch gives each of its elastic modules'
+    loggers a level of its own (LOGLEVEL, default WARNING), so a level on their parent logger is not enough."""
+    import logging
+
+    if os.environ.get("SHARDWISE_DEBUG"):
+        return
+    prefix = "torch.distributed.elastic"
+    for name in [prefix, *(n for n in list(logging.root.manager.loggerDict) if n.startswith(prefix + "."))]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def loopback_only(port: int = 0) -> dict:

@@ -37,3 +37,30 @@ def test_doctor_measures_two_gloo_ranks_and_plan_reads_it(cache, capsys):
             assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor, rel=0.01, abs=0.002)
     assert out["matmul_gflops"] > 0 and out["versions"]["torch"]
     assert hardware.load_doctor()["matmul_gflops"] == out["matmul_gflops"]
+
+
+def test_a_signal_while_the_ranks_measure_is_one_line_and_saves_nothing(tmp_path):
+    """SIGTERM to `shardwise doctor` while its 2 ranks run: the agent stops them and the command says so in one line
+    (it was torch's SignalException traceback), exits 128 + 15 and writes no doctor.json."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    env = {**os.environ, "SHARDWISE_CACHE_DIR": str(tmp_path)}
+    p = subprocess.Popen([sys.executable, "-m", "shardwise", "doctor", "--nproc", "2", "--sizes", "4194304",
+                          "--iters", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    launcher, deadline = psutil.Process(p.pid), time.monotonic() + 120
+    while len([c for c in launcher.children(recursive=True) if "shardwise.doctor" in " ".join(c.cmdline())]) < 2:
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.1)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err[-3000:])
+    assert lines == ["shardwise: error: doctor: interrupted by signal 15; nothing was saved"], err[-3000:]
+    assert not [f for _, _, files in os.walk(tmp_path) for f in files if f == "doctor.json"]
