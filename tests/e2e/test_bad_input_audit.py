@@ -163,3 +163,19 @@ def test_a_model_without_tokenizer_files_says_what_to_copy(tmp_path, tiny_dir, c
     refused(capsys, ["train", "--model", str(model), "--data", data, "--output-dir", str(tmp_path / "out"), *ONE],
             r"--model .*/model: cannot load its tokenizer \(.*\); copy the tokenizer files .* into this directory")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_deepspeed_config_value_deepspeed_refuses_is_one_line(tmp_path):
+    """A --deepspeed-config whose value DeepSpeed's own schema refuses failed in every rank with pydantic's
+    traceback; it is now the launcher's one line naming the file, the key and the value (2 real gloo ranks)."""
+    pytest.importorskip("deepspeed")
+    from tests.helpers import run_cli
+
+    bad = tmp_path / "ds.json"
+    bad.write_text('{"zero_optimization": {"reduce_bucket_size": "lots"}}')
+    p = run_cli("train", "--model", "tiny", "--strategy", "zero2", "--nproc-per-node", "2", "--max-steps", "2",
+                "--deepspeed-config", str(bad), "--output-dir", str(tmp_path / "run"), check=False, timeout=300)
+    errors = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(errors) == 1, (p.returncode, p.stderr[-3000:])
+    assert re.match(r"shardwise: error: .*ds\.json: DeepSpeed refuses reduce_bucket_size = 'lots' \(.*\); fix that key",
+                    errors[0]), errors[0]

@@ -182,8 +182,16 @@ class DeepSpeedStrategy(Strategy):
             self.apply_leaves(model)
         opt = self.build_optimizer(model)
         self.groups = [list(g["params"]) for g in opt.param_groups]  # before DeepSpeed flattens them
-        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=self.config,
-                                                       dist_init_required=False)
+        from pydantic import ValidationError
+
+        try:
+            engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=self.config,
+                                                           dist_init_required=False)
+        except ValidationError as e:  # a value of the user's --deepspeed-config (ours are DeepSpeed's own types)
+            bad = e.errors()[0]
+            where = ".".join(str(x) for x in bad.get("loc", ())) or "?"
+            raise ShardwiseError(f"{self.cfg.deepspeed.config or 'the DeepSpeed config'}: DeepSpeed refuses "
+                                 f"{where} = {bad.get('input')!r} ({bad.get('msg')}); fix that key") from None
         self.engine = engine
         return engine, optimizer
 
