@@ -84,12 +84,14 @@ def check_output_dir(cfg: Config, res: Resolved, lock: rundir.RunLock | None = N
     entries; a root, the home directory, the current directory and its parents never are.
     With `lock`, a live run's lock is taken (or the run refused) before anything is judged."""
     out, where = cfg.output_dir, res.where("output_dir")
-    _check_outside_data_dirs(cfg, res, out)
+    # a run found misplaced when it resumes is moved, not abandoned
+    fix = ("move the run directory out of it, then resume it from there" if cfg.resume != "none"
+           else "choose an --output-dir outside it")
+    _check_outside_data_dirs(cfg, res, out, fix)
     inside = rundir.enclosing_run(out)
     if inside:
         raise ShardwiseError(f"{where}: {out} lies in {inside[1]}/ of the run directory {inside[0]}, which that "
-                             "run deletes whole when it is overwritten (or rotates its checkpoints): choose an "
-                             "--output-dir outside it")
+                             f"run deletes whole when it is overwritten (or rotates its checkpoints): {fix}")
     if not os.path.isdir(out):
         if os.path.lexists(out):
             raise ShardwiseError(f"{where}: {out} exists and is not a directory; choose another --output-dir")
@@ -123,18 +125,24 @@ def check_output_dir(cfg: Config, res: Resolved, lock: rundir.RunLock | None = N
     return True
 
 
-def _check_outside_data_dirs(cfg: Config, res: Resolved, out: str) -> None:
-    """A data directory is read whole (its subdirectories too), so a run directory inside one would be read as data
-    by the next run over it (its config.yaml repeating this run included)."""
+def _check_outside_data_dirs(cfg: Config, res: Resolved, out: str, fix: str) -> None:
+    """A data directory is read whole (its subdirectories too, as data/sources.data_files walks it: not those whose
+    name starts with a dot, and a saved `datasets` directory only through its own files), so a run directory inside
+    one would be read as data by the next run over it (its config.yaml repeating this run included)."""
+    from shardwise.data.sources import is_saved_dataset
+
     sources = [("data", split_source(item.strip())[0]) for item in cfg.data.split(",")]
     for key, path in sources + [("val_data", cfg.val_data)]:
-        if not path or path == "demo" or not os.path.isdir(path):
+        if not path or path == "demo" or not os.path.isdir(path) or is_saved_dataset(path):
             continue
         real, inside = os.path.realpath(path), os.path.realpath(out)
-        if inside == real or inside.startswith(real.rstrip(os.sep) + os.sep):
-            raise ShardwiseError(f"{res.where('output_dir')}: {out} is inside the data directory {path} "
-                                 f"({res.where(key)}), whose files are all read as data: the next run over it would "
-                                 "read this run's files too; choose an --output-dir outside it")
+        if inside != real and not inside.startswith(real.rstrip(os.sep) + os.sep):
+            continue
+        if any(part.startswith(".") for part in os.path.relpath(inside, real).split(os.sep) if part != "."):
+            continue  # under a dot-directory, which the walk skips
+        raise ShardwiseError(f"{res.where('output_dir')}: {out} is inside the data directory {path} "
+                             f"({res.where(key)}), whose files are all read as data: the next run over it would "
+                             f"read this run's files too; {fix}")
 
 
 def _check_inputs_outside(cfg: Config, res: Resolved, out: str) -> None:

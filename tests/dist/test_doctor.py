@@ -55,7 +55,9 @@ def test_a_signal_while_the_ranks_measure_is_one_line_and_saves_nothing(tmp_path
                           "--iters", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     launcher, deadline = psutil.Process(p.pid), time.monotonic() + 120
     while len([c for c in launcher.children(recursive=True) if "shardwise.doctor" in " ".join(c.cmdline())]) < 2:
-        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            raise AssertionError(f"doctor's ranks never both started: {p.communicate()}")
         time.sleep(0.1)
     time.sleep(1.0)
     p.send_signal(signal.SIGTERM)

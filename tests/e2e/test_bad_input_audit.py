@@ -135,7 +135,16 @@ def test_a_chat_template_that_is_not_jinja_is_blamed_not_the_first_record(tmp_pa
     data = write_jsonl(str(tmp_path / "chat.jsonl"), chat_records(16))
     refused(capsys, ["train", "--model", tiny_dir, "--data", data, "--chat-template", str(template),
                      "--no-data-cache", "--output-dir", str(tmp_path / "out"), *ONE],
-            r"^shardwise: error: the chat template is not valid Jinja \(its line 1: unexpected '}'\); fix the template")
+            r"^shardwise: error: flag --chat-template .*/bad\.jinja: line 1: not valid Jinja \(unexpected '}'\); fix "
+            "the template")
+    assert not (tmp_path / "out").exists()
+
+    model = tmp_path / "model"  # the model's own template, broken: named as such
+    shutil.copytree(tiny_dir, model)
+    (model / "chat_template.jinja").write_text("{% if messages %}\n{{ messages[0].content }\n")
+    refused(capsys, ["train", "--model", str(model), "--data", data, "--no-data-cache", "--output-dir",
+                     str(tmp_path / "out"), *ONE],
+            r"^shardwise: error: the model's own chat template \(chat_template\.jinja .*\): line 2: not valid Jinja")
     assert not (tmp_path / "out").exists()
 
 
@@ -177,5 +186,54 @@ def test_a_deepspeed_config_value_deepspeed_refuses_is_one_line(tmp_path):
                 "--deepspeed-config", str(bad), "--output-dir", str(tmp_path / "run"), check=False, timeout=300)
     errors = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(errors) == 1, (p.returncode, p.stderr[-3000:])
-    assert re.match(r"shardwise: error: .*ds\.json: DeepSpeed refuses reduce_bucket_size = 'lots' \(.*\); fix that key",
-                    errors[0]), errors[0]
+    assert re.match(r"shardwise: error: .*ds\.json: DeepSpeed refuses zero_optimization\.reduce_bucket_size = 'lots' "
+                    r"\(.*\); fix that key", errors[0]), errors[0]
+
+
+def test_a_deepspeed_refusal_names_the_key_with_its_section_and_stays_short():
+    """DeepSpeed validates each section alone: a field's location lacks its section, and a check over the whole
+    section has no field at all (its input is the section's whole model, 2 KB). Both against DeepSpeed's own
+    schema, as `deepspeed.initialize` raises them."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    from shardwise.strategies.deepspeed import refused_line
+
+    cfg = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "disk"}}}
+    with pytest.raises(ValidationError) as e:
+        DeepSpeedZeroConfig(**cfg["zero_optimization"])
+    line = refused_line("ds.json", cfg, e.value)
+    assert line.startswith("ds.json: DeepSpeed refuses zero_optimization.offload_optimizer.device = 'disk' ("), line
+    cfg = {"zero_optimization": {"stage": 3, "compute_grad_norm": False}}
+    with pytest.raises(ValidationError) as e:
+        DeepSpeedZeroConfig(**cfg["zero_optimization"])
+    line = refused_line("ds.json", cfg, e.value)
+    assert line.startswith("ds.json: DeepSpeed refuses zero_optimization: ") and line.endswith("; fix that section")
+    assert "compute_grad_norm" in line and len(line) < 400, line
+
+
+def test_the_data_directory_check_follows_what_the_data_reader_reads(tmp_path, capsys):
+    """A dot-directory under a data directory and the inside of a saved `datasets` directory are never read as data
+    (data/sources.data_files): a run directory there is accepted. A run found misplaced when it resumes is told
+    to move, not to start elsewhere."""
+    from shardwise import config, launch
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    write_jsonl(str(data_dir / "chat.jsonl"), chat_records(16))
+    for out in (data_dir / ".runs" / "r1", data_dir / "sub" / ".hidden" / "r2"):
+        res = config.load_config(None, {"data": (str(data_dir), "--data"), "output_dir": (str(out), "--output-dir")})
+        assert launch.check_output_dir(res.cfg, res) is False  # nothing to clear, nothing refused
+    datasets = pytest.importorskip("datasets")
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(chat_records(4)).save_to_disk(str(saved))
+    res = config.load_config(None, {"data": (str(saved), "--data"), "output_dir": (str(saved / "out"), "--output-dir")})
+    assert launch.check_output_dir(res.cfg, res) is False
+    capsys.readouterr()  # the datasets library's progress bars
+
+    run = data_dir / "runs" / "r1"
+    run.mkdir(parents=True)
+    rundir.mark(str(run))
+    refused(capsys, ["train", "--data", str(data_dir), "--output-dir", str(run), "--resume", "auto", *ONE],
+            r"is inside the data directory .*; move the run directory out of it, then resume it from there$")

@@ -57,6 +57,18 @@ def planted(tmp_path, tiny_dir):
     return str(runs), "copied", marker
 
 
+def wait_ended(pid: int, timeout: float = 200) -> None:
+    """Until the UI server's child `pid` has exited (gone, or a zombie its parent has yet to reap)."""
+    deadline = time.monotonic() + timeout
+    try:
+        proc = psutil.Process(pid)
+        while proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the resumed run did not end"
+            time.sleep(0.5)
+    except psutil.NoSuchProcess:
+        pass
+
+
 def _post(url: str, body: dict) -> tuple[int, dict]:
     import urllib.error
     import urllib.request
@@ -83,13 +95,32 @@ def test_resume_from_the_page_runs_a_config_s_remote_code_only_when_the_request_
 
         status, d = _post(s.base + "/api/run/resume", {"run": name, "trust_remote_code": True})
         assert status == 200, (status, d)
-        proc = psutil.Process(d["pid"])
-        deadline = time.monotonic() + 200
-        while proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-            assert time.monotonic() < deadline, "the resumed run did not end"
-            time.sleep(0.5)
+        wait_ended(d["pid"])
         log = open(os.path.join(runs, name, "ui-launch.log")).read()
         assert marker.exists(), log  # asked for: the model's code ran (the refusals above were not vacuous)
+    finally:
+        s.stop()
+
+
+def test_a_resume_without_the_users_word_holds_remote_code_off_whatever_the_file_says_later(planted):
+    """The server reads config.yaml to decide whether to ask; the resumed launcher reads it again a moment later.
+    Without the user's word the server passes --no-trust-remote-code, which overrides the file: a planted run's
+    owner who turns trust_remote_code on between the two reads gets no code run."""
+    runs, name, marker = planted
+    cfg_path = os.path.join(runs, name, "config.yaml")
+    res = config.load_config(cfg_path, {"trust_remote_code": (False, "test")})
+    with open(cfg_path, "w") as fh:  # the file as the server sees it: remote code off, nothing to ask
+        fh.write(config.to_yaml(res.cfg))
+    s = UIServer(runs).start()
+    try:
+        status, d = _post(s.base + "/api/run/resume", {"run": name})
+        assert status == 200, (status, d)
+        with open(cfg_path, "w") as fh:  # flipped once the server has decided
+            fh.write(config.to_yaml(res.cfg).replace("trust_remote_code: false", "trust_remote_code: true"))
+        wait_ended(d["pid"])
+        log = open(os.path.join(runs, name, "ui-launch.log")).read()
+        assert "--no-trust-remote-code" in log.splitlines()[0], log[:500]
+        assert not marker.exists(), log[-3000:]
     finally:
         s.stop()
 
@@ -126,6 +157,8 @@ def test_doctor_listens_on_loopback_only_even_when_the_environment_asks_torch_to
         except psutil.NoSuchProcess:
             break
         time.sleep(0.02)
+    if p.poll() is None:  # past the deadline: stop it before reading what it printed
+        p.kill()
     out = p.communicate(timeout=60)[0].decode(errors="replace")
     assert p.returncode == 0, out[-3000:]
     assert seen, "no listening socket was seen while doctor ran"  # the rendezvous store and the ranks' store at least

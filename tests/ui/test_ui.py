@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from tests.e2e.test_security_audit import planted  # noqa: F401 - a fixture: a copied run whose model has code
+from tests.e2e.test_security_audit import planted, wait_ended  # noqa: F401 - planted: a copied run whose model has code
 from tests.helpers import run_cli
 from tests.ui.conftest import UIServer
 
@@ -311,11 +311,7 @@ def test_resume_asks_before_it_runs_a_copied_runs_remote_code(planted, page):  #
         page.wait_for_function("() => document.getElementById('run-state').textContent !== 'interrupted'",
                                timeout=60_000)
         with open(os.path.join(runs, name, "ui-launch.json")) as fh:
-            proc = psutil.Process(json.load(fh)["pid"])
-        try:
-            proc.wait(timeout=200)
-        except psutil.NoSuchProcess:
-            pass
+            wait_ended(json.load(fh)["pid"])
         assert marker.exists(), open(os.path.join(runs, name, "ui-launch.log")).read()[-3000:]
     finally:
         s.stop()

@@ -41,6 +41,33 @@ def template_text(value: str, where: str = "--chat-template") -> str:
 
 
 def use_chat_template(tokenizer, value: str, where: str = "--chat-template") -> None:
-    """Give `tokenizer` the chat template `value` (a NAME or FILE); '' keeps the tokenizer's own."""
+    """Give `tokenizer` the chat template `value` (a NAME or FILE); '' keeps the tokenizer's own. Either must be
+    valid Jinja: a syntax error is one line naming the file (or the model's own template) and its line, here,
+    rather than an error blamed on the first conversation it renders."""
     if value:
         tokenizer.chat_template = template_text(value, where)
+    text = tokenizer.chat_template
+    if not isinstance(text, str):
+        return  # none, or a dict of named templates (transformers picks one per call)
+    import jinja2
+
+    try:
+        _compile(text)
+    except jinja2.TemplateSyntaxError as e:
+        whose = (f"{where} {value}" if value and value not in names() else
+                 "the model's own chat template (chat_template.jinja or tokenizer_config.json's chat_template)")
+        raise ShardwiseError(f"{whose}: line {e.lineno}: not valid Jinja ({e.message}); fix the template, or choose "
+                             "another with --chat-template NAME|FILE") from None
+
+
+def _compile(text: str) -> None:
+    """Compile `text` as transformers will render it: its own environment where this transformers has it (its
+    `{% generation %}` tag and loop controls), else Jinja's with loop controls."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        import jinja2
+
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+        return
+    _compile_jinja_template(text)

@@ -28,6 +28,35 @@ from shardwise.strategies.parallel import shard_all
 from shardwise.strategies.parallelize import compile_enabled
 
 
+def _key_path(config: dict, loc: tuple) -> str:
+    """The dotted key of `config` whose path ends with `loc` (DeepSpeed validates each section on its own, so a
+    field's location is relative to its section: `reduce_bucket_size` is `zero_optimization.reduce_bucket_size`)."""
+    def walk(node, path):
+        if tuple(path[-len(loc):]) == tuple(loc):
+            yield path
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield from walk(v, [*path, str(k)])
+
+    loc = tuple(str(x) for x in loc)
+    return ".".join(next(walk(config, []), loc)) if loc else ""
+
+
+def refused_line(path: str, config: dict, e) -> str:
+    """One line for DeepSpeed's pydantic refusal of the merged config: the user's file, the key with its section, the
+    value (shortened) and DeepSpeed's reason. A check over a whole section has no field: the section is named."""
+    bad = e.errors()[0]
+    why = str(bad.get("msg", "")).removeprefix("Value error, ")[:300]
+    where = _key_path(config, tuple(bad.get("loc", ())))
+    if not where:
+        title = getattr(e, "title", "")
+        section = {"DeepSpeedZeroConfig": "zero_optimization"}.get(title, title or "a section")
+        return f"{path or 'the DeepSpeed config'}: DeepSpeed refuses {section}: {why}; fix that section"
+    value = repr(bad.get("input"))
+    value = value if len(value) <= 100 else value[:97] + "..."
+    return f"{path or 'the DeepSpeed config'}: DeepSpeed refuses {where} = {value} ({why}); fix that key"
+
+
 def ds_config(cfg, world: int, cuda: bool) -> dict:
     """The DeepSpeed JSON for this run, from our config; the user's file overrides keys.
     `world`: the ranks DeepSpeed averages over (dims.grad_size: data-parallel x sequence-parallel)."""
@@ -188,10 +217,7 @@ class DeepSpeedStrategy(Strategy):
             engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=self.config,
                                                            dist_init_required=False)
         except ValidationError as e:  # a value of the user's --deepspeed-config (ours are DeepSpeed's own types)
-            bad = e.errors()[0]
-            where = ".".join(str(x) for x in bad.get("loc", ())) or "?"
-            raise ShardwiseError(f"{self.cfg.deepspeed.config or 'the DeepSpeed config'}: DeepSpeed refuses "
-                                 f"{where} = {bad.get('input')!r} ({bad.get('msg')}); fix that key") from None
+            raise ShardwiseError(refused_line(self.cfg.deepspeed.config, self.config, e)) from None
         self.engine = engine
         return engine, optimizer
 

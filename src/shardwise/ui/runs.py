@@ -384,10 +384,13 @@ def resume(path: str, trust_remote_code: bool = False) -> dict:
         from shardwise.ui.forms import FormError
 
         raise FormError(f"{cfg} turns on trust_remote_code: resuming runs the code in its model directory "
-                        f"{res.cfg.model}; resume only a run you trust, and confirm to run its code",
-                        "trust_remote_code")
+                        f"{res.cfg.model}; resume only a run you trust, and confirm to run its code (the API: "
+                        "resend with \"trust_remote_code\": true)", "trust_remote_code")
     _check_unlocked(path)
-    pid = _start(path, [cfg, f"--output-dir={path}", "--resume=auto"])
+    # the child reads config.yaml again: without the user's word, the flag holds remote code off whatever the file
+    # says by then (a planted run's owner could flip it between this check and that read)
+    pid = _start(path, [cfg, f"--output-dir={path}", "--resume=auto", *([] if trust_remote_code else
+                                                                        ["--no-trust-remote-code"])])
     return {"pid": pid}
 
 
