@@ -351,7 +351,13 @@ def _tokenized(cfg: Config, res: Resolved, model_dir: str, records: list, val: l
     opts = ChatOptions.from_config(cfg)
     sets = [(records, cfg.packing)] + ([(val, False)] if val else [])
     digests, sources, got = [None] * len(sets), [None] * len(sets), [None] * len(sets)
-    if cfg.data_cache and not cfg.trust_remote_code:
+    use_cache = cfg.data_cache
+    why = cache.not_private() if use_cache else None
+    if why:  # what is read from it becomes the training data
+        say(f"data cache: {why}, so it is not used: the data is tokenized without it (set SHARDWISE_CACHE_DIR to a "
+            "folder of your own, or pass --no-data-cache)")
+        use_cache = False
+    if use_cache and not cfg.trust_remote_code:
         template = template_text(cfg.chat_template, res.where("chat_template")) if cfg.chat_template else ""
         files = cache.model_files_digest(model_dir)
         digests = [cache.records_digest(recs) for recs, _ in sets]
@@ -368,7 +374,7 @@ def _tokenized(cfg: Config, res: Resolved, model_dir: str, records: list, val: l
         use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
         check_options(tokenizer, opts, any(r.kind == "chat" for r in records + val))  # not hidden by a cache hit
         done = [(g[0], g[1], True) if g is not None else
-                cache.encode_cached(recs, tokenizer, model_dir, cfg.seq_len, packing, opts, cfg.data_cache, say,
+                cache.encode_cached(recs, tokenizer, model_dir, cfg.seq_len, packing, opts, use_cache, say,
                                     source, d)
                 for (recs, packing), source, d, g in zip(sets, sources, digests, got)]
     (encoded, tensors, hit), *rest = done

@@ -322,3 +322,38 @@ def test_an_index_file_that_is_not_ours_is_a_miss(launch_env, tmp_path, bad):
             fh.write(bad_text)
     assert _prepare(str(model), data, tmp_path / "b") == first and len(loads) == 2
     assert _prepare(str(model), data, tmp_path / "c") == first and len(loads) == 2  # rewritten
+
+
+def test_a_data_cache_folder_others_could_write_is_tightened_or_not_used(launch_env, tmp_path, capsys):
+    """What is read from the cache becomes the training data. Our own folder that a umask left group-writable is
+    made private; a link to a folder elsewhere (someone else's) is not used: the run tokenizes, reads and writes
+    nothing there, and says why. A folder of another user's is not used either (as root only: chown)."""
+    import stat
+
+    model, data, loads = launch_env
+    d = cache.cache_dir()
+    os.makedirs(d)
+    os.chmod(d, 0o777)
+    _prepare(str(model), data, tmp_path / "a")
+    assert stat.S_IMODE(os.stat(d).st_mode) & 0o022 == 0 and len(entries()) == 2  # tightened, then used
+
+    elsewhere = tmp_path / "planted"
+    shutil.copytree(d, elsewhere)  # a copy of valid entries: a link to them must still not be read
+    shutil.rmtree(d)
+    os.symlink(elsewhere, d)
+    before = sorted(os.listdir(elsewhere))
+    loaded = len(loads)
+    capsys.readouterr()
+    first = _prepare(str(model), data, tmp_path / "b")
+    out = capsys.readouterr().out
+    assert "data cache: " in out and "is a link or not a directory, so it is not used" in out, out
+    assert len(loads) == loaded + 1  # tokenized: nothing taken from the link's entries
+    assert sorted(os.listdir(elsewhere)) == before  # and nothing written there
+
+    if os.getuid() == 0:
+        os.unlink(d)
+        shutil.copytree(elsewhere, d)
+        os.chown(d, 65534, 65534)
+        second = _prepare(str(model), data, tmp_path / "c")
+        assert "belongs to another user (uid 65534)" in capsys.readouterr().out
+        assert len(loads) == loaded + 2 and second == first
