@@ -125,6 +125,38 @@ def test_a_resume_without_the_users_word_holds_remote_code_off_whatever_the_file
         s.stop()
 
 
+def test_a_resume_that_would_listen_for_other_nodes_asks_first(planted):
+    """A copied run whose config.yaml spans 2 nodes: resuming it would listen on its rendezvous endpoint for the
+    other node. The page's Resume asks first; declined, no launcher starts; confirmed, it starts (and is stopped:
+    the second node never comes)."""
+    import socket
+
+    runs, name, marker = planted
+    cfg_path = os.path.join(runs, name, "config.yaml")
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    res = config.load_config(cfg_path, {"trust_remote_code": (False, "test"), "nnodes": (2, "test"),
+                                        "nproc_per_node": (1, "test"), "strategy": ("ddp", "test"),
+                                        "rdzv_endpoint": (f"127.0.0.1:{port}", "test")})
+    with open(cfg_path, "w") as fh:
+        fh.write(config.to_yaml(res.cfg))
+    s = UIServer(runs).start()
+    try:
+        status, d = _post(s.base + "/api/run/resume", {"run": name})
+        assert status == 400 and d["field"] == "listen_beyond_loopback", (status, d)
+        assert f"127.0.0.1:{port}" in d["error"] and "spans 2 nodes" in d["error"], d
+        assert not os.path.exists(os.path.join(runs, name, "ui-launch.json")), "a launcher was started"
+
+        status, d = _post(s.base + "/api/run/resume", {"run": name, "listen_beyond_loopback": True})
+        assert status == 200, (status, d)
+        status, _ = _post(s.base + "/api/run/stop", {"run": name})
+        assert status == 200
+        wait_ended(d["pid"], 120)
+    finally:
+        s.stop()
+
+
 def _listening(root: psutil.Process) -> set[str]:
     """The addresses the TCP sockets of `root` and its descendants listen on, now."""
     found = set()

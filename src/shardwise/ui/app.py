@@ -149,8 +149,9 @@ def create_app(runs_dir: str, token: str | None = None, allowed_hosts: list[str]
             path = runs.resolve(runs_dir, str(body.get("run", "")))
             if action == "stop":
                 result = await asyncio.to_thread(runs.stop, path)
-            else:  # remote code only when this request says so (body.trust_remote_code is true)
-                result = await asyncio.to_thread(runs.resume, path, body.get("trust_remote_code") is True)
+            else:  # remote code, or listening beyond loopback, only when this request says so (JSON true)
+                result = await asyncio.to_thread(runs.resume, path, body.get("trust_remote_code") is True,
+                                                 body.get("listen_beyond_loopback") is True)
         except ShardwiseError as e:
             return _error(e)
         return JSONResponse(result)

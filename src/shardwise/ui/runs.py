@@ -365,10 +365,11 @@ def _check_unlocked(path: str) -> None:
         os.close(fd)
 
 
-def resume(path: str, trust_remote_code: bool = False) -> dict:
-    """`shardwise train RUN/config.yaml --output-dir RUN --resume auto`, as the CLI prints it. A config.yaml that
-    turns on trust_remote_code is resumed only with `trust_remote_code` (the page's user saying so for this
-    resume): a run directory may be copied or planted, and its file is not the user's word."""
+def resume(path: str, trust_remote_code: bool = False, listen_beyond_loopback: bool = False) -> dict:
+    """`shardwise train RUN/config.yaml --output-dir RUN --resume auto`, as the CLI prints it. A run directory may
+    be copied or planted, and its file is not the user's word, so two things it can turn on need the page's user
+    to say so for this resume: trust_remote_code (`trust_remote_code`), and a rendezvous over several nodes,
+    which listens on its endpoint's address beyond loopback (`listen_beyond_loopback`)."""
     if _alive(_read_json(os.path.join(path, RECORD)), path):
         raise ShardwiseError(f"{path}: still running; stop it first")
     cfg = os.path.join(path, "config.yaml")
@@ -386,6 +387,12 @@ def resume(path: str, trust_remote_code: bool = False) -> dict:
         raise FormError(f"{cfg} turns on trust_remote_code: resuming runs the code in its model directory "
                         f"{res.cfg.model}; resume only a run you trust, and confirm to run its code (the API: "
                         "resend with \"trust_remote_code\": true)", "trust_remote_code")
+    if res.cfg.nnodes > 1 and not listen_beyond_loopback:
+        from shardwise.ui.forms import FormError
+
+        raise FormError(f"{cfg} spans {res.cfg.nnodes} nodes: resuming listens for them on {res.cfg.rdzv_endpoint}, "
+                        "beyond this machine's loopback; resume only a run you trust, and confirm to listen there "
+                        "(the API: resend with \"listen_beyond_loopback\": true)", "listen_beyond_loopback")
     _check_unlocked(path)
     # the child reads config.yaml again: without the user's word, the flag holds remote code off whatever the file
     # says by then (a planted run's owner could flip it between this check and that read)

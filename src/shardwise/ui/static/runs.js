@@ -89,13 +89,18 @@ function connect() {
   source.addEventListener("metrics", e => addMetrics(JSON.parse(e.data)));
 }
 
-async function act(action, trust = false) {
+// a resume the server asks about (a copied run's remote code, a rendezvous beyond loopback): the user's yes to
+// each is sent with the same request again
+const ASKS = ["trust_remote_code", "listen_beyond_loopback"];
+
+async function act(action, said = {}) {
   document.getElementById("action-msg").textContent = "";
   try {
-    await sw.post("/api/run/" + action, trust ? { run: selected, trust_remote_code: true } : { run: selected });
+    await sw.post("/api/run/" + action, { run: selected, ...said });
     if (action === "resume") { makeCharts(); document.getElementById("points").textContent = "0"; connect(); }
   } catch (e) {
-    if (action === "resume" && !trust && e.field === "trust_remote_code" && confirm(e.message + "?")) return act(action, true);
+    if (action === "resume" && ASKS.includes(e.field) && !said[e.field] && confirm(e.message + "?"))
+      return act(action, { ...said, [e.field]: true });
     document.getElementById("action-msg").textContent = e.message;
   }
 }
