@@ -33,6 +33,29 @@ def test_tiny_is_deterministic_per_seed(tmp_path, monkeypatch):
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
 
 
+def test_a_tiny_model_in_the_cache_that_this_user_did_not_build_is_refused(tmp_path, monkeypatch):
+    """The tiny model's cache entry is used only as this user built it: a link to another directory (or one others
+    can write) under its name is refused in one line, and nothing there is deleted or replaced."""
+    import shutil
+
+    from shardwise.models import tiny
+
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
+    built = tiny.tiny_dir(7)
+    assert tiny.tiny_dir(7) == built  # our own: used again
+    elsewhere = tmp_path / "planted"
+    shutil.move(built, elsewhere)
+    os.symlink(elsewhere, built)
+    with pytest.raises(ShardwiseError, match=r"tiny-.* is not the tiny model this user built .*; move it away"):
+        tiny.tiny_dir(7)
+    assert os.path.islink(built) and os.path.isfile(elsewhere / "config.json")
+    os.unlink(built)
+    shutil.move(elsewhere, built)
+    os.chmod(built, 0o777)
+    with pytest.raises(ShardwiseError, match="is not the tiny model this user built"):
+        tiny.tiny_dir(7)
+
+
 def test_model_dir_errors(tmp_path):
     with pytest.raises(ShardwiseError, match="no such directory"):
         resolve_model_dir(str(tmp_path / "nope"), 0)
