@@ -22,6 +22,28 @@ def benchmark_module(name: str):
     return mod
 
 
+def listening(pids, descendants: bool = False) -> list[str]:
+    """"ip:port" of every TCP socket in LISTEN state owned by these processes (and, with `descendants`, by their
+    children's children too); processes gone meanwhile are skipped."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs += [p, *(p.children(recursive=True) if descendants else [])]
+        except psutil.NoSuchProcess:
+            continue
+    found = []
+    for p in procs:
+        try:
+            conns = p.net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        found += [f"{c.laddr.ip}:{c.laddr.port}" for c in conns if c.status == psutil.CONN_LISTEN]
+    return found
+
+
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None, cwd: str | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
     """`python -m shardwise ARGS` with captured output; raises with the output on failure."""

@@ -111,6 +111,25 @@ def cache_dir() -> str:
     return os.environ.get("SHARDWISE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "shardwise")
 
 
+def folder_problem(path: str, tighten: bool = False) -> str | None:
+    """Why the existing folder `path` cannot hold what this user's processes load (a cache: compiled code,
+    tokenized data, the tiny model), or None: it must be a directory, not a link, owned by this user, and nobody
+    else may write it. With `tighten`, a folder of ours that a umask left group- or other-writable is made
+    private instead. Raises OSError where it cannot be read or tightened."""
+    import stat
+
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return f"{path} is a link or not a directory"
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        if not tighten:
+            return f"{path} can be written by other users"
+        os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o022)
+    return None
+
+
 def use_compile_cache() -> str | None:
     """Keep torch.compile's caches (inductor's FX graph and AOTAutograd caches, its generated kernels) under
     $SHARDWISE_CACHE_DIR/compile/<host>, where they outlive a reboot that empties torch's default
@@ -125,7 +144,6 @@ def use_compile_cache() -> str | None:
     torch's /tmp default never did. Returns the directory in use, or None where the folder is not safe or cannot
     be made (torch's default then stays)."""
     import socket
-    import stat
 
     own = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if own:
@@ -139,8 +157,7 @@ def use_compile_cache() -> str | None:
                 os.mkdir(d, 0o700)
             except FileExistsError:  # made before (or by a concurrent launcher): judged below like any other
                 pass
-            st = os.lstat(d)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            if folder_problem(d):
                 return None
     except OSError:  # the cache directory cannot be made or written: torch's default
         return None

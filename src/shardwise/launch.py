@@ -131,12 +131,11 @@ def _check_outside_data_dirs(cfg: Config, res: Resolved, out: str, fix: str) -> 
     one would be read as data by the next run over it (its config.yaml repeating this run included)."""
     from shardwise.data.sources import is_saved_dataset
 
-    sources = [("data", split_source(item.strip())[0]) for item in cfg.data.split(",")]
-    for key, path in sources + [("val_data", cfg.val_data)]:
+    for key, path in [*_data_paths(cfg), ("val_data", cfg.val_data)]:
         if not path or path == "demo" or not os.path.isdir(path) or is_saved_dataset(path):
             continue
         real, inside = os.path.realpath(path), os.path.realpath(out)
-        if inside != real and not inside.startswith(real.rstrip(os.sep) + os.sep):
+        if not rundir.within(inside, real):
             continue
         if any(part.startswith(".") for part in os.path.relpath(inside, real).split(os.sep) if part != "."):
             continue  # under a dot-directory, which the walk skips
@@ -145,13 +144,17 @@ def _check_outside_data_dirs(cfg: Config, res: Resolved, out: str, fix: str) -> 
                              f"read this run's files too; {fix}")
 
 
+def _data_paths(cfg: Config) -> list[tuple[str, str]]:
+    """("data", path) for each source of --data (a mixture's weights dropped)."""
+    return [("data", split_source(item.strip())[0]) for item in cfg.data.split(",")]
+
+
 def _check_inputs_outside(cfg: Config, res: Resolved, out: str) -> None:
     """A run directory about to be cleared must not hold what this run reads (e.g. --model OUT/final, the model
     the run being replaced trained): clearing would delete it before the run reads it."""
     inputs = [("model", cfg.model if cfg.model != "tiny" else ""), ("val_data", cfg.val_data),
               ("chat_template", cfg.chat_template if os.path.isfile(cfg.chat_template or "") else ""),
-              ("deepspeed.config", cfg.deepspeed.config)]
-    inputs += [("data", split_source(item.strip())[0]) for item in cfg.data.split(",")]
+              ("deepspeed.config", cfg.deepspeed.config), *_data_paths(cfg)]
     for key, path in inputs:
         if not path or path == "demo":
             continue

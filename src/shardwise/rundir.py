@@ -190,6 +190,11 @@ def has_trained(output_dir: str) -> bool:
     return False
 
 
+def within(path: str, parent: str) -> bool:
+    """Whether `path` is `parent` or lies below it (both as given: normalise them first)."""
+    return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
 def entry_holding(output_dir: str, path: str) -> str | None:
     """The run-directory entry of `output_dir` that `path` is or lies inside, as written or with links resolved,
     else None: what `clear` would delete (or unlink) with it."""
@@ -198,7 +203,7 @@ def entry_holding(output_dir: str, path: str) -> str | None:
         entry = os.path.join(os.path.abspath(output_dir), e)
         # a link entry: clear removes the link, not what it points to, so only paths through it are lost
         entries = {entry} if os.path.islink(entry) else {entry, os.path.realpath(entry)}
-        if any(p == d or p.startswith(d.rstrip(os.sep) + os.sep) for p in paths for d in entries):
+        if any(within(p, d) for p in paths for d in entries):
             return e
     return None
 
@@ -229,7 +234,7 @@ def protected(path: str) -> str | None:
     cwd = os.path.realpath(os.getcwd())
     if cwd == real:
         return "the current directory"
-    if cwd.startswith(real.rstrip(os.sep) + os.sep):
+    if within(cwd, real):
         return "a parent of the current directory"
     return None
 
@@ -256,7 +261,7 @@ def check_resume_target(output_dir: str, resume: str, where: str = "--output-dir
     if not ours:
         return
     target = os.path.abspath(resume)
-    if own and (resume == "auto" or target.startswith(ckpts.rstrip(os.sep) + os.sep)):
+    if own and (resume == "auto" or (target != ckpts and within(target, ckpts))):
         return
     raise ShardwiseError(f"{where}: {out} holds {', '.join(ours)} that shardwise did not mark as its own (no "
                          f"{MARKER}) and no checkpoint there to resume; --resume would write over them: choose "

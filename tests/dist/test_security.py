@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.dist.shared import COMMON, DDP
-from tests.helpers import ConcurrentRuns, read_metrics, run_cli
+from tests.helpers import ConcurrentRuns, listening, read_metrics, run_cli
 
 ONE = ("--strategy", "single", "--nproc-per-node", "1", "--micro-batch-size", "2", "--grad-accum", "2",
        "--no-save-final")
@@ -228,33 +228,6 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _listening(pids: list[int]) -> list[str]:
-    """host:port of every TCP socket in LISTEN state owned by these processes."""
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-        except OSError:
-            pass
-    found = []
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-        with open(table) as fh:
-            for line in fh.read().splitlines()[1:]:
-                f = line.split()
-                if f[3] == "0A" and f[9] in inodes:
-                    host, port = f[1].split(":")
-                    raw = bytes.fromhex(host)
-                    if v6:
-                        addr = ":".join(raw[i:i + 4][::-1].hex() for i in range(0, 16, 4))
-                    else:
-                        addr = ".".join(str(b) for b in raw[::-1])
-                    found.append(f"{addr}:{int(port, 16)}")
-    return found
-
-
 @pytest.fixture(scope="module")
 def live(tmp_path_factory, chat_data):
     """A 2-rank DDP run with a checkpoint every 2 steps, alive once its first one is written."""
@@ -282,7 +255,7 @@ def live(tmp_path_factory, chat_data):
 def test_a_run_listens_on_loopback_only(live):
     launcher, workers, _, _ = live
     assert len(workers) == 2
-    socks = _listening([launcher.pid, *workers])
+    socks = listening([launcher.pid, *workers])
     assert socks, "the run's stores were not found listening"
     assert all(s.startswith("127.0.0.1:") for s in socks), socks
 

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from shardwise import config, rundir
+from tests.helpers import listening
 from tests.ui.conftest import UIServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -157,18 +158,6 @@ def test_a_resume_that_would_listen_for_other_nodes_asks_first(planted):
         s.stop()
 
 
-def _listening(root: psutil.Process) -> set[str]:
-    """The addresses the TCP sockets of `root` and its descendants listen on, now."""
-    found = set()
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            conns = proc.net_connections(kind="tcp")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        found |= {c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN}
-    return found
-
-
 def test_doctor_listens_on_loopback_only_even_when_the_environment_asks_torch_to_share_its_store(tmp_path):
     """torch's elastic agent shares its rendezvous store into the workers unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE
     is 1, and makes that shared store with a plain TCPStore server, which listens on every interface. `shardwise
@@ -181,13 +170,10 @@ def test_doctor_listens_on_loopback_only_even_when_the_environment_asks_torch_to
     p = subprocess.Popen([sys.executable, "-m", "shardwise", "doctor", "--nproc", "2", "--sizes", "4096",
                           "--iters", "2", "--no-save"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                          cwd=str(tmp_path))
-    root, seen = psutil.Process(p.pid), set()
+    seen = set()
     deadline = time.monotonic() + 240
     while p.poll() is None and time.monotonic() < deadline:
-        try:
-            seen |= _listening(root)
-        except psutil.NoSuchProcess:
-            break
+        seen |= {a.rsplit(":", 1)[0] for a in listening([p.pid], descendants=True)}
         time.sleep(0.02)
     if p.poll() is None:  # past the deadline: stop it before reading what it printed
         p.kill()

@@ -46,13 +46,13 @@ def test_a_tiny_model_in_the_cache_that_this_user_did_not_build_is_refused(tmp_p
     elsewhere = tmp_path / "planted"
     shutil.move(built, elsewhere)
     os.symlink(elsewhere, built)
-    with pytest.raises(ShardwiseError, match=r"tiny-.* is not the tiny model this user built .*; move it away"):
+    with pytest.raises(ShardwiseError, match=r"tiny-.* is a link or not a directory: it is not the tiny model this user built; move it away"):
         tiny.tiny_dir(7)
     assert os.path.islink(built) and os.path.isfile(elsewhere / "config.json")
     os.unlink(built)
     shutil.move(elsewhere, built)
     os.chmod(built, 0o777)
-    with pytest.raises(ShardwiseError, match="is not the tiny model this user built"):
+    with pytest.raises(ShardwiseError, match="can be written by other users: it is not the tiny model this user built"):
         tiny.tiny_dir(7)
 
 

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(120)
 # one rank in this process (no MASTER_ADDR: the in-process path of `--nproc-per-node 1`), a gloo collective, then
 # every TCP socket of this process that listens
 CHILD = r"""
-import json, os, socket, sys
+import json, os, socket
+import psutil
 import torch
 from shardwise.train.dist import init_distributed
 import torch.distributed as dist
@@ -25,22 +26,7 @@ import torch.distributed as dist
 env = init_distributed(60.0)
 t = torch.ones(3)
 dist.all_reduce(t)
-inodes = set()
-for fd in os.listdir("/proc/self/fd"):
-    try:
-        target = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:  # the descriptor listdir itself used
-        continue
-    if target.startswith("socket:["):
-        inodes.add(target[len("socket:["):-1])
-found = []
-for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-    for line in open(table).read().splitlines()[1:]:
-        f = line.split()
-        if f[3] == "0A" and f[9] in inodes:
-            raw = bytes.fromhex(f[1].split(":")[0])
-            found.append(":".join(raw[i:i + 4][::-1].hex() for i in range(0, 16, 4)) if v6
-                         else ".".join(str(b) for b in raw[::-1]))
+found = [c.laddr.ip for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
 print(json.dumps({"resolved": socket.gethostbyname(socket.gethostname()), "world": env.world_size,
                   "listening": found}))
 """

@@ -101,14 +101,14 @@ def check_inputs(spec) -> None:
     """The user's config and flags as each strategy runs them, checked before anything is written: an error that
     every strategy meets (an unknown key, a bad value) is one line naming the user's own file:line or flag, not a
     report of runs that could not start; one that only some strategies meet stays their row of the report."""
-    from shardwise.bench.runner import CONTROLLED, strategy_flags
+    from shardwise.bench.runner import CONTROLLED, applies, strategy_flags
 
     first = None
     for name in spec.strategies:
         base = presets.base_strategy(name)
 
-        def skip(key: str, base=base) -> bool:
-            return key in CONTROLLED or not presets.section_applies(key.split(".", 1)[0] if "." in key else None, base)
+        def skip(key: str, base=base) -> bool:  # what the runner drops from the user's file for this strategy
+            return key in CONTROLLED or not applies(key, base)
 
         try:
             config.load_config(spec.config_path, strategy_flags(spec, name, os.path.join(spec.runs_dir, name)), skip)

@@ -96,14 +96,15 @@ def unavailable_reason(name: str) -> str | None:
     return strategies.missing_requirement(name)
 
 
-def _applies(key: str, base: str) -> bool:
+def applies(key: str, base: str) -> bool:
+    """Whether a (dotted) config key applies to the strategy family `base` (another family's section does not)."""
     return presets.section_applies(key.split(".", 1)[0] if "." in key else None, base)
 
 
 def strategy_flags(spec: BenchSpec, name: str, output_dir: str) -> dict[str, tuple[Any, str]]:
     """The user's flags (less another strategy's section options) plus what the bench sets."""
     base = presets.base_strategy(name)
-    flags = {k: v for k, v in spec.flags.items() if _applies(k, base) and k not in CONTROLLED}
+    flags = {k: v for k, v in spec.flags.items() if applies(k, base) and k not in CONTROLLED}
     control = {"strategy": name, "max_steps": spec.warmup + spec.steps + spec.profile_steps, "log_every": 1,
                "output_dir": output_dir, "resume": "none", "overwrite": True, "save_final": False,
                "save_every": 0, "max_restarts": 0,

@@ -63,9 +63,9 @@ def not_private() -> str | None:
     """Why the data cache folder cannot be trusted, or None (made here, mode 0700, where it is missing).
 
     What is read from it becomes the training data, so it is used only when this user owns it and nobody else can
-    write it: not a link, not another user's. A folder of ours that a umask made group- or other-writable is
-    tightened. (The compile cache is held to the same rule: hardware.use_compile_cache.)"""
-    import stat
+    write it (hardware.folder_problem, the compile cache's rule); a folder of ours that a umask made group- or
+    other-writable is tightened."""
+    from shardwise.hardware import folder_problem
 
     d = cache_dir()
     try:
@@ -74,16 +74,9 @@ def not_private() -> str | None:
             os.mkdir(d, 0o700)
         except FileExistsError:  # made before (or by a concurrent launcher): judged below like any other
             pass
-        st = os.lstat(d)
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-            return f"{d} is a link or not a directory"
-        if st.st_uid != os.getuid():
-            return f"{d} belongs to another user (uid {st.st_uid})"
-        if st.st_mode & 0o022:
-            os.chmod(d, stat.S_IMODE(st.st_mode) & ~0o022)
+        return folder_problem(d, tighten=True)
     except OSError as e:
         return f"cannot make or use {d} ({e.strerror or e})"
-    return None
 
 
 def tokenizer_digest(tokenizer, model_dir: str) -> str:

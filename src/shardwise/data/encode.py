@@ -71,14 +71,8 @@ class Encoded:
 
 
 def _render(tokenizer, msgs: list[dict], gen: bool, source: str) -> str:
-    from jinja2 import TemplateSyntaxError
-
-    try:
+    try:  # the template's syntax was checked where it was chosen (data/templates.use_chat_template)
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-    except TemplateSyntaxError as e:  # the template itself, whatever the record
-        raise ShardwiseError(f"the chat template is not valid Jinja (its line {e.lineno}: {e.message}); fix the "
-                             "template (--chat-template FILE, or chat_template in the model's tokenizer files) or "
-                             "choose another with --chat-template") from None
     except Exception as e:  # jinja raises TemplateError / TypeError / ...; templates raise their own
         detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ShardwiseError(f"{source}: the chat template cannot render this conversation ({detail}); fix the "

@@ -46,18 +46,19 @@ def use_chat_template(tokenizer, value: str, where: str = "--chat-template") -> 
     rather than an error blamed on the first conversation it renders."""
     if value:
         tokenizer.chat_template = template_text(value, where)
-    text = tokenizer.chat_template
-    if not isinstance(text, str):
-        return  # none, or a dict of named templates (transformers picks one per call)
+    own = tokenizer.chat_template  # none, one template, or a dict of named ones (transformers picks one per call)
+    texts = own.items() if isinstance(own, dict) else [("", own)] if isinstance(own, str) else []
     import jinja2
 
-    try:
-        _compile(text)
-    except jinja2.TemplateSyntaxError as e:
-        whose = (f"{where} {value}" if value and value not in names() else
-                 "the model's own chat template (chat_template.jinja or tokenizer_config.json's chat_template)")
-        raise ShardwiseError(f"{whose}: line {e.lineno}: not valid Jinja ({e.message}); fix the template, or choose "
-                             "another with --chat-template NAME|FILE") from None
+    for name, text in texts:
+        try:
+            _compile(text)
+        except jinja2.TemplateSyntaxError as e:
+            whose = (f"{where} {value}" if value and value not in names() else
+                     "the model's own chat template" + (f" '{name}'" if name else "")
+                     + " (chat_template.jinja or tokenizer_config.json's chat_template)")
+            raise ShardwiseError(f"{whose}: line {e.lineno}: not valid Jinja ({e.message}); fix the template, or "
+                                 "choose another with --chat-template NAME|FILE") from None
 
 
 def _compile(text: str) -> None:

@@ -46,13 +46,12 @@ def tiny_dir(seed: int) -> str:
     key = hashlib.sha1(json.dumps([TINY_RECIPE_VERSION, TINY_CONFIG, seed]).encode()).hexdigest()[:12]
     path = os.path.join(cache_root(), f"tiny-{key}")
     if os.path.lexists(path):  # built before; used only as what this user built (a link or another's is not)
-        import stat
+        from shardwise.hardware import folder_problem
 
-        st = os.lstat(path)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise ShardwiseError(f"{path} is not the tiny model this user built (a link, another user's, or "
-                                 "writable by others); move it away, or set SHARDWISE_CACHE_DIR to a folder of "
-                                 "your own")
+        why = folder_problem(path)
+        if why:
+            raise ShardwiseError(f"{why}: it is not the tiny model this user built; move it away, or set "
+                                 "SHARDWISE_CACHE_DIR to a folder of your own")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     os.makedirs(cache_root(), exist_ok=True)

@@ -379,17 +379,14 @@ def resume(path: str, trust_remote_code: bool = False, listen_beyond_loopback: b
     if not os.path.isfile(cfg):
         raise ShardwiseError(f"{path}: no config.yaml; this run never started, launch it again from the Plan page")
     from shardwise import config
+    from shardwise.ui.forms import FormError
 
     res = config.load_config(cfg, {"resume": ("auto", "ui"), "output_dir": (path, "ui")})  # validated as the CLI will
     if res.cfg.trust_remote_code and not trust_remote_code:
-        from shardwise.ui.forms import FormError
-
         raise FormError(f"{cfg} turns on trust_remote_code: resuming runs the code in its model directory "
                         f"{res.cfg.model}; resume only a run you trust, and confirm to run its code (the API: "
                         "resend with \"trust_remote_code\": true)", "trust_remote_code")
     if res.cfg.nnodes > 1 and not listen_beyond_loopback:
-        from shardwise.ui.forms import FormError
-
         raise FormError(f"{cfg} spans {res.cfg.nnodes} nodes: resuming listens for them on {res.cfg.rdzv_endpoint}, "
                         "beyond this machine's loopback; resume only a run you trust, and confirm to listen there "
                         "(the API: resend with \"listen_beyond_loopback\": true)", "listen_beyond_loopback")
