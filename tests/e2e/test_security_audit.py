@@ -105,8 +105,8 @@ def test_resume_from_the_page_runs_a_config_s_remote_code_only_when_the_request_
 
 def test_a_resume_without_the_users_word_holds_remote_code_off_whatever_the_file_says_later(planted):
     """The server reads config.yaml to decide whether to ask; the resumed launcher reads it again a moment later.
-    Without the user's word the server passes --no-trust-remote-code, which overrides the file: a planted run's
-    owner who turns trust_remote_code on between the two reads gets no code run."""
+    Without the user's word the server passes --no-trust-remote-code and --nnodes=1, which override the file: a
+    planted run's owner who turns trust_remote_code (or several nodes) on between the two reads gets neither."""
     runs, name, marker = planted
     cfg_path = os.path.join(runs, name, "config.yaml")
     res = config.load_config(cfg_path, {"trust_remote_code": (False, "test")})
@@ -121,6 +121,7 @@ def test_a_resume_without_the_users_word_holds_remote_code_off_whatever_the_file
         wait_ended(d["pid"])
         log = open(os.path.join(runs, name, "ui-launch.log")).read()
         assert "--no-trust-remote-code" in log.splitlines()[0], log[:500]
+        assert "--nnodes=1" in log.splitlines()[0], log[:500]  # nor may the file turn on listening for other nodes
         assert not marker.exists(), log[-3000:]
     finally:
         s.stop()

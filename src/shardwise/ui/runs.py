@@ -391,10 +391,10 @@ def resume(path: str, trust_remote_code: bool = False, listen_beyond_loopback: b
                         "beyond this machine's loopback; resume only a run you trust, and confirm to listen there "
                         "(the API: resend with \"listen_beyond_loopback\": true)", "listen_beyond_loopback")
     _check_unlocked(path)
-    # the child reads config.yaml again: without the user's word, the flag holds remote code off whatever the file
-    # says by then (a planted run's owner could flip it between this check and that read)
-    pid = _start(path, [cfg, f"--output-dir={path}", "--resume=auto", *([] if trust_remote_code else
-                                                                        ["--no-trust-remote-code"])])
+    # the child reads config.yaml again: without the user's word, flags hold remote code off and the run on this
+    # machine whatever the file says by then (a planted run's owner could change it between this check and that read)
+    pins = ([] if trust_remote_code else ["--no-trust-remote-code"]) + ([] if listen_beyond_loopback else ["--nnodes=1"])
+    pid = _start(path, [cfg, f"--output-dir={path}", "--resume=auto", *pins])
     return {"pid": pid}
 
 
