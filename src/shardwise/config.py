@@ -80,6 +80,7 @@ class Config:
     data_format: str = _f("auto", "Record format; 'auto' detects it per file from the first record.", ("auto", "messages", "sharegpt", "alpaca", "text"))
     seq_len: int = _f(1024, "Maximum tokens per sequence; longer examples are truncated (counted and reported).")
     packing: bool = _f(False, "Pack several examples into one sequence; attention never crosses example boundaries.")
+    padding_free: str = _f("auto", "Lay each micro-batch's rows one after another in one sequence, positions restarting at each row, instead of padding every row to the longest: the same loss and gradients without computing on padding (attention never crosses rows). auto: on when training on the CPU a model family that supports it, with micro_batch_size > 1 and no packing, sequence or tensor parallelism; off on a GPU (docs/data.md).", ("auto", "on", "off"))
     skip_bad_records: bool = _f(False, "Skip malformed records (and report how many) instead of stopping at the first.")
     columns: str = _f("", "Rename data columns before the format is detected: COLUMN=NAME,... with NAME one of messages, conversations, instruction, input, output, system, history, text (in YAML also a mapping).")
     chat_template: str = _f("", "Chat template for chat data, replacing the tokenizer's own: a shipped NAME (chatml, gemma, llama3, mistral, qwen) or a Jinja FILE; empty keeps the tokenizer's.")
@@ -661,6 +662,15 @@ def validate(res: Resolved) -> None:
     need(not (c.train_on_prompt and c.last_turn_only), "last_turn_only",
          "train_on_prompt (loss on every turn) and last_turn_only (loss on the last assistant turn) contradict "
          "each other; set one of them")
+
+    if c.padding_free == "on":
+        need(not c.packing, "padding_free",
+             "padding_free on lays a micro-batch's rows one after another in one sequence, and packing already fills "
+             "each row with several examples; use --padding-free auto (off with packing) or drop --packing")
+        need(c.sequence_parallel == 1 and c.tensor_parallel == 1, "padding_free",
+             f"padding_free on is not built with sequence_parallel {c.sequence_parallel} / tensor_parallel "
+             f"{c.tensor_parallel} (their attention and sequence split take padded rows); use --padding-free auto "
+             "(off there) or set both to 1")
 
     need(not (c.gradient_checkpointing and c.activation_checkpointing == "selective"), "activation_checkpointing",
          "activation_checkpointing selective contradicts gradient_checkpointing true (full checkpointing); "

@@ -47,6 +47,15 @@ def test_demo_command_trains_and_the_loss_falls(tmp_path):
         names = {e.get("name") for e in json.load(fh)["traceEvents"]}
     assert "shardwise/profiled_step" in names and any(str(n).startswith("gloo:") for n in names)
     assert f"step 2's operators and trace: {prof / 'step-2-rank0.txt'}" in again.stdout
+    # padding-free micro-batches (auto: on for this CPU run) train the same rows as padded ones: one step padded from
+    # the same config has the same first loss
+    assert "shardwise: padding-free: a micro-batch's rows in one sequence" in p.stdout and summary["padding_free"]
+    padded_dir = tmp_path / "padded"
+    padded = run_cli("train", str(out / "config.yaml"), "--max-steps", "1", "--padding-free", "off", "--no-save-final",
+                     "--output-dir", str(padded_dir))
+    assert "padding-free" not in padded.stdout
+    assert not json.loads((padded_dir / "summary.json").read_text())["padding_free"]
+    assert read_metrics(str(padded_dir))[0]["loss"] == pytest.approx(recs[0]["loss"], rel=1e-5)
 
 
 def one_line_error(p, pattern):

@@ -14,6 +14,11 @@ gives each its contiguous 1/N of every sequence (the width padded to a multiple 
 Targets were shifted before the split (data/encode.py), so a slice's last token predicts
 the next slice's first, and positions are global, so rotary embeddings and the document
 mask see the whole sequence (models/sequence_parallel.py).
+
+Padding-free (--padding-free; `padding_free` below decides it): collate lays a micro-batch's rows one
+after another in one row of shape (1, sum of lengths rounded up to a multiple of 8) instead of padding
+each to the longest. Positions restart at each row's start, so the model's mask is block-diagonal
+(transformers' find_packed_sequence_indices): the same rows, loss and gradients, no compute on padding.
 """
 
 from __future__ import annotations
@@ -22,8 +27,53 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from shardwise.config import Config
 from shardwise.data.encode import IGNORE, Encoded
 from shardwise.errors import ShardwiseError
+
+# The transformers families (config.json's model_type) whose decoder builds its mask with create_causal_mask or
+# create_sliding_window_causal_mask(..., position_ids=...) (transformers 5.x), which is block-diagonal where the
+# positions restart, and which load with SDPA and no dropout by default: a flattened micro-batch trains as the
+# padded one (tests/unit/test_padding_free.py builds each and compares the loss and gradients). Not hybrid,
+# recurrent or linear-attention families (jamba, mamba, qwen3_next, ...): their state would run from one row into
+# the next. gemma2 does not load with SDPA here; seed_oss has dropout by default (not compared).
+PADDING_FREE_FAMILIES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+                         "gemma", "gemma3_text", "phi", "phi3", "olmo", "olmo2", "olmo3", "granite", "cohere",
+                         "cohere2", "starcoder2", "glm", "glm4", "smollm3", "helium", "arcee", "apertus", "exaone4",
+                         "ernie4_5", "hunyuan_v1_dense")
+PADDING_FREE_WHERE = "--padding-free on (key padding_free)"
+
+
+def check_padding_free_family(cfg: Config, model_type, where: str = PADDING_FREE_WHERE) -> None:
+    """Refuse --padding-free on for a model family not in PADDING_FREE_FAMILIES (`model_type` from its
+    config.json; the built-in tiny model is llama)."""
+    if cfg.padding_free == "on" and model_type not in PADDING_FREE_FAMILIES:
+        raise ShardwiseError(f"{where}: a flattened micro-batch keeps its rows apart only in model families whose "
+                             f"attention mask restarts with the positions ({', '.join(PADDING_FREE_FAMILIES)}), not "
+                             f"the model's '{model_type}' (model_type in its config.json); use --padding-free auto "
+                             "or off")
+
+
+def padding_free(cfg: Config, model_type, sp: int = 1, tp: int = 1, cuda: bool = False) -> bool:
+    """Whether collate flattens each micro-batch (--padding-free), for this run's model family (`model_type`), its
+    sequence- and tensor-parallel degrees (those --strategy auto may have chosen) and whether it trains on CUDA.
+    off: never. on: wherever it is correct, else a ShardwiseError. auto: only where it was measured to pay, on
+    the CPU (on a GPU, SDPA with a dense mask leaves the flash kernel; not measured), with more than one row per
+    micro-batch and the flattened micro-batch's dense (S, S) mask within DENSE_MASK_LIMIT."""
+    if cfg.padding_free == "off":
+        return False
+    correct = not cfg.packing and sp == 1 and tp == 1
+    if cfg.padding_free == "on":
+        if not correct:
+            raise ShardwiseError(f"{PADDING_FREE_WHERE}: a flattened micro-batch is not built with packing, sequence "
+                                 f"or tensor parallelism (this run: packing {cfg.packing}, sequence parallel {sp}, "
+                                 f"tensor parallel {tp}); use --padding-free auto or off")
+        check_padding_free_family(cfg, model_type)
+        return True
+    from shardwise.models.sequence_parallel import DENSE_MASK_LIMIT
+
+    return (correct and model_type in PADDING_FREE_FAMILIES and not cuda and cfg.micro_batch_size > 1
+            and (cfg.micro_batch_size * cfg.seq_len) ** 2 <= DENSE_MASK_LIMIT)
 
 
 @dataclass
@@ -52,10 +102,13 @@ class StepBatch:
 
 class StepSampler:
     def __init__(self, data: Encoded, micro_batch_size: int, grad_accum: int, world_size: int, rank: int,
-                 seed: int, pad_id: int, sp_degree: int = 1, sp_rank: int = 0):
+                 seed: int, pad_id: int, sp_degree: int = 1, sp_rank: int = 0, padding_free: bool = False):
         self.data, self.mbs, self.accum, self.world, self.rank = data, micro_batch_size, grad_accum, world_size, rank
         self.seed, self.pad_id = seed, pad_id
         self.sp_degree, self.sp_rank = sp_degree, sp_rank
+        if padding_free and sp_degree > 1:
+            raise ShardwiseError("padding-free micro-batches are not built with sequence parallelism")
+        self.padding_free = padding_free
         self.global_batch = micro_batch_size * grad_accum * world_size
         if len(data) < self.global_batch:
             raise ShardwiseError(
@@ -89,6 +142,8 @@ class StepSampler:
         return batch, DataPosition(pos.epoch, pos.offset + self.global_batch)
 
     def collate(self, rows: list[int]) -> MicroBatch:
+        if self.padding_free:
+            return self.flat(rows)
         longest = max(self.lengths[r] for r in rows)
         unit = 8 * self.sp_degree  # a multiple of 8 keeps matmul shapes friendly, on every slice
         width = -(-longest // unit) * unit
@@ -107,4 +162,23 @@ class StepSampler:
         if self.sp_degree > 1:
             part = slice(self.sp_rank * width // self.sp_degree, (self.sp_rank + 1) * width // self.sp_degree)
             ids, tg, pos = ids[:, part].contiguous(), tg[:, part].contiguous(), pos[:, part].contiguous()
+        return MicroBatch(ids, tg, pos)
+
+    def flat(self, rows: list[int]) -> MicroBatch:
+        """The rows one after another in one row (1, W), W their total length rounded up to a multiple of 8; each
+        row's positions start where its own do, so the model's mask keeps the rows apart."""
+        total = sum(self.lengths[r] for r in rows)
+        width = -(-total // 8) * 8
+        ids = torch.full((1, width), self.pad_id, dtype=torch.int64)
+        tg = torch.full((1, width), IGNORE, dtype=torch.int64)
+        pos = torch.empty((1, width), dtype=torch.int64)
+        at = 0
+        for r in rows:
+            n = self.lengths[r]
+            ids[0, at:at + n] = torch.tensor(self.data.input_ids[r])
+            tg[0, at:at + n] = torch.tensor(self.data.targets[r])
+            pos[0, at:at + n] = torch.tensor(self.data.position_ids[r])
+            at += n
+        # the padding continues the last row's positions, as in collate: after all its tokens, seen by none
+        pos[0, at:] = pos[0, at - 1] + 1 + torch.arange(width - at)
         return MicroBatch(ids, tg, pos)

@@ -242,3 +242,16 @@ def max_positions(model_dir: str) -> int | None:
     with open(os.path.join(model_dir, "config.json")) as fh:
         cfg = json.load(fh)
     return cfg.get("max_position_embeddings")
+
+
+def model_family(model_dir: str, trust_remote_code: bool = False) -> str | None:
+    """config.json's model_type: the transformers family whose modelling code trains it. None when it names none,
+    or when the directory's own code runs instead (--trust-remote-code with an auto_map naming a causal LM)."""
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as fh:
+        cfg = json.load(fh)
+    if trust_remote_code and "AutoModelForCausalLM" in (cfg.get("auto_map") or {}):
+        return None
+    family = cfg.get("model_type")
+    return family if isinstance(family, str) else None

@@ -19,12 +19,12 @@ import torch.distributed as dist
 
 from shardwise import phases, strategies
 from shardwise.config import Config, from_dict
-from shardwise.data.batches import DataPosition, StepBatch, StepSampler
+from shardwise.data.batches import DataPosition, StepBatch, StepSampler, padding_free
 from shardwise.data.encode import Encoded
 from shardwise.data.templates import use_chat_template
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import peak_flops
-from shardwise.models.load import load_model, load_tokenizer
+from shardwise.models.load import load_model, load_tokenizer, model_family
 from shardwise.models.moe import aux_loss_weight
 from shardwise.models.save import save_pretrained
 from shardwise.models.sequence_parallel import DENSE_MASK_LIMIT, apply_sequence_parallel, model_heads
@@ -122,6 +122,10 @@ class Trainer:
         marks["initialized"] = time.time()
         # the run's parallel degrees and its one device mesh: everything below reads them from here
         env.dims = self.dims = strategy_cls.parallel_dims(cfg, env, model_heads(job.model_dir))
+        # a micro-batch's rows in one sequence (data/batches.py); decided before the model loads, so
+        # --padding-free on with a model family that cannot take it stops here
+        self.padding_free = padding_free(cfg, model_family(job.model_dir, cfg.trust_remote_code), self.dims.sp,
+                                         self.dims.tp, env.device.type == "cuda")
         torch.manual_seed(cfg.seed)
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
         self.faults = Faults(env.rank)
@@ -148,7 +152,7 @@ class Trainer:
         # the sequence-parallel ranks of a group each take their slice of every sequence
         self.sampler = StepSampler(self.data, cfg.micro_batch_size, cfg.grad_accum, self.dims.dp_size,
                                    self.dims.dp_rank, cfg.seed, self.tokenizer.pad_token_id,
-                                   sp_degree=self.dims.sp, sp_rank=self.dims.sp_rank)
+                                   sp_degree=self.dims.sp, sp_rank=self.dims.sp_rank, padding_free=self.padding_free)
         self.total = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * self.sampler.steps_per_epoch
         notes = ["ranks held different initial weights; rank 0's were broadcast to all"] if broadcasted else []
         if self.restarted:
@@ -216,8 +220,10 @@ class Trainer:
                      f"{env.device.type}), {self.n_params / 1e6:.2f}M params ({self.n_trainable / 1e6:.2f}M "
                      f"trainable), {len(self.data)} sequences, global batch {self.sampler.global_batch}, "
                      f"{self.total} steps")
-        if self.strategy.applied:
-            self.rep.say("shardwise: " + "; ".join(self.strategy.applied))
+        applied = self.strategy.applied + (["padding-free: a micro-batch's rows in one sequence"]
+                                           if self.padding_free else [])
+        if applied:
+            self.rep.say("shardwise: " + "; ".join(applied))
         for n in notes:
             self.rep.say("shardwise: " + n)
 
@@ -359,6 +365,7 @@ class Trainer:
                    "peak_mem_gib": self.last_rec.get("peak_mem_gib"), "wall_time_s": self.earlier["wall_time_s"] + wall,
                    "wall_time_this_launch_s": wall, "params": self.n_params,
                    "trainable_params": self.n_trainable, "skipped_nonfinite_steps": self.skipped,
+                   "padding_free": self.padding_free,
                    "final_model": final_dir, **self.evaluator.summary(), "phases_s": phases.durations(self.marks)}
         if env.is_main:
             _write_json(os.path.join(out, ".prep", "timeline.json"), self.marks)  # the launcher adds the exit
