@@ -117,6 +117,7 @@ def test_gradient_checkpointing_under_ddp_trains_identically(single_ref, ddp_gc_
     assert len(got) == STEPS
     # the run's header says what the strategy's parallelize steps turned on (and only those)
     head = [ln for ln in ddp_gc_timed.stdout.splitlines() if ln.startswith("shardwise: activation checkpointing:")]
-    assert head == ["shardwise: activation checkpointing: every block (full)"], ddp_gc_timed.stdout
+    assert head == ["shardwise: activation checkpointing: every block (full); padding-free: a micro-batch's rows in "
+                    "one sequence where that saves compute"], ddp_gc_timed.stdout
     assert "compile:" not in ddp_gc_timed.stdout and "float8:" not in ddp_gc_timed.stdout
     torch.testing.assert_close(torch.tensor(got), torch.tensor(single_ref.losses), rtol=RTOL, atol=0)

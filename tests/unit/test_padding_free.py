@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from shardwise import config
-from shardwise.data.batches import PADDING_FREE_FAMILIES, DataPosition, StepSampler, padding_free
+from shardwise.data.batches import (
+    PADDING_FREE_FAMILIES,
+    DataPosition,
+    StepSampler,
+    flattening_pays,
+    padding_free,
+)
 from shardwise.data.encode import IGNORE, Encoded
 from shardwise.errors import ShardwiseError
 from shardwise.models.speed import token_loss_sum
@@ -147,9 +153,20 @@ def test_auto_is_on_only_for_cpu_training_of_a_listed_family_without_packing_or_
     assert padding_free(dataclasses.replace(auto, micro_batch_size=1), "llama") is False  # nothing to save
     for family in ("jamba", "qwen3_next", "mamba", None):
         assert padding_free(auto, family) is False
-    # the flattened micro-batch's dense (S, S) mask: 8 x 1024 = 8192 fits DENSE_MASK_LIMIT, 8 x 1025 does not
-    assert padding_free(dataclasses.replace(auto, micro_batch_size=8), "llama") is True
-    assert padding_free(dataclasses.replace(auto, micro_batch_size=8, seq_len=1025), "llama") is False
+    assert padding_free(dataclasses.replace(auto, micro_batch_size=8, seq_len=8192), "llama") is True  # judged per batch
+
+
+def test_auto_flattens_only_the_micro_batches_where_it_pays():
+    """auto (flat_when_it_pays): at most AUTO_FLAT_MAX tokens flattened, and at least AUTO_FLAT_SAVING fewer token
+    slots than the padded rows; on flattens every micro-batch."""
+    assert flattening_pays([13, 5, 9, 1], 16)  # 32 slots against 64
+    assert not flattening_pays([16, 16, 15, 16], 16)  # 64 against 64: nothing saved, the causal kernel lost
+    assert not flattening_pays([600, 300, 200, 100], 600)  # 1,200 tokens: the dense mask costs more than it saves
+    data = dataset([13, 5, 9, 1, 16, 16, 15, 16])
+    auto = StepSampler(data, 4, 1, 1, 0, seed=0, pad_id=0, padding_free=True, flat_when_it_pays=True)
+    assert auto.collate([0, 1, 2, 3]).input_ids.shape == (1, 32)
+    assert auto.collate([4, 5, 6, 7]).input_ids.shape == (4, 16)
+    assert sampler(data, True).collate([4, 5, 6, 7]).input_ids.shape == (1, 64)
 
 
 def test_off_is_off_and_on_is_on_wherever_it_is_correct():

@@ -43,6 +43,14 @@ PADDING_FREE_FAMILIES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "ernie4_5", "hunyuan_v1_dense")
 PADDING_FREE_WHERE = "--padding-free on (key padding_free)"
 
+# Under --padding-free auto a micro-batch is flattened only where that was measured to pay on the CPU
+# (benchmarks/results/padding_free_step_cpu_2026-12-02.md, one thread, the 3.9M Qwen2 shape): the flattened row's
+# dense mask costs (sum of lengths)^2 where the padded batch's causal kernel costs rows x width^2, so flattening
+# won at up to ~1,000 tokens (0.74-0.80 of the padded step) and lost from ~1,500 (up to 2.8x, long rows with little
+# padding). So: at most AUTO_FLAT_MAX tokens, and only when it drops at least AUTO_FLAT_SAVING of the token slots.
+AUTO_FLAT_MAX = 1024
+AUTO_FLAT_SAVING = 0.1
+
 
 def check_padding_free_family(cfg: Config, model_type, where: str = PADDING_FREE_WHERE) -> None:
     """Refuse --padding-free on for a model family not in PADDING_FREE_FAMILIES (`model_type` from its
@@ -57,9 +65,9 @@ def check_padding_free_family(cfg: Config, model_type, where: str = PADDING_FREE
 def padding_free(cfg: Config, model_type, sp: int = 1, tp: int = 1, cuda: bool = False) -> bool:
     """Whether collate flattens each micro-batch (--padding-free), for this run's model family (`model_type`), its
     sequence- and tensor-parallel degrees (those --strategy auto may have chosen) and whether it trains on CUDA.
-    off: never. on: wherever it is correct, else a ShardwiseError. auto: only where it was measured to pay, on
-    the CPU (on a GPU, SDPA with a dense mask leaves the flash kernel; not measured), with more than one row per
-    micro-batch and the flattened micro-batch's dense (S, S) mask within DENSE_MASK_LIMIT."""
+    off: never. on: every micro-batch, wherever it is correct, else a ShardwiseError. auto: on the CPU (on a GPU,
+    SDPA with a dense mask leaves the flash kernel; not measured) with more than one row per micro-batch, and then
+    only the micro-batches where it pays (flattening_pays: the sampler's flat_when_it_pays)."""
     if cfg.padding_free == "off":
         return False
     correct = not cfg.packing and sp == 1 and tp == 1
@@ -70,10 +78,13 @@ def padding_free(cfg: Config, model_type, sp: int = 1, tp: int = 1, cuda: bool =
                                  f"tensor parallel {tp}); use --padding-free auto or off")
         check_padding_free_family(cfg, model_type)
         return True
-    from shardwise.models.sequence_parallel import DENSE_MASK_LIMIT
+    return correct and model_type in PADDING_FREE_FAMILIES and not cuda and cfg.micro_batch_size > 1
 
-    return (correct and model_type in PADDING_FREE_FAMILIES and not cuda and cfg.micro_batch_size > 1
-            and (cfg.micro_batch_size * cfg.seq_len) ** 2 <= DENSE_MASK_LIMIT)
+
+def flattening_pays(lengths: list[int], width: int) -> bool:
+    """Whether one flattened row beats rows padded to `width` on the CPU (AUTO_FLAT_MAX, AUTO_FLAT_SAVING)."""
+    flat = -(-sum(lengths) // 8) * 8
+    return flat <= AUTO_FLAT_MAX and flat <= (1 - AUTO_FLAT_SAVING) * len(lengths) * width
 
 
 @dataclass
@@ -102,13 +113,15 @@ class StepBatch:
 
 class StepSampler:
     def __init__(self, data: Encoded, micro_batch_size: int, grad_accum: int, world_size: int, rank: int,
-                 seed: int, pad_id: int, sp_degree: int = 1, sp_rank: int = 0, padding_free: bool = False):
+                 seed: int, pad_id: int, sp_degree: int = 1, sp_rank: int = 0, padding_free: bool = False,
+                 flat_when_it_pays: bool = False):
         self.data, self.mbs, self.accum, self.world, self.rank = data, micro_batch_size, grad_accum, world_size, rank
         self.seed, self.pad_id = seed, pad_id
         self.sp_degree, self.sp_rank = sp_degree, sp_rank
         if padding_free and sp_degree > 1:
             raise ShardwiseError("padding-free micro-batches are not built with sequence parallelism")
         self.padding_free = padding_free
+        self.flat_when_it_pays = flat_when_it_pays  # --padding-free auto: only micro-batches that gain (flattens)
         self.global_batch = micro_batch_size * grad_accum * world_size
         if len(data) < self.global_batch:
             raise ShardwiseError(
@@ -142,11 +155,12 @@ class StepSampler:
         return batch, DataPosition(pos.epoch, pos.offset + self.global_batch)
 
     def collate(self, rows: list[int]) -> MicroBatch:
-        if self.padding_free:
-            return self.flat(rows)
         longest = max(self.lengths[r] for r in rows)
         unit = 8 * self.sp_degree  # a multiple of 8 keeps matmul shapes friendly, on every slice
         width = -(-longest // unit) * unit
+        if self.padding_free and (not self.flat_when_it_pays or flattening_pays(
+                [self.lengths[r] for r in rows], width)):
+            return self.flat(rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.int64)
         tg = torch.full((len(rows), width), IGNORE, dtype=torch.int64)
         pos = torch.arange(width, dtype=torch.int64).repeat(len(rows), 1)

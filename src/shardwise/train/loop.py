@@ -152,7 +152,8 @@ class Trainer:
         # the sequence-parallel ranks of a group each take their slice of every sequence
         self.sampler = StepSampler(self.data, cfg.micro_batch_size, cfg.grad_accum, self.dims.dp_size,
                                    self.dims.dp_rank, cfg.seed, self.tokenizer.pad_token_id,
-                                   sp_degree=self.dims.sp, sp_rank=self.dims.sp_rank, padding_free=self.padding_free)
+                                   sp_degree=self.dims.sp, sp_rank=self.dims.sp_rank, padding_free=self.padding_free,
+                                   flat_when_it_pays=cfg.padding_free == "auto")
         self.total = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * self.sampler.steps_per_epoch
         notes = ["ranks held different initial weights; rank 0's were broadcast to all"] if broadcasted else []
         if self.restarted:
@@ -220,8 +221,9 @@ class Trainer:
                      f"{env.device.type}), {self.n_params / 1e6:.2f}M params ({self.n_trainable / 1e6:.2f}M "
                      f"trainable), {len(self.data)} sequences, global batch {self.sampler.global_batch}, "
                      f"{self.total} steps")
-        applied = self.strategy.applied + (["padding-free: a micro-batch's rows in one sequence"]
-                                           if self.padding_free else [])
+        flat = "padding-free: a micro-batch's rows in one sequence" + (
+            " where that saves compute" if self.cfg.padding_free == "auto" else "")
+        applied = self.strategy.applied + ([flat] if self.padding_free else [])
         if applied:
             self.rep.say("shardwise: " + "; ".join(applied))
         for n in notes:
