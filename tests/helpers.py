@@ -44,6 +44,20 @@ def listening(pids, descendants: bool = False) -> list[str]:
     return found
 
 
+def worker_processes(launcher_pid: int) -> list:
+    """A launcher's training workers (psutil processes): forks of its fork server (train/zygote.py, named
+    shardwise-rRANK), or with SHARDWISE_FORKSERVER=0 interpreters running shardwise.train.worker."""
+    import psutil
+
+    from shardwise.train.zygote import worker_rank
+
+    try:
+        procs = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return [p for p in procs if worker_rank(p.pid) is not None]
+
+
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None, cwd: str | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
     """`python -m shardwise ARGS` with captured output; raises with the output on failure."""

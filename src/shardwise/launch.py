@@ -627,14 +627,12 @@ def _agent(cfg: Config, worker_args: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
+    worker_environment(cfg)
     multi = cfg.nnodes > 1
     import tempfile
 
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 
-    os.environ["SHARDWISE_LAUNCHER_PID"] = str(os.getpid())  # workers die with this process
     if multi:
         register_rendezvous()
         where = dict(rdzv_backend=RDZV_BACKEND, rdzv_endpoint=cfg.rdzv_endpoint,
@@ -644,22 +642,51 @@ def _agent(cfg: Config, worker_args: list[str]) -> None:
     # the agent's per-rank error files go to a temporary directory of this run's own, removed
     # after it (left to itself the agent leaves a $TMPDIR/torchelastic_* behind every run)
     agent_tmp = tempfile.mkdtemp(prefix="shardwise-agent-")
+    from shardwise.train import zygote
+
+    forked = zygote.enabled() and zygote.start(*(early_preload(cfg) if worker_args[0] == "--wait" else ("", False)))
     lc = LaunchConfig(
         min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
         run_id=f"shardwise-{cfg.rdzv_endpoint}" if multi else f"shardwise-{uuid.uuid4().hex[:8]}",
-        max_restarts=cfg.max_restarts, monitor_interval=0.5, start_method="spawn",
+        max_restarts=cfg.max_restarts, monitor_interval=0.1, start_method="forkserver" if forked else "spawn",
         logs_specs=DefaultLogsSpecs(log_dir=agent_tmp), **where,
     )
 
     quiet_agent()
     try:
-        elastic_launch(lc, sys.executable)("-u", "-m", "shardwise.train.worker", *worker_args)
+        if forked:  # each worker a fork of one server that imported torch, transformers and the model (zygote.py)
+            elastic_launch(lc, zygote.worker_main)(zygote.env_changes(), *worker_args)
+        else:
+            elastic_launch(lc, sys.executable)("-u", "-m", "shardwise.train.worker", *worker_args)
     except ChildFailedError as e:
         raise ShardwiseError(_failure_report(cfg.output_dir, e, cfg)) from None
     except SignalException as e:
         raise Interrupted(int(e.sigval)) from None
     finally:
+        if forked:
+            zygote.stop()
         shutil.rmtree(agent_tmp, ignore_errors=True)
+
+
+def worker_environment(cfg: Config) -> None:
+    """The environment the workers start with, beyond the agent's per-rank variables (set before the fork server
+    starts, train/zygote.py: it is copied then): threads per rank, the launcher they die with, and on one node
+    gloo's and NCCL's sockets on the loopback interface."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
+    os.environ["SHARDWISE_LAUNCHER_PID"] = str(os.getpid())  # workers die with this process
+    if cfg.nnodes == 1:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+
+
+def early_preload(cfg: Config) -> tuple[str, bool]:
+    """What a worker imports before its job is known (train/worker.preload): the model family's module, as the
+    absolute model directory or "tiny", and, for compiled blocks, inductor's."""
+    from shardwise.strategies.parallelize import compile_enabled
+
+    model = os.path.abspath(os.path.expanduser(cfg.model)) if cfg.model != "tiny" else "tiny"
+    return model, compile_enabled(cfg)
 
 
 def _after_agent(p: Prepared) -> dict | None:
@@ -720,10 +747,8 @@ class _Early:
                 pass  # the launch ended without waiting for this prepare (finish(failed=True)); nobody reads it
 
     def worker_args(self) -> list[str]:
-        from shardwise.strategies.parallelize import compile_enabled
-
-        model = os.path.abspath(os.path.expanduser(self.cfg.model)) if self.cfg.model != "tiny" else "tiny"
-        return ["--wait", self.pointer, model] + (["--compile"] if compile_enabled(self.cfg) else [])
+        model, compile_blocks = early_preload(self.cfg)
+        return ["--wait", self.pointer, model] + (["--compile"] if compile_blocks else [])
 
     def finish(self, failed: bool = False) -> Prepared:
         """Wait for the prepare; its error (a ShardwiseError: one line) is the run's. With `failed` (the group
@@ -794,7 +819,7 @@ def loopback_only(port: int = 0) -> dict:
     on 127.0.0.1 only: the rendezvous store, the workers' store (MASTER_ADDR) and gloo's or
     NCCL's own sockets."""
     register_rendezvous()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # as worker_environment, for doctor's group
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     return dict(rdzv_backend=RDZV_BACKEND, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"is_host": True},
                 local_addr="127.0.0.1")
@@ -874,14 +899,52 @@ def _failure_line(rank: int, f) -> str:
 
 
 def train(res: Resolved, force: bool = False) -> int:
-    cfg, lock, t0 = _begin(res)
+    forked = _start_zygote_early(res.cfg)  # before this process imports torch (_begin)
+    try:
+        cfg, lock, t0 = _begin(res)
+        if not early_workers(cfg):
+            _stop_zygote(forked)  # it trains in this process after all, or its workers start once it is prepared
+            forked = False
+    except BaseException:
+        _stop_zygote(forked)
+        raise
     try:
         if early_workers(cfg):
-            return _train(None, _Early(res, cfg, lock, force, t0, first_checks(cfg, res)))
+            try:
+                loaded = first_checks(cfg, res)
+            except BaseException:
+                _stop_zygote(forked)
+                raise
+            return _train(None, _Early(res, cfg, lock, force, t0, loaded))
         return _train(_prepare(res, cfg, lock, force, t0))
     finally:
         if lock is not None:
             lock.release()
+
+
+def _start_zygote_early(cfg: Config) -> bool:
+    """The fork server the workers come from (train/zygote.py), started as the launcher begins where the run will
+    clearly have early workers (early_workers: one node, through the agent), judged from the config before torch
+    is imported: --nproc-per-node given, or a machine without NVIDIA devices (2 ranks). Its imports (3-4 CPU-s on
+    the tiny CPU job) then overlap everything this process does before the workers run. Where it cannot be
+    judged yet, the agent starts the server later (_agent). Returns whether it started."""
+    from shardwise.train import zygote
+
+    nvidia = os.path.exists("/dev/nvidiactl")
+    nproc = cfg.nproc_per_node or (0 if nvidia else 2)
+    if (not nproc or cfg.nnodes != 1 or os.environ.get("SHARDWISE_EARLY_WORKERS", "1") == "0"
+            or cfg.strategy not in presets.PRESETS or presets.trains_in_process(cfg.strategy, nproc)
+            or not zygote.enabled()):
+        return False
+    model = os.path.abspath(os.path.expanduser(cfg.model)) if cfg.model != "tiny" else "tiny"
+    return zygote.start(model, cfg.compile == "on" or (cfg.compile == "auto" and nvidia))
+
+
+def _stop_zygote(started: bool) -> None:
+    if started:
+        from shardwise.train import zygote
+
+        zygote.stop(timeout_s=0)  # mid-import perhaps: nothing of the run's is in it
 
 
 def _add_exit_phase(p: Prepared, summary: dict) -> dict:

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.dist.shared import COMMON, DDP
-from tests.helpers import ConcurrentRuns, listening, read_metrics, run_cli
+from tests.helpers import ConcurrentRuns, listening, read_metrics, run_cli, worker_processes
 
 ONE = ("--strategy", "single", "--nproc-per-node", "1", "--micro-batch-size", "2", "--grad-accum", "2",
        "--no-save-final")
@@ -215,19 +215,6 @@ def test_a_corrupt_newest_checkpoint_is_skipped_by_auto_and_refused_by_name(base
 
 # -- 4 and 6: a live 2-rank run listens on loopback only and dies with its launcher --------
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
 @pytest.fixture(scope="module")
 def live(tmp_path_factory, chat_data):
     """A 2-rank DDP run with a checkpoint every 2 steps, alive once its first one is written."""
@@ -241,7 +228,7 @@ def live(tmp_path_factory, chat_data):
         assert launcher.poll() is None, (out.parent / "log.txt").read_text()
         assert time.monotonic() < deadline, "no checkpoint written"
         time.sleep(0.5)
-    workers = [p for p in _children(launcher.pid) if "shardwise.train.worker" in _cmdline(p)]
+    workers = [p.pid for p in worker_processes(launcher.pid)]
     yield launcher, workers, out, args
     for pid in (launcher.pid, *workers):
         try:
@@ -276,11 +263,6 @@ def test_workers_die_with_a_killed_launcher_and_the_run_resumes(live, chat_data)
     p = run_cli("train", *COMMON, "--data", str(chat_data), "--output-dir", str(out), *ONE, "--max-steps",
                 str(last + 2), "--resume", "auto")
     assert f"at step {last}" in p.stdout and read_metrics(str(out))[-1]["step"] == last + 2
-
-
-def _cmdline(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline") as fh:
-        return fh.read()
 
 
 def _state(pid: int) -> str:

@@ -19,6 +19,7 @@ from tests.helpers import (
     chat_records,
     read_metrics,
     run_cli,
+    worker_processes,
     write_jsonl,
 )
 
@@ -252,13 +253,9 @@ def test_a_signal_while_the_launcher_still_prepares_stops_the_early_workers_and_
     out = tmp_path / "out"
     p = _popen("train", *COMMON, "--data", data, "--no-data-cache", "--strategy", "ddp", "--nproc-per-node", "2",
                "--micro-batch-size", "2", "--max-steps", "2", "--output-dir", str(out), env={"TMPDIR": str(tmp)})
-    launcher = psutil.Process(p.pid)
 
     def workers():
-        try:
-            return [c for c in launcher.children(recursive=True) if "shardwise.train.worker" in " ".join(c.cmdline())]
-        except psutil.Error:
-            return []
+        return worker_processes(p.pid)
 
     started = []
 

@@ -357,15 +357,11 @@ def sample_worker_peaks(root_pid: int, peaks: dict[int, float], root_is_rank0: b
         kids = psutil.Process(root_pid).children(recursive=True)
     except Exception:  # psutil missing, or the tree is gone: nothing to sample
         return
+    from shardwise.train.zygote import worker_rank
+
     for p in kids:
-        try:
-            with open(f"/proc/{p.pid}/cmdline", "rb") as fh:
-                if b"shardwise.train.worker" not in fh.read():
-                    continue
-            with open(f"/proc/{p.pid}/environ", "rb") as fh:
-                env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
-            rank = int(env[b"RANK"])
-        except (OSError, KeyError, ValueError):
+        rank = worker_rank(p.pid)
+        if rank is None:
             continue
         hwm = _vmhwm_gib(p.pid)
         if hwm is not None:

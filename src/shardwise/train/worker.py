@@ -10,13 +10,14 @@ import signal
 import sys
 
 
-def die_with_launcher() -> None:
-    """SIGKILL this worker when its parent (the launcher, which runs torchrun's elastic
-    agent in-process) dies, even by kill -9: workers start in sessions of their own, so
+def die_with_launcher(forked: bool = False) -> None:
+    """SIGKILL this worker when its parent dies, even by kill -9: workers start in sessions of their own, so
     nothing else would stop them. What they leave is the last complete checkpoint.
-    Called when this module is imported, before torch: a launcher stopped by a signal
-    while the agent was still starting the group (it then never learns the workers'
-    PIDs) leaves workers that end here, not ones that import torch first."""
+
+    The parent is the launcher (which runs torchrun's elastic agent in-process), or with `forked` the fork server
+    the launcher started (train/zygote.py), which leaves as soon as the launcher is gone. Called first thing:
+    before torch is imported in a fresh interpreter, so a launcher stopped by a signal while the agent was still
+    starting the group (it then never learns the workers' PIDs) leaves workers that end here."""
     launcher = int(os.environ.get("SHARDWISE_LAUNCHER_PID", "0"))
     if not launcher or not sys.platform.startswith("linux"):
         return
@@ -24,7 +25,14 @@ def die_with_launcher() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != launcher:  # the launcher died before the line above
+    if forked:
+        try:
+            os.kill(launcher, 0)
+        except ProcessLookupError:  # the launcher died before the line above (the server is leaving too)
+            os.kill(os.getpid(), signal.SIGKILL)
+        except PermissionError:
+            pass
+    elif os.getppid() != launcher:  # the launcher died before the line above
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -108,18 +116,25 @@ def preload_model_classes(model: str) -> None:
         pass
 
 
-def wait_for_job(pointer: str, model: str, compile_blocks: bool = False, poll_s: float = 0.01) -> str | None:
-    """A worker started before its launcher finished checking and tokenizing (launch._Early): do the imports a
-    job needs (with `compile_blocks`, inductor's too: torch.compile imports it when the blocks are wrapped, 1.6 s
-    on the H200), then wait for `pointer` to name the job (None: the launcher's checks failed, nothing to run)."""
-    import time
-
-    set_up_process()
-    import shardwise.train.loop  # noqa: F401 - torch, transformers and the engine, while the launcher prepares
+def preload(model: str, compile_blocks: bool = False) -> None:
+    """The imports a job needs, before it is known: torch, transformers and the engine, the model family's module,
+    and with `compile_blocks` inductor's (torch.compile imports it when the blocks are wrapped, 1.6 s on the H200).
+    Run by a worker started early (wait_for_job) or once by the fork server its workers come from (zygote)."""
+    import shardwise.train.loop  # noqa: F401 - torch, transformers and the engine
 
     preload_model_classes(model)
     if compile_blocks:
         import torch._inductor.compile_fx  # noqa: F401
+
+
+def wait_for_job(pointer: str, model: str, compile_blocks: bool = False, poll_s: float = 0.01) -> str | None:
+    """A worker started before its launcher finished checking and tokenizing (launch._Early): do the imports a
+    job needs (preload), then wait for `pointer` to name the job (None: the launcher's checks failed, nothing to
+    run)."""
+    import time
+
+    set_up_process()
+    preload(model, compile_blocks)
     while not os.path.exists(pointer):
         time.sleep(poll_s)
     with open(pointer) as fh:

@@ -1,0 +1,279 @@
+"""Workers forked from one process that has already imported what a worker needs (issue 17.3: time to first step).
+
+A worker used to be a fresh interpreter (`python -m shardwise.train.worker`) that imported torch, transformers and
+the model family's module itself: 2.3-2.6 CPU-s each on the tiny CPU job, for every rank, on the cores the launcher
+tokenizes on. Now torchrun's elastic agent starts the workers with multiprocessing's `forkserver` start method: one
+server process, started as the agent starts, imports all of that once (this module is its preload: `preload`),
+and every worker is a fork of it that begins with the imports done. The agent itself is unchanged (the same
+LocalElasticAgent, rendezvous, restarts, signals); only how its processes come to exist differs.
+
+What a forked worker keeps from the plain start:
+- its own session (os.setsid, as torch's subprocess start gives it): a terminal's Ctrl-C reaches the launcher,
+  which stops the group, not the workers directly;
+- death with the launcher (worker.die_with_launcher: its parent is the server, which leaves when the launcher's
+  end of the server's pipe closes);
+- the environment the launcher has when the group starts (the server's, started per run and stopped after it,
+  plus what changed since: env_changes), unbuffered output, and the exit without the interpreter's teardown.
+
+CUDA: the server never initialises CUDA (a forked child could not use it then). torch.cuda.is_available() would
+count devices through the CUDA runtime and mark the process as one no child may use CUDA from, so the server asks
+NVML instead (PYTORCH_NVML_BASED_CUDA_CHECK=1, torch's own switch for this) and a worker checks it was not marked.
+
+SHARDWISE_FORKSERVER=0 starts each worker as its own interpreter again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+PRELOAD_ENV = "SHARDWISE_ZYGOTE_PRELOAD"  # what the server imports: {"model": DIR or "tiny" or "", "compile": bool}
+
+
+def enabled() -> bool:
+    """Whether the agent forks its workers from a preloaded server (Linux; SHARDWISE_FORKSERVER=0 turns it off)."""
+    import multiprocessing
+
+    return (sys.platform.startswith("linux") and os.environ.get("SHARDWISE_FORKSERVER", "1") != "0"
+            and "forkserver" in multiprocessing.get_all_start_methods())
+
+
+def start(model: str = "", compile_blocks: bool = False) -> bool:
+    """Start the server now, so that it imports while the launcher checks and prepares and the agent runs its
+    rendezvous: torch, transformers and the engine, and the family module of `model` (a directory or "tiny"; ""
+    for none) and inductor with `compile_blocks` (worker.preload). The workers take on what changes in this
+    process's environment after it (env_changes). Nothing if it runs already; `stop` ends it. Returns False where
+    the server could not start (the agent then starts each worker as its own interpreter)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if not _socket_folder():
+        return False
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["shardwise.train.zygote"])
+    extra = {PRELOAD_ENV: json.dumps({"model": model, "compile": compile_blocks}),
+             "PYTHONUNBUFFERED": "1",  # as `python -u`: a worker's lines reach the log as they are printed
+             "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # the server must not touch the CUDA runtime (module docstring)
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        if forkserver._forkserver._forkserver_pid is None:
+            _server_env.clear()
+            _server_env.update(os.environ)
+            del _server_env[PRELOAD_ENV]  # the server drops it once preloaded (preload)
+        forkserver.ensure_running()
+    except OSError:
+        return False
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+    return True
+
+
+def _socket_folder() -> bool:
+    """The folder of the server's socket (multiprocessing's temporary folder for this process, made with mode 0700;
+    the socket itself 0600): under $TMPDIR, or under /tmp where $TMPDIR is too long for a Unix socket's path (108
+    bytes with the names multiprocessing adds). Where neither can be used, False."""
+    import tempfile
+    from multiprocessing import process, util
+
+    if process.current_process()._config.get("tempdir"):
+        return True
+    base = tempfile.gettempdir()
+    if len(os.fsencode(base)) > 64:
+        base = "/tmp"
+        if not os.access(base, os.W_OK | os.X_OK):
+            return False
+    import shutil
+
+    folder = tempfile.mkdtemp(prefix="pymp-", dir=base)
+    util.Finalize(None, shutil.rmtree, args=[folder], kwargs={"ignore_errors": True}, exitpriority=-100)
+    process.current_process()._config["tempdir"] = folder
+    return True
+
+
+_server_env: dict[str, str] = {}  # the environment the running server started with (its children's, before theirs)
+
+
+def env_changes() -> str:
+    """This process's environment against the server's (JSON: [name, the server's value, this one's], None for
+    unset), for the workers to take on (apply_env_changes): they see the environment of the moment the group
+    starts, as a worker started as its own interpreter does, however early the server started."""
+    names = sorted(set(_server_env) | set(os.environ))
+    return json.dumps([[k, _server_env.get(k), os.environ.get(k)] for k in names
+                       if _server_env.get(k) != os.environ.get(k) and k not in EXTRA_NAMES])
+
+
+EXTRA_NAMES = ("PYTHONUNBUFFERED", "PYTORCH_NVML_BASED_CUDA_CHECK")  # the server's own, kept by the workers
+
+
+def apply_env_changes(changes: str) -> None:
+    """In a forked worker: env_changes taken on, except where the agent set the variable for this rank (RANK,
+    MASTER_ADDR, ...: as when a worker's environment is the launcher's updated with the agent's), and the thread
+    count torch took from the server's OMP_NUM_THREADS set again from this one's."""
+    for name, server, now in json.loads(changes):
+        if os.environ.get(name) != server:
+            continue  # the agent's value for this rank
+        if now is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = now
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        if torch.get_num_threads() != int(threads):
+            torch.set_num_threads(int(threads))
+
+
+def stop(timeout_s: float = 10.0) -> bool:
+    """End the server (after the agent: its workers are gone), so the next run in this process starts one with
+    that run's environment and preload. The server leaves once every holder of its pipe's write end has closed it:
+    this process here, the workers when they start (let_the_server_go). One still there after `timeout_s` is
+    killed. Returns whether it left by itself (True where none ran)."""
+    import signal
+    import time
+    from multiprocessing import forkserver
+
+    fs = forkserver._forkserver
+    with fs._lock:
+        pid, fd, address = fs._forkserver_pid, fs._forkserver_alive_fd, fs._forkserver_address
+        if pid is None:
+            return True
+        fs._forkserver_pid = fs._forkserver_alive_fd = fs._forkserver_address = None
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        deadline, left = time.monotonic() + timeout_s, True
+        while True:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if done:
+                break
+            if time.monotonic() > deadline:
+                left = False
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.02)
+        if isinstance(address, str) and address and not address.startswith("\0"):
+            try:
+                os.unlink(address)
+            except OSError:
+                pass
+        return left
+
+
+def preload() -> None:
+    """In the server, before it forks anything: the imports a worker needs (worker.wait_for_job's), then the
+    objects alive frozen so that later collections in the workers skip them (phases.release_full_gc)."""
+    from shardwise import phases
+
+    phases.hold_full_gc()
+    settings = json.loads(os.environ.pop(PRELOAD_ENV))
+    from shardwise.train import worker
+
+    worker.preload(settings.get("model", ""), bool(settings.get("compile")))
+    phases.release_full_gc()
+
+
+def let_the_server_go() -> None:
+    """In a forked worker: close this process's copy of the pipe end whose closing, in every holder, ends the
+    server. Left open, the server outlives a killed launcher for as long as the workers run, and the workers, whose
+    parent it is, never receive their death signal (worker.die_with_launcher)."""
+    from multiprocessing import forkserver
+
+    fs = forkserver._forkserver
+    fd, fs._forkserver_alive_fd = fs._forkserver_alive_fd, None
+    fs._forkserver_pid = fs._forkserver_address = None
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+NAME_PREFIX = "shardwise-r"  # a forked worker's process name (/proc/PID/comm, `ps -o comm`, top): shardwise-rRANK
+
+
+def name_process(rank: str) -> None:
+    """Name this forked worker shardwise-rRANK (its command line is the server's): what ps and top show, and how
+    bench's memory sampler and the tests find a rank's process (worker_rank)."""
+    import ctypes
+
+    pr_set_name = 15
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, (NAME_PREFIX + rank).encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def worker_rank(pid: int) -> int | None:
+    """The rank of a training worker process (Linux /proc), forked (its name) or started as
+    `python -m shardwise.train.worker` (RANK in its environment); None for any other process."""
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            name = fh.read().strip()
+        if name.startswith(NAME_PREFIX) and name[len(NAME_PREFIX):].isdigit():
+            return int(name[len(NAME_PREFIX):])
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            if b"shardwise.train.worker" not in fh.read():
+                return None
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
+        return int(env[b"RANK"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_cuda_usable() -> None:
+    """In a forked worker: the server did not mark this process unable to use CUDA (module docstring)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda._is_in_bad_fork():
+        raise RuntimeError("the worker's fork server initialised CUDA before forking; run with "
+                           "SHARDWISE_FORKSERVER=0 and report it")
+
+
+def worker_main(env_changes: str, *argv: str) -> None:
+    """The entry point of a forked worker, called by the elastic agent with the launcher's environment changes
+    since the server started (env_changes) and the worker's arguments (worker.main's). It runs in its own session
+    and leaves as `python -m shardwise.train.worker` would: main's exit code, and after a clean run the atexit
+    handlers with no interpreter teardown (multiprocessing ends a forked process with os._exit once the agent has
+    its result)."""
+    os.setsid()  # as torch's subprocess start: a terminal's signal goes to the launcher, which stops the group
+    let_the_server_go()
+    apply_env_changes(env_changes)
+    name_process(os.environ.get("RANK", ""))
+    from shardwise.train import worker
+
+    worker.die_with_launcher(forked=True)
+    from shardwise.phases import hold_full_gc, stop_compile_workers
+
+    hold_full_gc()  # released after the first step (phases.py)
+    check_cuda_usable()
+    code = worker.main(list(argv))
+    if code:
+        sys.exit(code)
+    import atexit
+    import logging
+
+    stop_compile_workers()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+
+
+if os.environ.get(PRELOAD_ENV) and __name__ == "shardwise.train.zygote" and "multiprocessing.forkserver" in sys.modules \
+        and sys.argv[:1] == ["-c"]:
+    preload()  # imported by the fork server as its preload (start)
