@@ -36,6 +36,7 @@
 #                                                    spy16 (sixteenth session: carries .whl/opt/py_spy-*.whl)
 #                                                    fold16 (sixteenth session: carry .whl/base_src = 8d5afb2's src)
 #                                                    gputests18 (eighteenth session)
+#                                                    gputests19 ttfs19 (nineteenth session; ttfs19 carries .whl/base_src = aadd66e's src)
 #                                                    prof17 z3mod17 norm17 gputests17 (seventeenth session; prof17 after
 #                                                    fold16 or norm17; norm17 carries .whl/base_src = 3d31060's src)
 #                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests z3eager (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
@@ -482,6 +483,13 @@ gputests18() {
     tests/gpu/test_profile_cuda.py tests/dist/test_gradnorm.py tests/gpu/test_cuda.py
 }
 # (first call: chat rows of many lengths made the hybrid test recompile past 250 s; test_cuda first ran out of time)
+# nineteenth session: workers forked from a preloaded server (train/zygote.py) on CUDA: the GPU tests whose ranks run
+# through the agent (tied-head ddp/fsdp/zero3, QLoRA ddp: the server must not leave CUDA unusable in its forks)
+gputests19() {
+  timeout -k 10 330 python3 -m pytest -n 0 -v -rs -p no:cacheprovider tests/gpu/test_cuda.py -k "tied or qlora"
+}
+# and ddp's time to first step (one rank, early worker) against aadd66e (carried as .whl/base_src), beside the Trainer
+ttfs19() { ttfs_ab /tmp/pycache19 420 4 base-ddp,ddp; }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {
   python3 benchmarks/long_context.py --lengths 8192 --sp 1 --steps 4 --timeout 260 --tag tp2 --out "$OUT" -- \

@@ -812,6 +812,9 @@ def quiet_agent() -> None:
     prefix = "torch.distributed.elastic"
     for name in [prefix, *(n for n in list(logging.root.manager.loggerDict) if n.startswith(prefix + "."))]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    # forked workers (train/zygote.py) are torch.multiprocessing's: "Terminating process N via signal SIGTERM" when
+    # one failed and the others are stopped
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.CRITICAL)
 
 
 def loopback_only(port: int = 0) -> dict:

@@ -72,7 +72,14 @@ def test_a_long_tmpdir_still_gets_a_server(tmp_path, monkeypatch):
     monkeypatch.setitem(process.current_process()._config, "tempdir", None)
     try:
         assert zygote.start("", False)
-        assert process.current_process()._config["tempdir"].startswith("/tmp/pymp-")
+        folder = process.current_process()._config["tempdir"]
+        assert folder.startswith("/tmp/pymp-")
+        # only this user can ask the server to fork: the socket 0600 in a folder 0700
+        from multiprocessing import forkserver
+
+        sock = forkserver._forkserver._forkserver_address
+        assert os.path.dirname(sock) == folder
+        assert os.stat(folder).st_mode & 0o777 == 0o700 and os.stat(sock).st_mode & 0o777 == 0o600
     finally:
         zygote.stop(timeout_s=0)
 
