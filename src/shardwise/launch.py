@@ -947,7 +947,7 @@ def _stop_zygote(started: bool) -> None:
     if started:
         from shardwise.train import zygote
 
-        zygote.stop(timeout_s=0)  # mid-import perhaps: nothing of the run's is in it
+        zygote.stop()  # mid-import perhaps: nothing of the run's is in it
 
 
 def _add_exit_phase(p: Prepared, summary: dict) -> dict:

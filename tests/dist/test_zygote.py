@@ -34,7 +34,7 @@ def server_env(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     monkeypatch.setenv("RANK", "0")
     yield
-    zygote.stop(timeout_s=0)
+    zygote.stop()
 
 
 def test_a_forked_worker_starts_preloaded_with_the_launchers_environment_of_the_group_start(server_env, monkeypatch):
@@ -81,7 +81,7 @@ def test_a_long_tmpdir_still_gets_a_server(tmp_path, monkeypatch):
         assert os.path.dirname(sock) == folder
         assert os.stat(folder).st_mode & 0o777 == 0o700 and os.stat(sock).st_mode & 0o777 == 0o600
     finally:
-        zygote.stop(timeout_s=0)
+        zygote.stop()
 
 
 def test_a_run_through_the_fork_server_trains_as_one_with_its_own_interpreters(tmp_path, chat_data, ddp_ref):
