@@ -486,10 +486,10 @@ gputests18() {
 # nineteenth session: workers forked from a preloaded server (train/zygote.py) on CUDA: the GPU tests whose ranks run
 # through the agent (tied-head ddp/fsdp/zero3, QLoRA ddp: the server must not leave CUDA unusable in its forks)
 gputests19() {
-  timeout -k 10 330 python3 -m pytest -n 0 -v -rs -p no:cacheprovider tests/gpu/test_cuda.py -k "tied or qlora"
+  SHARDWISE_FORKSERVER=1 timeout -k 10 330 python3 -m pytest -n 0 -v -rs -p no:cacheprovider tests/gpu/test_cuda.py -k "tied or qlora"
 }
 # and ddp's time to first step (one rank, early worker) against aadd66e (carried as .whl/base_src), beside the Trainer
-ttfs19() { ttfs_ab /tmp/pycache19 420 4 base-ddp,ddp; }
+ttfs19() { SHARDWISE_FORKSERVER=1 ttfs_ab /tmp/pycache19 420 4 base-ddp,ddp; }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {
   python3 benchmarks/long_context.py --lengths 8192 --sp 1 --steps 4 --timeout 260 --tag tp2 --out "$OUT" -- \
