@@ -1,5 +1,5 @@
-"""Workers forked from a preloaded server (train/zygote.py): what the fork server gives a worker, and that a run
-through it trains exactly as one whose workers are their own interpreters (SHARDWISE_FORKSERVER=0)."""
+"""Workers forked from a preloaded server (train/zygote.py, opt-in: SHARDWISE_FORKSERVER=1): what the fork server
+gives a worker, and that a run through it trains exactly as one whose workers are their own interpreters."""
 
 import multiprocessing
 import os
@@ -85,12 +85,19 @@ def test_a_long_tmpdir_still_gets_a_server(tmp_path, monkeypatch):
 
 
 def test_a_run_through_the_fork_server_trains_as_one_with_its_own_interpreters(tmp_path, chat_data, ddp_ref):
-    """The session's 2-rank ddp run went through the fork server; the same run with each worker its own
-    interpreter (SHARDWISE_FORKSERVER=0) gives the same losses."""
-    forked = ddp_ref
-    assert "shardwise: phases:" in forked.stdout
-    out = tmp_path / "spawned"
-    p = run_cli(*args_of(out, chat_data, *DDP, "--no-save-final"), env={"SHARDWISE_FORKSERVER": "0"})
+    """The session's 2-rank ddp run started each worker as its own interpreter (the default); the same run through
+    the fork server (SHARDWISE_FORKSERVER=1) gives the same losses, and its workers were forks of it."""
+    out = tmp_path / "forked"
+    p = run_cli(*args_of(out, chat_data, *DDP, "--no-save-final"), env={"SHARDWISE_FORKSERVER": "1"})
     assert p.returncode == 0, p.stderr
     torch.testing.assert_close(torch.tensor([r["loss"] for r in read_metrics(str(out))]),
-                               torch.tensor(forked.losses), rtol=RTOL, atol=0)
+                               torch.tensor(ddp_ref.losses), rtol=RTOL, atol=0)
+    # the phases show it: both ranks joined the group at once (a fork starts with the imports done)
+    assert "shardwise: phases:" in p.stdout
+
+
+def test_it_is_opt_in(monkeypatch):
+    monkeypatch.delenv("SHARDWISE_FORKSERVER", raising=False)
+    assert not zygote.enabled()
+    monkeypatch.setenv("SHARDWISE_FORKSERVER", "1")
+    assert zygote.enabled()

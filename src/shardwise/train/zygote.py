@@ -19,8 +19,7 @@ CUDA: the server never initialises CUDA (a forked child could not use it then). 
 count devices through the CUDA runtime and mark the process as one no child may use CUDA from, so the server asks
 NVML instead (PYTORCH_NVML_BASED_CUDA_CHECK=1, torch's own switch for this) and a worker checks it was not marked.
 
-Where: machines without NVIDIA devices (enabled); SHARDWISE_FORKSERVER=1 on a GPU machine too, =0 nowhere (each
-worker its own interpreter, as before).
+Opt-in (SHARDWISE_FORKSERVER=1; `enabled`): without it each worker is its own interpreter, as before.
 """
 
 from __future__ import annotations
@@ -33,16 +32,13 @@ PRELOAD_ENV = "SHARDWISE_ZYGOTE_PRELOAD"  # what the server imports: {"model": D
 
 
 def enabled() -> bool:
-    """Whether the agent forks its workers from a preloaded server (Linux). SHARDWISE_FORKSERVER=0 never, =1 always;
-    by default on machines without NVIDIA devices only: on CUDA the server's imports must leave CUDA untouched for
-    its forks (module docstring), which the GPU tests have not yet run (no GPU was lent when this was written), so
-    GPU machines keep starting each worker as its own interpreter until they have."""
+    """Whether the agent forks its workers from a preloaded server: only with SHARDWISE_FORKSERVER=1 (Linux), an
+    experiment for now. A review (nineteenth session) found what it still gets wrong against the plain start, which
+    stays the default until each is fixed (docs/speed.md, "Workers forked from one preloaded server")."""
     import multiprocessing
 
-    setting = os.environ.get("SHARDWISE_FORKSERVER", "")
-    if setting == "0" or not sys.platform.startswith("linux") or "forkserver" not in multiprocessing.get_all_start_methods():
-        return False
-    return setting == "1" or not os.path.exists("/dev/nvidiactl")
+    return (os.environ.get("SHARDWISE_FORKSERVER", "") == "1" and sys.platform.startswith("linux")
+            and "forkserver" in multiprocessing.get_all_start_methods())
 
 
 def start(model: str = "", compile_blocks: bool = False) -> bool:
