@@ -483,7 +483,7 @@ gputests18() {
     tests/gpu/test_profile_cuda.py tests/dist/test_gradnorm.py tests/gpu/test_cuda.py
 }
 # (first call: chat rows of many lengths made the hybrid test recompile past 250 s; test_cuda first ran out of time)
-# nineteenth session: workers forked from a preloaded server (train/zygote.py) on CUDA: the GPU tests whose ranks run
+# nineteenth session (ran): workers forked from a preloaded server (train/zygote.py, opt-in) on CUDA: the GPU tests whose ranks run
 # through the agent (tied-head ddp/fsdp/zero3, QLoRA ddp: the server must not leave CUDA unusable in its forks)
 gputests19() {
   SHARDWISE_FORKSERVER=1 timeout -k 10 330 python3 -m pytest -n 0 -v -rs -p no:cacheprovider tests/gpu/test_cuda.py -k "tied or qlora"
