@@ -101,3 +101,35 @@ def test_it_is_opt_in(monkeypatch):
     assert not zygote.enabled()
     monkeypatch.setenv("SHARDWISE_FORKSERVER", "1")
     assert zygote.enabled()
+
+
+def test_a_signal_to_the_launchers_process_group_still_checkpoints_and_the_workers_leave(tmp_path, chat_data):
+    """SIGTERM to the whole process group (timeout, systemd, scancel) reaches the launcher, not the fork server (a
+    session of its own): the workers checkpoint, the launcher leaves with 128 + 15, and the finished workers do not
+    wait out the shutting-down agent's 30 s before its SIGKILL (they leave on their own)."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "shardwise", *args_of(out, chat_data, *DDP, "--max-steps", "5000", "--no-save-final")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**os.environ, "SHARDWISE_FORKSERVER": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.2)
+        from tests.helpers import worker_processes
+
+        workers = worker_processes(p.pid)
+        assert len(workers) == 2 and all(w.name().startswith(zygote.NAME_PREFIX) for w in workers)
+        os.killpg(p.pid, signal.SIGTERM)
+        _, err = p.communicate(timeout=25)  # 30 s and more when finished workers waited for the agent's SIGKILL
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted by signal 15; newest checkpoint: " + str(out / "checkpoints") in err, err
+    assert list((out / "checkpoints").glob("step_*/meta.json"))
+    assert not [w for w in workers if w.is_running() and w.status() != "zombie"]

@@ -185,6 +185,13 @@ def preload() -> None:
     objects alive frozen so that later collections in the workers skip them (phases.release_full_gc)."""
     from shardwise import phases
 
+    # a session of its own: a signal to the launcher's whole process group (timeout, systemd, scancel, a terminal's
+    # Ctrl-C or hang-up) must reach the launcher, which stops the workers with a checkpoint, not kill this server and
+    # with it every worker (their death signal follows their parent)
+    try:
+        os.setsid()
+    except OSError:
+        pass
     phases.hold_full_gc()
     settings = json.loads(os.environ.pop(PRELOAD_ENV))
     from shardwise.train import worker
@@ -276,6 +283,17 @@ def worker_main(env_changes: str, *argv: str) -> None:
     stop_compile_workers()
     atexit._run_exitfuncs()
     logging.shutdown()
+    # torch's wrapper now hands the agent this rank's result and waits for the agent's word that every rank's is in,
+    # then the process ends; an agent that is shutting down (a signal to the launcher) never gives it and would
+    # SIGKILL this finished worker after 30 s: it leaves on its own a moment later instead
+    import threading
+
+    leave = threading.Timer(LEAVE_AFTER_S, os._exit, args=(0,))
+    leave.daemon = True
+    leave.start()
+
+
+LEAVE_AFTER_S = 1.0  # a finished worker's wait for the agent (it polls every 0.1 s), at most
 
 
 if os.environ.get(PRELOAD_ENV) and __name__ == "shardwise.train.zygote" and "multiprocessing.forkserver" in sys.modules \
