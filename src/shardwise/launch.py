@@ -669,9 +669,9 @@ def _agent(cfg: Config, worker_args: list[str]) -> None:
 
 
 def worker_environment(cfg: Config) -> None:
-    """The environment the workers start with, beyond the agent's per-rank variables (set before the fork server
-    starts, train/zygote.py: it is copied then): threads per rank, the launcher they die with, and on one node
-    gloo's and NCCL's sockets on the loopback interface."""
+    """The environment the workers start with, beyond the agent's per-rank variables: threads per rank, the
+    launcher they die with, and on one node gloo's and NCCL's sockets on the loopback interface (forked workers
+    take it on too: train/zygote.env_changes)."""
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
     os.environ["SHARDWISE_LAUNCHER_PID"] = str(os.getpid())  # workers die with this process
@@ -682,11 +682,14 @@ def worker_environment(cfg: Config) -> None:
 
 def early_preload(cfg: Config) -> tuple[str, bool]:
     """What a worker imports before its job is known (train/worker.preload): the model family's module, as the
-    absolute model directory or "tiny", and, for compiled blocks, inductor's."""
+    absolute model directory or "tiny" (_model_arg), and, for compiled blocks, inductor's."""
     from shardwise.strategies.parallelize import compile_enabled
 
-    model = os.path.abspath(os.path.expanduser(cfg.model)) if cfg.model != "tiny" else "tiny"
-    return model, compile_enabled(cfg)
+    return _model_arg(cfg), compile_enabled(cfg)
+
+
+def _model_arg(cfg: Config) -> str:
+    return os.path.abspath(os.path.expanduser(cfg.model)) if cfg.model != "tiny" else "tiny"
 
 
 def _after_agent(p: Prepared) -> dict | None:
@@ -939,8 +942,8 @@ def _start_zygote_early(cfg: Config) -> bool:
             or cfg.strategy not in presets.PRESETS or presets.trains_in_process(cfg.strategy, nproc)
             or not zygote.enabled()):
         return False
-    model = os.path.abspath(os.path.expanduser(cfg.model)) if cfg.model != "tiny" else "tiny"
-    return zygote.start(model, cfg.compile == "on" or (cfg.compile == "auto" and nvidia))
+    # as early_preload, judged without torch (compile_enabled imports it)
+    return zygote.start(_model_arg(cfg), cfg.compile == "on" or (cfg.compile == "auto" and nvidia))
 
 
 def _stop_zygote(started: bool) -> None:

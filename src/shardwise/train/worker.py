@@ -97,17 +97,13 @@ def preload_model_classes(model: str) -> None:
     loading it would. Only transformers' own classes (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES): nothing from the model
     directory runs. A model the launcher will refuse is simply not preloaded."""
     try:
-        from shardwise.models.load import lean_transformers
+        from shardwise.models.load import lean_transformers, model_family
 
         lean_transformers()
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        if model == "tiny":
-            model_type = "llama"
-        else:
-            with open(os.path.join(model, "config.json")) as fh:
-                model_type = json.load(fh).get("model_type")
-        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
+        model_type = "llama" if model == "tiny" else model_family(model)
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if model_type else None
         if isinstance(name, str):
             import transformers
 
