@@ -95,28 +95,34 @@ def test_sequence_parallel_ranks_share_rows_and_split_each_sequence():
             assert (joined[:, want.shape[1]:] == IGNORE).all()
 
 
-def test_ranks_get_about_the_same_tokens_every_row_once_longest_first():
-    """The global batch is dealt by length: each rank's token count within one row's length of the mean, where the
-    contiguous slices of the same rows were far apart; each rank's micro-batches take its rows longest first."""
+def test_micro_batches_get_about_the_same_tokens_every_row_once_longest_first():
+    """The global batch is dealt by length into world x accum micro-batches: each within one row's length of the
+    others' tokens, so each rank's total within accum rows' lengths, where the contiguous slices of the same rows
+    were far apart; each micro-batch's rows longest first. The micro-batches depend only on how many there are."""
     lengths = [90, 88, 85, 80, 12, 10, 9, 8, 60, 5, 40, 30]  # a batch of 12: halves of 463 and 148 tokens in order
     ids = [[5] * n for n in lengths]
     data = Encoded(ids, [[7] * n for n in lengths], [list(range(n)) for n in lengths], [""] * len(lengths))
     rows = list(range(12))
-    for world, mbs, accum in ((2, 3, 2), (3, 2, 2), (4, 3, 1)):
-        s = StepSampler(data, mbs, accum, world, 0, seed=0, pad_id=0)
-        dealt = s.deal(rows)
-        assert sorted(sum(dealt, [])) == rows and all(len(d) == mbs * accum for d in dealt)
-        tokens = [sum(lengths[r] for r in d) for d in dealt]
+    for world, mbs, accum in ((2, 3, 2), (3, 2, 2), (4, 3, 1), (1, 2, 6)):
+        dealt = StepSampler(data, mbs, accum, world, 0, seed=0, pad_id=0).deal(rows)
+        assert sorted(sum(dealt, [])) == rows and len(dealt) == world * accum and all(len(d) == mbs for d in dealt)
+        slot = [sum(lengths[r] for r in d) for d in dealt]
+        assert max(slot) - min(slot) <= max(lengths), slot
+        per_rank = [sum(slot[k * accum:(k + 1) * accum]) for k in range(world)]
         contiguous = [sum(lengths[r] for r in rows[k * mbs * accum:(k + 1) * mbs * accum]) for k in range(world)]
-        assert max(tokens) - min(tokens) <= max(lengths) and max(tokens) < max(contiguous), (tokens, contiguous)
+        if world > 1:
+            assert max(per_rank) - min(per_rank) <= accum * max(lengths) and max(per_rank) < max(contiguous)
         for d in dealt:
             assert [lengths[r] for r in d] == sorted((lengths[r] for r in d), reverse=True)
-    # what each rank trains on at a step is its dealt rows, in micro-batches in that order
+    # 2 ranks x 2 micro-batches and 1 rank x 4: the same micro-batches
+    two = StepSampler(data, 3, 2, 2, 0, seed=0, pad_id=0).deal(rows)
+    assert StepSampler(data, 3, 4, 1, 0, seed=0, pad_id=0).deal(rows) == two
+    # what each rank trains on at a step is its micro-batches, in order
     for rank in range(2):
         s = StepSampler(data, 3, 2, 2, rank, seed=0, pad_id=0)
         got = [[int((row != 0).sum()) for row in mb.input_ids] for mb in s.next(DataPosition())[0].micro]
-        mine = s.deal(s.order(0)[:12])[rank]
-        assert got == [[lengths[r] for r in mine[:3]], [lengths[r] for r in mine[3:]]]
+        mine = s.deal(s.order(0)[:12])[rank * 2:rank * 2 + 2]
+        assert got == [[lengths[r] for r in m] for m in mine]
 
 
 def test_the_dealt_batch_trains_as_one_process_on_the_whole_batch():

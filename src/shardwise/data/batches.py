@@ -1,9 +1,9 @@
 """Which rows each rank trains on at each step, and the padded micro-batch tensors.
 
 A step consumes one global batch of G = micro_batch_size * grad_accum * world_size rows,
-taken in order from a per-epoch permutation (seeded by seed + epoch). The rows are dealt to
-the ranks by length (`deal`): each rank gets micro_batch_size * grad_accum of them with about
-the same number of tokens, longest first, cut into grad_accum micro-batches. The data position is
+taken in order from a per-epoch permutation (seeded by seed + epoch). The rows are dealt by
+length (`deal`) into world_size * grad_accum micro-batches of micro_batch_size rows with about
+the same number of tokens each; rank r trains on micro-batches r * grad_accum and on. The data position is
 (epoch, rows of this epoch consumed), which does not depend on the world size, so a run
 resumed on another number of ranks neither repeats nor skips a row within the epoch.
 Every rank holds the whole (tokenized) dataset, so each can count the global batch's loss
@@ -149,28 +149,29 @@ class StepSampler:
         if pos.offset + self.global_batch > len(self.data):
             pos = DataPosition(pos.epoch + 1, 0)
         rows = self.order(pos.epoch)[pos.offset: pos.offset + self.global_batch]
-        mine = self.deal(rows)[self.rank]
-        micro = [self.collate(mine[i * self.mbs: (i + 1) * self.mbs]) for i in range(self.accum)]
+        micro = [self.collate(m) for m in self.deal(rows)[self.rank * self.accum:(self.rank + 1) * self.accum]]
         batch = StepBatch(micro, sum(self.loss_counts[r] for r in rows), sum(self.lengths[r] for r in rows), rows)
         return batch, DataPosition(pos.epoch, pos.offset + self.global_batch)
 
     def deal(self, rows: list[int]) -> list[list[int]]:
-        """The global batch `rows` dealt to the ranks, micro_batch_size * grad_accum each, so that each rank's rows
-        have about the same number of tokens: longest first, each row to the rank with the fewest tokens so far that
-        still has room (ties to the lower rank); each rank's rows longest first, so a micro-batch holds rows of
-        similar length (less padding where they are padded).
+        """The global batch `rows` dealt into world_size * grad_accum micro-batches of micro_batch_size rows with
+        about the same number of tokens each: longest first, each row to the micro-batch with the fewest tokens so
+        far that still has room (ties to the lower index); each micro-batch's rows longest first. Rank r trains on
+        micro-batches r * grad_accum to (r + 1) * grad_accum - 1.
 
         Why: a data-parallel step ends with the gradient all-reduce, which waits for the rank with the most work.
         Contiguous slices of a shuffled batch of rows of uneven length leave one rank idle for part of every step
-        (the tiny CPU job, rows of 20-98 tokens: the busier rank had 9% more tokens than the mean on average,
-        1.4% dealt like this). The loss is the same: each micro-batch's summed loss is divided by the whole
-        global batch's loss tokens (loop.forward_backward_step), so which rank computes a row changes only the
-        order of a sum. Every rank deals the same rows from the same lengths, so no collective is needed, and a run
-        resumed on another number of ranks reads the same global batches."""
-        per_rank = self.mbs * self.accum
-        dealt, tokens = [[] for _ in range(self.world)], [0] * self.world
+        (the tiny CPU job, rows of 20-98 tokens: the busier of two ranks had 9% more tokens than the mean on
+        average, 1.4% dealt like this). The update is the same: each micro-batch's summed loss is divided by the
+        whole global batch's loss tokens (loop.forward_backward_step), so which rank computes a row changes only the
+        order of a sum. The micro-batches depend only on how many there are, so 2 ranks train on exactly the
+        micro-batches of one process with twice the accumulation, even where a micro-batch adds a term of its own
+        (a mixture-of-experts router's load-balancing loss). Every rank deals the same rows from the same lengths,
+        so no collective is needed, and a run resumed on another number of ranks reads the same global batches."""
+        slots = self.world * self.accum
+        dealt, tokens = [[] for _ in range(slots)], [0] * slots
         for r in sorted(rows, key=lambda r: -self.lengths[r]):  # stable: equal lengths keep the batch's order
-            k = min((k for k in range(self.world) if len(dealt[k]) < per_rank), key=lambda k: tokens[k])
+            k = min((k for k in range(slots) if len(dealt[k]) < self.mbs), key=lambda k: tokens[k])
             dealt[k].append(r)
             tokens[k] += self.lengths[r]
         return dealt
