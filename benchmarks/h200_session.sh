@@ -37,6 +37,7 @@
 #                                                    fold16 (sixteenth session: carry .whl/base_src = 8d5afb2's src)
 #                                                    gputests18 (eighteenth session)
 #                                                    gputests19 ttfs19 (nineteenth session; ttfs19 carries .whl/base_src = aadd66e's src)
+#                                                    gputests20 ttfs20 (twentieth session; ttfs20 carries .whl/base_src = 1d73dd3's src)
 #                                                    prof17 z3mod17 norm17 gputests17 (seventeenth session; prof17 after
 #                                                    fold16 or norm17; norm17 carries .whl/base_src = 3d31060's src)
 #                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests z3eager (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
@@ -490,6 +491,17 @@ gputests19() {
 }
 # and ddp's time to first step (one rank, early worker) against aadd66e (carried as .whl/base_src), beside the Trainer
 ttfs19() { SHARDWISE_FORKSERVER=1 ttfs_ab /tmp/pycache19 420 4 base-ddp,ddp; }
+# twentieth session: the fork server is the default (its review defects fixed) and a step's rows are dealt by
+# length. Every CUDA test through the default start (the ranks of ddp/fsdp/zero3/QLoRA forked from the server), and
+# the compile cache the launcher picks must reach the forked workers (the server's inductor import no longer hides
+# it): the cache folder is listed after the run
+gputests20() {
+  timeout -k 10 470 python3 -m pytest -n 0 -v -rs -p no:cacheprovider tests/gpu/test_cuda.py
+  echo "compile cache:"; ls -la "${SHARDWISE_CACHE_DIR:-$HOME/.cache/shardwise}/compile/"*/ 2>&1 | head -8
+}
+# ddp's time to first step, forked by default, against 1d73dd3 (carried as .whl/base_src: each worker its own
+# interpreter, the default there), beside the Trainer; single too (unchanged: it trains in the launcher)
+ttfs20() { ttfs_ab /tmp/pycache20 560 4 base-ddp,ddp; }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {
   python3 benchmarks/long_context.py --lengths 8192 --sp 1 --steps 4 --timeout 260 --tag tp2 --out "$OUT" -- \

@@ -777,6 +777,17 @@ def _failure_report(output_dir: str, e, cfg: Config) -> str:
     errors = _worker_errors(output_dir)
     failures = sorted(e.failures.items(), key=lambda kv: (kv[1].timestamp or 0, kv[0]))
     dead = [(r, f) for r, f in failures if r not in errors and not _stopped_by_agent(f)]
+    silent = sorted(_silent_ranks(output_dir) - set(errors))
+    if not dead and silent and all(LOST_PEER in text for text in errors.values()):
+        # the agent reported a rank that failed because another died; that one left only its life mark (forked
+        # workers' agent reports the first failed rank it finds, not every one)
+        rank = silent[0]
+        line = (f"training failed: rank {rank} ended without an error of its own: killed by a signal (SIGKILL, the "
+                "out-of-memory killer) or crashed; its output above says more")
+        others = sorted(set(errors) | {r for r, _ in failures} | set(silent[1:]) - {rank})
+        if others:
+            line += f"; rank(s) {', '.join(map(str, others))} stopped after it"
+        return line
     if dead:
         rank, f = dead[0]
         line = _failure_line(rank, f)
@@ -870,12 +881,27 @@ def _worker_errors(output_dir: str) -> dict[int, str]:
     if not os.path.isdir(d):
         return out
     for name in os.listdir(d):
+        if not name.endswith(".txt"):
+            continue
         digits = "".join(c for c in name if c.isdigit())
         with open(os.path.join(d, name)) as fh:
             text = fh.read().strip()
         if text and digits:
             out[int(digits)] = text
     return out
+
+
+LOST_PEER = "a collective lost its peer"  # a rank's error when a peer died (train/loop.py), not when one hung
+
+
+def _silent_ranks(output_dir: str) -> set[int]:
+    """The ranks whose life mark is still there (train/worker.life_marker): they ended without a word."""
+    d = rundir.error_dir(output_dir)
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return set()
+    return {int(n[4:-6]) for n in names if n.startswith("rank") and n.endswith(".alive") and n[4:-6].isdigit()}
 
 
 def _failure_line(rank: int, f) -> str:

@@ -60,6 +60,16 @@ def release_full_gc() -> None:
         gc.set_threshold(*_HELD_GC.pop())
 
 
+def forked() -> None:
+    """In a process forked from one that imported this module (train/zygote.py): it starts now (process_start
+    would otherwise take the parent's import time)."""
+    global _IMPORTED
+    _IMPORTED = time.time()
+
+
+before_exit: list = []  # called by exit_deadline before it ends the process (train/zygote.hand_result_before_exit)
+
+
 def process_start() -> float:
     """When this process started (epoch seconds): from /proc on Linux, else when this module
     was first imported."""
@@ -137,6 +147,11 @@ def exit_deadline(seconds: float, what: str, backstop_s: float = 15.0) -> None:
 
     def leave():
         try:
+            for hook in before_exit:
+                try:
+                    hook()
+                except Exception:  # noqa: BLE001 - leaving regardless
+                    pass
             print(f"shardwise: {what}: the finished run's process was still in its teardown after {seconds:.0f} s; "
                   "leaving (everything of the run is written)", file=sys.stderr, flush=True)
             sys.stdout.flush()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -71,8 +72,10 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(reference, data, tmp_p
     out = tmp_path / "killsave"
     p = train(out, data, *DDP, "--save-every", "4", env={"SHARDWISE_FAULT": "killsave@8:rank0"}, check=False)
     assert p.returncode != 0
-    # the dead rank is blamed, not rank 1 whose collective then failed (issue 14.12)
-    assert "training failed: rank 0 was killed by signal 9 (SIGKILL)" in p.stderr, p.stderr
+    # the dead rank is blamed, not rank 1 whose collective then failed (issue 14.12): by its exit code where the
+    # agent reports it, else by the life mark it left (forked workers' agent reports the first failed rank it finds)
+    assert re.search(r"training failed: rank 0 (was killed by signal 9 \(SIGKILL\)|ended without an error of its own)",
+                     p.stderr), p.stderr
     ckpts = sorted(os.listdir(out / "checkpoints"))
     assert ckpts == ["step_00000004", "step_00000008.tmp"]  # half-written one is not taken for complete
     p = train(out, data, *DDP, "--save-every", "4", "--resume", "auto")

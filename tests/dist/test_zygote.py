@@ -1,5 +1,6 @@
-"""Workers forked from a preloaded server (train/zygote.py, opt-in: SHARDWISE_FORKSERVER=1): what the fork server
-gives a worker, and that a run through it trains exactly as one whose workers are their own interpreters."""
+"""Workers forked from a preloaded server (train/zygote.py, the default; SHARDWISE_FORKSERVER=0 turns it off): what
+the fork server gives a worker, that a run through it trains exactly as one whose workers are their own interpreters,
+and how it fails, stops and cleans up."""
 
 import multiprocessing
 import os
@@ -23,8 +24,12 @@ def _child(changes: str, queue, inbox) -> None:
     zygote.apply_env_changes(changes)
     import torch as t
 
+    from shardwise import phases
+
+    phases.forked()
     queue.put({"preloaded": preloaded, "late": os.environ.get("SW_ZYGOTE_LATE"), "gone": os.environ.get("SW_ZYGOTE_GONE"),
-               "rank": os.environ["RANK"], "threads": t.get_num_threads()})
+               "rank": os.environ["RANK"], "threads": t.get_num_threads(), "started": phases.process_start(),
+               "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")})
     queue.put(None if inbox.get() == "go" else "no")  # alive until the parent has stopped the server
 
 
@@ -38,19 +43,26 @@ def server_env(monkeypatch):
 
 
 def test_a_forked_worker_starts_preloaded_with_the_launchers_environment_of_the_group_start(server_env, monkeypatch):
-    assert zygote.start("", False)
-    # after the server started: what the launcher sets (worker_environment), unsets and changes
+    import time
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert zygote.start("", True)  # with inductor, whose import sets TORCHINDUCTOR_CACHE_DIR in the server
+    # after the server started: what the launcher sets (worker_environment, its compile cache), unsets and changes
     monkeypatch.setenv("SW_ZYGOTE_LATE", "set after")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/the/launchers/compile/cache")
     monkeypatch.delenv("SW_ZYGOTE_GONE")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("RANK", "3")  # the launcher's own; the agent's value for the rank wins
     ctx = multiprocessing.get_context("forkserver")
     to_child, from_child = ctx.SimpleQueue(), ctx.SimpleQueue()
     proc = ctx.Process(target=_child, args=(zygote.env_changes(), from_child, to_child))
+    before = time.time()
     proc.start()
     got = from_child.get()
+    # the worker's start is its fork, not the server's (summary.json's worker phases)
+    assert got.pop("started") >= before - 0.05, "process_start is the server's"
     assert got == {"preloaded": ["shardwise.train.loop", "torch", "transformers"], "late": "set after", "gone": None,
-                   "rank": "7", "threads": 1}, got
+                   "rank": "7", "threads": 1, "inductor_cache": "/the/launchers/compile/cache"}, got
     # the worker closed its end of the server's pipe: with the launcher's closed too the server leaves on its own
     # while the worker still runs (else a killed launcher's workers would outlive it)
     assert zygote.stop(timeout_s=60) is True
@@ -69,38 +81,36 @@ def test_a_long_tmpdir_still_gets_a_server(tmp_path, monkeypatch):
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", None)
-    monkeypatch.setitem(process.current_process()._config, "tempdir", None)
     try:
         assert zygote.start("", False)
-        folder = process.current_process()._config["tempdir"]
-        assert folder.startswith("/tmp/pymp-")
-        # only this user can ask the server to fork: the socket 0600 in a folder 0700
+        # only this user can ask the server to fork: the socket 0600 in a folder 0700, of its own
         from multiprocessing import forkserver
 
         sock = forkserver._forkserver._forkserver_address
-        assert os.path.dirname(sock) == folder
+        folder = os.path.dirname(sock)
+        assert folder.startswith("/tmp/pymp-shardwise-") and process.current_process()._config.get("tempdir") != folder
         assert os.stat(folder).st_mode & 0o777 == 0o700 and os.stat(sock).st_mode & 0o777 == 0o600
     finally:
         zygote.stop()
+    assert not os.path.exists(folder)  # stop removes it
 
 
 def test_a_run_through_the_fork_server_trains_as_one_with_its_own_interpreters(tmp_path, chat_data, ddp_ref):
-    """The session's 2-rank ddp run started each worker as its own interpreter (the default); the same run through
-    the fork server (SHARDWISE_FORKSERVER=1) gives the same losses, and its workers were forks of it."""
-    out = tmp_path / "forked"
-    p = run_cli(*args_of(out, chat_data, *DDP, "--no-save-final"), env={"SHARDWISE_FORKSERVER": "1"})
+    """The session's 2-rank ddp run forked its workers (the default); the same run with each worker its own
+    interpreter (SHARDWISE_FORKSERVER=0) gives the same losses."""
+    out = tmp_path / "own-interpreters"
+    p = run_cli(*args_of(out, chat_data, *DDP, "--no-save-final"), env={"SHARDWISE_FORKSERVER": "0"})
     assert p.returncode == 0, p.stderr
     torch.testing.assert_close(torch.tensor([r["loss"] for r in read_metrics(str(out))]),
                                torch.tensor(ddp_ref.losses), rtol=RTOL, atol=0)
-    # the phases show it: both ranks joined the group at once (a fork starts with the imports done)
     assert "shardwise: phases:" in p.stdout
 
 
-def test_it_is_opt_in(monkeypatch):
+def test_it_is_on_by_default_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv("SHARDWISE_FORKSERVER", raising=False)
+    assert zygote.enabled() == sys.platform.startswith("linux")
+    monkeypatch.setenv("SHARDWISE_FORKSERVER", "0")
     assert not zygote.enabled()
-    monkeypatch.setenv("SHARDWISE_FORKSERVER", "1")
-    assert zygote.enabled()
 
 
 def test_a_signal_to_the_launchers_process_group_still_checkpoints_and_the_workers_leave(tmp_path, chat_data):
@@ -114,7 +124,7 @@ def test_a_signal_to_the_launchers_process_group_still_checkpoints_and_the_worke
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "shardwise", *args_of(out, chat_data, *DDP, "--max-steps", "5000", "--no-save-final")]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         env={**os.environ, "SHARDWISE_FORKSERVER": "1"})
+                         env={k: v for k, v in os.environ.items() if k != "SHARDWISE_FORKSERVER"})
     try:
         deadline = time.monotonic() + 300
         while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
@@ -133,3 +143,76 @@ def test_a_signal_to_the_launchers_process_group_still_checkpoints_and_the_worke
     assert "interrupted by signal 15; newest checkpoint: " + str(out / "checkpoints") in err, err
     assert list((out / "checkpoints").glob("step_*/meta.json"))
     assert not [w for w in workers if w.is_running() and w.status() != "zombie"]
+
+
+def _finishes_then_hangs_in_teardown() -> str:
+    """A forked worker's entry point whose run is complete and whose teardown then hangs: exit_deadline ends it
+    (as loop.finish arms it) while it is still inside the entry point."""
+    import time
+
+    from shardwise import phases
+
+    zygote.hand_result_before_exit()
+    phases.exit_deadline(0.5, "test rank", backstop_s=60)
+    time.sleep(120)
+    return "never"
+
+
+def test_a_worker_ended_by_its_exit_deadline_still_counts_as_done(tmp_path):
+    """torch's elastic multiprocessing counts a forked rank done by the result it hands over, not by its exit: a
+    worker the deadline ends inside its entry point hands it first, so the agent does not wait forever."""
+    import time
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    pc = start_processes("zygote-test", _finishes_then_hangs_in_teardown, args={0: (), 1: ()},
+                         envs={0: {"RANK": "0"}, 1: {"RANK": "1"}}, start_method="forkserver",
+                         logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)))
+    try:
+        deadline, result = time.monotonic() + 60, None
+        while result is None and time.monotonic() < deadline:
+            result = pc.wait(timeout=1)
+        assert result is not None, "the agent still waits for ranks that are gone"
+        assert not result.is_failed() and result.return_values == {0: None, 1: None}
+    finally:
+        pc.close()
+
+
+def test_a_launcher_killed_with_sigkill_leaves_no_socket_folder(tmp_path):
+    """The server leaves when its launcher is gone and takes its socket's folder with it (the launcher's own
+    clean-up never runs after SIGKILL)."""
+    import signal
+    import subprocess
+    import time
+
+    code = ("import os, time; from multiprocessing import forkserver; from shardwise.train import zygote; "
+            "assert zygote.start('', False); print(os.path.dirname(forkserver._forkserver._forkserver_address), "
+            "flush=True); time.sleep(600)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        folder = p.stdout.readline().strip()
+        assert os.path.basename(folder).startswith("pymp-shardwise-") and os.path.isdir(folder)
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+        deadline = time.monotonic() + 60
+        while os.path.exists(folder) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(folder), os.listdir(folder)
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_a_forked_workers_exception_is_in_its_output_and_the_line_names_it(tmp_path, chat_data):
+    """A worker's exception (an injected out-of-memory at step 2) prints its traceback to the run's output, as a
+    worker started as its own interpreter does, not into a pickle under $TMPDIR; the one line says what it was."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = tmp_path / "oom"
+    p = run_cli(*args_of(out, chat_data, *DDP, "--no-save-final"),
+                env={"SHARDWISE_FAULT": "oom@2:rank1", "TMPDIR": str(tmp)}, check=False)
+    assert p.returncode != 0
+    assert "Traceback (most recent call last)" in p.stderr and "injected out-of-memory at step 2" in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("shardwise: error: out of memory on rank 1"), p.stderr[-2000:]
+    assert not list(tmp.rglob("*.pickle"))

@@ -147,18 +147,47 @@ def main(argv: list[str] | None = None) -> int:
         argv = [job]
     from shardwise.train.loop import Preempted
 
+    with open(argv[0]) as fh:
+        out = json.load(fh)["output_dir"]
+    rank = os.environ.get("RANK", "0")
+    alive = life_marker(out, rank)
     try:
         run_job(argv[0])
     except Preempted:
         return 0  # the checkpoint is written; the launcher says how to resume
     except ShardwiseError as e:
         # no traceback: leave the one line where the launcher reports it from
-        with open(argv[0]) as fh:
-            out = json.load(fh)["output_dir"]
         os.makedirs(error_dir(out), exist_ok=True)
-        atomic_write(os.path.join(error_dir(out), f"rank{os.environ.get('RANK', '0')}.txt"), str(e))
+        atomic_write(os.path.join(error_dir(out), f"rank{rank}.txt"), str(e))
         return 2
+    finally:
+        alive()
     return 0
+
+
+def life_marker(output_dir: str, rank: str):
+    """Mark this rank as running (error_dir/rankN.alive, its PID) until the returned function removes the mark:
+    on every way out of main that Python sees (and phases.exit_deadline's). A mark left behind names a rank that
+    ended without a word, killed by a signal (SIGKILL, the out-of-memory killer) or crashed: the launcher's failure
+    report blames it, not a rank that then raised "a collective lost its peer" (launch._failure_report; the agent
+    of forked workers reports only the first failed rank it finds)."""
+    from shardwise import phases
+
+    path = os.path.join(error_dir(output_dir), f"rank{rank}.alive")
+    try:
+        os.makedirs(error_dir(output_dir), exist_ok=True)
+        atomic_write(path, str(os.getpid()))
+    except OSError:
+        return lambda: None
+
+    def remove():
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+    phases.before_exit.append(remove)
+    return remove
 
 
 if __name__ == "__main__":

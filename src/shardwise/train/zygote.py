@@ -19,7 +19,7 @@ CUDA: the server never initialises CUDA (a forked child could not use it then). 
 count devices through the CUDA runtime and mark the process as one no child may use CUDA from, so the server asks
 NVML instead (PYTORCH_NVML_BASED_CUDA_CHECK=1, torch's own switch for this) and a worker checks it was not marked.
 
-Opt-in (SHARDWISE_FORKSERVER=1; `enabled`): without it each worker is its own interpreter, as before.
+On by default on Linux (`enabled`); SHARDWISE_FORKSERVER=0 starts each worker as its own interpreter, as before.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ PRELOAD_ENV = "SHARDWISE_ZYGOTE_PRELOAD"  # what the server imports: {"model": D
 
 
 def enabled() -> bool:
-    """Whether the agent forks its workers from a preloaded server: only with SHARDWISE_FORKSERVER=1 (Linux), an
-    experiment for now. A review (nineteenth session) found what it still gets wrong against the plain start, which
-    stays the default until each is fixed (docs/speed.md, "Workers forked from one preloaded server")."""
+    """Whether the agent forks its workers from a preloaded server: on Linux, unless SHARDWISE_FORKSERVER=0 (then
+    each worker is its own interpreter). The default since the twentieth session, once the review's defects of the
+    nineteenth were fixed (docs/speed.md, "Workers forked from one preloaded server")."""
     import multiprocessing
 
-    return (os.environ.get("SHARDWISE_FORKSERVER", "") == "1" and sys.platform.startswith("linux")
+    return (os.environ.get("SHARDWISE_FORKSERVER", "1") != "0" and sys.platform.startswith("linux")
             and "forkserver" in multiprocessing.get_all_start_methods())
 
 
@@ -48,56 +48,72 @@ def start(model: str = "", compile_blocks: bool = False) -> bool:
     process's environment after it (env_changes). Nothing if it runs already; `stop` ends it. Returns False where
     the server could not start (the agent then starts each worker as its own interpreter)."""
     import multiprocessing
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, process
 
-    if not _socket_folder():
+    fs = forkserver._forkserver
+    if fs._forkserver_pid is not None:
+        return True
+    folder = _socket_folder()
+    if not folder:
         return False
-
     multiprocessing.get_context("forkserver").set_forkserver_preload(["shardwise.train.zygote"])
-    extra = {PRELOAD_ENV: json.dumps({"model": model, "compile": compile_blocks}),
+    extra = {PRELOAD_ENV: json.dumps({"model": model, "compile": compile_blocks, "folder": folder}),
              "PYTHONUNBUFFERED": "1",  # as `python -u`: a worker's lines reach the log as they are printed
              "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # the server must not touch the CUDA runtime (module docstring)
     saved = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
+    config = process.current_process()._config
+    had_tempdir, tempdir = "tempdir" in config, config.get("tempdir")
+    config["tempdir"] = folder  # where multiprocessing puts the server's socket; this process's own is kept
     try:
-        if forkserver._forkserver._forkserver_pid is None:
-            _server_env.clear()
-            _server_env.update(os.environ)
-            del _server_env[PRELOAD_ENV]  # the server drops it once preloaded (preload)
+        _server_env.clear()
+        _server_env.update(os.environ)
+        del _server_env[PRELOAD_ENV]  # the server drops it once preloaded (preload)
         forkserver.ensure_running()
     except OSError:
+        _remove(folder)
         return False
     finally:
+        if had_tempdir:
+            config["tempdir"] = tempdir
+        else:
+            config.pop("tempdir", None)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
+    _folders[fs._forkserver_pid] = folder
     return True
 
 
-def _socket_folder() -> bool:
-    """The folder of the server's socket (multiprocessing's temporary folder for this process, made with mode 0700;
-    the socket itself 0600): under $TMPDIR, or under /tmp where $TMPDIR is too long for a Unix socket's path (108
-    bytes with the names multiprocessing adds). Where neither can be used, False."""
-    import tempfile
-    from multiprocessing import process, util
+_folders: dict[int, str] = {}  # server pid: its socket's folder, removed when it is stopped (and by the server)
 
-    if process.current_process()._config.get("tempdir"):
-        return True
+
+def _socket_folder() -> str:
+    """A new folder (mode 0700) for one server's socket (mode 0600), under $TMPDIR, or under /tmp where $TMPDIR is
+    too long for a Unix socket's path (108 bytes with the names multiprocessing adds); removed by `stop`, by the
+    server as it leaves (a launcher killed with SIGKILL), else as this process exits. "" where neither can be
+    used."""
+    import tempfile
+
     base = tempfile.gettempdir()
     if len(os.fsencode(base)) > 64:
         base = "/tmp"
-        if not os.access(base, os.W_OK | os.X_OK):
-            return False
+    try:
+        folder = tempfile.mkdtemp(prefix="pymp-shardwise-", dir=base)
+    except OSError:
+        return ""
+    from multiprocessing import util
+
+    util.Finalize(None, _remove, args=[folder], exitpriority=-100)
+    return folder
+
+
+def _remove(folder: str) -> None:
     import shutil
 
-    folder = tempfile.mkdtemp(prefix="pymp-", dir=base)
-    util.Finalize(None, shutil.rmtree, args=[folder], kwargs={"ignore_errors": True}, exitpriority=-100)
-    process.current_process()._config["tempdir"] = folder
-    return True
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 _server_env: dict[str, str] = {}  # the environment the running server started with (its children's, before theirs)
@@ -177,6 +193,9 @@ def stop(timeout_s: float = 0.0) -> bool:
                 os.unlink(address)
             except OSError:
                 pass
+        folder = _folders.pop(pid, "")
+        if folder:
+            _remove(folder)
         return left
 
 
@@ -194,10 +213,38 @@ def preload() -> None:
         pass
     phases.hold_full_gc()
     settings = json.loads(os.environ.pop(PRELOAD_ENV))
+    _remove_at_exit(settings.get("folder") or "")
+    before = dict(os.environ)
     from shardwise.train import worker
 
     worker.preload(settings.get("model", ""), bool(settings.get("compile")))
+    restore_environment(before)
     phases.release_full_gc()
+
+
+def restore_environment(before: dict) -> None:
+    """The environment as it was in `before`: what the server's imports set (importing inductor sets
+    TORCHINDUCTOR_CACHE_DIR to torch's default) is undone, so a forked worker's environment is the launcher's at
+    the server's start plus the agent's per-rank variables, and apply_env_changes tells the two apart: the
+    launcher's later values (its compile cache, hardware.use_compile_cache) reach the worker."""
+    for name in [k for k in os.environ if k not in before]:
+        del os.environ[name]
+    for name, value in before.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
+def _remove_at_exit(folder: str) -> None:
+    """In the server: remove its socket's folder when it leaves. It leaves when the launcher is gone (its pipe
+    closes), so a launcher killed with SIGKILL, whose own clean-up never runs, leaves no folder behind. Only in the
+    server: its forked workers inherit the handler."""
+    if not folder or not os.path.basename(folder).startswith("pymp-shardwise-"):
+        return
+    import atexit
+    import shutil
+
+    server = os.getpid()
+    atexit.register(lambda: os.getpid() == server and shutil.rmtree(folder, ignore_errors=True))
 
 
 def let_the_server_go() -> None:
@@ -264,9 +311,13 @@ def worker_main(env_changes: str, *argv: str) -> None:
     handlers with no interpreter teardown (multiprocessing ends a forked process with os._exit once the agent has
     its result)."""
     os.setsid()  # as torch's subprocess start: a terminal's signal goes to the launcher, which stops the group
+    from shardwise import phases
+
+    phases.forked()  # this process starts now, not as the server did
     let_the_server_go()
     apply_env_changes(env_changes)
     name_process(os.environ.get("RANK", ""))
+    hand_result_before_exit()
     from shardwise.train import worker
 
     worker.die_with_launcher(forked=True)
@@ -274,7 +325,16 @@ def worker_main(env_changes: str, *argv: str) -> None:
 
     hold_full_gc()  # released after the first step (phases.py)
     check_cuda_usable()
-    code = worker.main(list(argv))
+    try:
+        code = worker.main(list(argv))
+    except Exception:  # noqa: BLE001 - printed as the plain worker's interpreter would, then exit 1
+        # torch's wrapper would put the traceback in a pickle under $TMPDIR for the agent: into the worker's output
+        # instead, as a worker started as its own interpreter prints it
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        code = 1
     if code:
         sys.exit(code)
     import atexit
@@ -294,6 +354,23 @@ def worker_main(env_changes: str, *argv: str) -> None:
 
 
 LEAVE_AFTER_S = 1.0  # a finished worker's wait for the agent (it polls every 0.1 s), at most
+
+
+def hand_result_before_exit() -> None:
+    """In a forked worker: where the process leaves before worker_main returns (phases.exit_deadline: a finished
+    run whose teardown hangs), first hand the agent this rank's result, as torch's wrapper does after the return.
+    The agent counts a rank done by its result, not by its exit: without it, it would wait forever for a rank
+    that is gone. The result queue is a local of torch's wrapper (elastic's multiprocessing `_wrap`), found up the
+    stack; where it is not there (another torch), nothing is added."""
+    from shardwise import phases
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        queue = frame.f_locals.get("ret_val_") if frame.f_code.co_name == "_wrap" else None
+        if queue is not None and hasattr(queue, "put"):
+            phases.before_exit.append(lambda: queue.put(None))
+            return
+        frame = frame.f_back
 
 
 if os.environ.get(PRELOAD_ENV) and __name__ == "shardwise.train.zygote" and "multiprocessing.forkserver" in sys.modules \

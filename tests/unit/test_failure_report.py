@@ -1,0 +1,78 @@
+"""The launcher's one line for a failed worker group (launch._failure_report): which rank it blames, from the
+agent's failures (torch's own ChildFailedError), the ranks' one-line errors and the life marks they leave
+(train/worker.life_marker)."""
+
+import os
+import signal
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from shardwise import phases, rundir
+from shardwise.config import Config
+from shardwise.launch import _failure_report
+from shardwise.train.worker import life_marker
+
+LOST = "rank 1: a collective lost its peer during step 3: another rank is hung or dead (Connection closed by peer)"
+TIMED_OUT = ("rank 1: a collective did not complete within --collective-timeout 4s during step 3: another rank is "
+             "hung or dead (Timed out)")
+
+
+def failed(tmp_path, rank: int, exitcode: int) -> ChildFailedError:
+    f = ProcessFailure(local_rank=rank, pid=4242, exitcode=exitcode, error_file=str(tmp_path / "no-error-file"))
+    return ChildFailedError("shardwise.train.worker", {rank: f})
+
+
+def leave(out, rank: int, error: str | None = None, alive: bool = False) -> None:
+    d = rundir.error_dir(str(out))
+    os.makedirs(d, exist_ok=True)
+    if error is not None:
+        (open(os.path.join(d, f"rank{rank}.txt"), "w")).write(error)
+    if alive:
+        (open(os.path.join(d, f"rank{rank}.alive"), "w")).write("4243")
+
+
+def test_a_rank_that_left_only_its_life_mark_is_blamed_not_the_one_whose_collective_then_failed(tmp_path):
+    # the agent found rank 1 first (its error: a peer died); rank 0 ended without a word (SIGKILL leaves the mark)
+    leave(tmp_path, 1, LOST, alive=False)
+    leave(tmp_path, 0, alive=True)
+    line = _failure_report(str(tmp_path), failed(tmp_path, 1, 2), Config())
+    assert line.startswith("training failed: rank 0 ended without an error of its own: killed by a signal"), line
+    assert line.endswith("; rank(s) 1 stopped after it"), line
+
+
+def test_a_hung_rank_is_not_taken_for_a_dead_one(tmp_path):
+    # a collective that timed out: the peer hung (the agent then stopped it, and its mark stayed): the error stands
+    leave(tmp_path, 1, TIMED_OUT)
+    leave(tmp_path, 0, alive=True)
+    assert _failure_report(str(tmp_path), failed(tmp_path, 1, 2), Config()) == TIMED_OUT
+
+
+def test_a_rank_with_an_error_of_its_own_is_not_silent(tmp_path):
+    leave(tmp_path, 1, LOST)
+    leave(tmp_path, 0, "rank 0: the data file is gone", alive=True)
+    assert _failure_report(str(tmp_path), failed(tmp_path, 1, 2), Config()) == "rank 0: the data file is gone"
+
+
+def test_the_agents_signal_is_named_where_it_reported_the_dead_rank(tmp_path):
+    leave(tmp_path, 1, LOST)
+    leave(tmp_path, 0, alive=True)
+    line = _failure_report(str(tmp_path), failed(tmp_path, 0, -signal.SIGKILL), Config())
+    assert line.startswith("training failed: rank 0 was killed by signal 9 (SIGKILL)"), line
+
+
+@pytest.fixture
+def no_exit_hooks():
+    saved = list(phases.before_exit)
+    yield
+    phases.before_exit[:] = saved
+
+
+def test_the_life_mark_lasts_from_the_start_to_any_way_out(tmp_path, no_exit_hooks):
+    remove = life_marker(str(tmp_path), "3")
+    mark = os.path.join(rundir.error_dir(str(tmp_path)), "rank3.alive")
+    assert open(mark).read() == str(os.getpid())
+    phases.before_exit[-1]()  # the way out of exit_deadline's os._exit
+    assert not os.path.exists(mark)
+    remove()  # and main's finally, after it: nothing left to remove, no error
+    assert not os.path.exists(mark)
