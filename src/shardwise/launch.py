@@ -772,34 +772,49 @@ def _say_run_dir(p: Prepared) -> None:
 
 def _failure_report(output_dir: str, e, cfg: Config) -> str:
     """One line for a failed worker group: the rank that failed first and why. A rank that
-    died (a signal, or an exit without a ShardwiseError) is the cause; the errors the other
-    ranks then raise (a collective with a dead peer) are consequences and are only counted."""
-    errors = _worker_errors(output_dir)
+    died (a signal, an exception, or an exit without a ShardwiseError) is the cause; the errors the other
+    ranks then raise (a collective with a dead peer) are consequences and are only counted.
+
+    What each rank left (train/worker.py) says more than the agent's failures: with forked workers the agent
+    reports only the first failed process it finds, often a rank whose collective failed because another died.
+    A rank's exception (rankN.exc), its one-line error (rankN.txt), or only its life mark (rankN.alive: it ended
+    without a word, killed by a signal) name the cause."""
+    errors, crashes = _worker_errors(output_dir), _worker_errors(output_dir, ".exc")
     failures = sorted(e.failures.items(), key=lambda kv: (kv[1].timestamp or 0, kv[0]))
-    dead = [(r, f) for r, f in failures if r not in errors and not _stopped_by_agent(f)]
-    silent = sorted(_silent_ranks(output_dir) - set(errors))
-    if not dead and silent and all(LOST_PEER in text for text in errors.values()):
-        # the agent reported a rank that failed because another died; that one left only its life mark (forked
-        # workers' agent reports the first failed rank it finds, not every one)
-        rank = silent[0]
-        line = (f"training failed: rank {rank} ended without an error of its own: killed by a signal (SIGKILL, the "
-                "out-of-memory killer) or crashed; its output above says more")
-        others = sorted(set(errors) | {r for r, _ in failures} | set(silent[1:]) - {rank})
+    restarts = f" (after {cfg.max_restarts} restart(s), the --max-restarts limit)" if cfg.max_restarts else ""
+
+    def blame(rank: int, line: str, also=()) -> str:
+        others = sorted((set(errors) | set(crashes) | {r for r, _ in failures} | set(also)) - {rank})
         if others:
             line += f"; rank(s) {', '.join(map(str, others))} stopped after it"
-        return line
+        return line + restarts
+
+    dead = [(r, f) for r, f in failures if r not in errors and r not in crashes and not _stopped_by_agent(f)]
     if dead:
-        rank, f = dead[0]
-        line = _failure_line(rank, f)
-        others = sorted(set(errors) | {r for r, _ in failures} - {rank})
-        if others:
-            line += f"; rank(s) {', '.join(map(str, others))} stopped after it"
-        if cfg.max_restarts:
-            line += f" (after {cfg.max_restarts} restart(s), the --max-restarts limit)"
-        return line
+        return blame(dead[0][0], _failure_line(*dead[0]))
+    if crashes:
+        rank = min(crashes)
+        return blame(rank, _crash_line(rank, crashes[rank], None))
+    own = {r: t for r, t in errors.items() if not _consequence(t)}
+    if own:
+        return own[min(own)]
+    silent = sorted(_silent_ranks(output_dir) - set(errors))
+    if silent and all(_consequence(t) == "died" for t in errors.values()):
+        return blame(silent[0], f"training failed: rank {silent[0]} ended without an error of its own: killed by a "
+                     "signal (SIGKILL, the out-of-memory killer) or crashed; its output above says more", silent[1:])
     if errors:
         return errors[min(errors)]
     return _failure_line(*failures[0])
+
+
+def _consequence(error: str) -> str:
+    """Whether a rank's one-line error is another rank's doing: "died" where a collective lost its peer (its
+    connection reset or closed: the peer is gone), "hung" where it timed out (the peer may be alive), "" where the
+    error is the rank's own."""
+    text = error.lower()
+    if LOST_PEER in error or "connection reset by peer" in text or "connection closed by peer" in text:
+        return "died"
+    return "hung" if "another rank is hung or dead" in text else ""
 
 
 RDZV_BACKEND = "shardwise-c10d"
@@ -874,14 +889,15 @@ def _stopped_by_agent(f) -> bool:
     return f.exitcode is not None and f.exitcode == -signal.SIGTERM
 
 
-def _worker_errors(output_dir: str) -> dict[int, str]:
-    """{rank: the one-line ShardwiseError it left}."""
+def _worker_errors(output_dir: str, kind: str = ".txt") -> dict[int, str]:
+    """{rank: the one-line ShardwiseError it left} (kind .txt), or the first line of the exception it raised
+    (.exc; train/worker.py)."""
     d = rundir.error_dir(output_dir)
     out = {}
     if not os.path.isdir(d):
         return out
     for name in os.listdir(d):
-        if not name.endswith(".txt"):
+        if not name.endswith(kind):
             continue
         digits = "".join(c for c in name if c.isdigit())
         with open(os.path.join(d, name)) as fh:
@@ -923,11 +939,16 @@ def _failure_line(rank: int, f) -> str:
         except ValueError:
             name = "?"
         return f"training failed: rank {rank} was killed by signal {-f.exitcode} ({name}); its output above says more"
+    return _crash_line(rank, detail, f.exitcode)
+
+
+def _crash_line(rank: int, detail: str, exitcode) -> str:
+    """One line for a rank that raised (`detail`: the exception's first line) or exited with `exitcode`."""
     if "OutOfMemoryError" in detail or "out of memory" in detail.lower():
         return (f"out of memory on rank {rank} ({detail}); lower --micro-batch-size or --seq-len, enable "
                 "--gradient-checkpointing, or shard more (--strategy fsdp / zero3); `shardwise plan` estimates it")
-    return (f"training failed: rank {rank} exited with code {f.exitcode} ({detail or 'no message'}); "
-            "its output above says more")
+    how = f"exited with code {exitcode}" if exitcode is not None else "raised an exception"
+    return f"training failed: rank {rank} {how} ({detail or 'no message'}); its output above says more"
 
 
 def train(res: Resolved, force: bool = False) -> int:

@@ -30,7 +30,7 @@ def _child(changes: str, queue, inbox) -> None:
     queue.put({"preloaded": preloaded, "late": os.environ.get("SW_ZYGOTE_LATE"), "gone": os.environ.get("SW_ZYGOTE_GONE"),
                "rank": os.environ["RANK"], "threads": t.get_num_threads(), "started": phases.process_start(),
                "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")})
-    queue.put(None if inbox.get() == "go" else "no")  # alive until the parent has stopped the server
+    queue.put(None if inbox.wait(120) else "no")  # alive until the parent has stopped the server (or gone)
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_a_forked_worker_starts_preloaded_with_the_launchers_environment_of_the_
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("RANK", "3")  # the launcher's own; the agent's value for the rank wins
     ctx = multiprocessing.get_context("forkserver")
-    to_child, from_child = ctx.SimpleQueue(), ctx.SimpleQueue()
+    to_child, from_child = ctx.Event(), ctx.SimpleQueue()
     proc = ctx.Process(target=_child, args=(zygote.env_changes(), from_child, to_child))
     before = time.time()
     proc.start()
@@ -67,7 +67,7 @@ def test_a_forked_worker_starts_preloaded_with_the_launchers_environment_of_the_
     # while the worker still runs (else a killed launcher's workers would outlive it)
     assert zygote.stop(timeout_s=60) is True
     os.kill(proc.pid, 0)  # still there (multiprocessing learns exit codes from the server, gone now)
-    to_child.put("go")
+    to_child.set()
     assert from_child.get() is None  # it answered after the server left
 
 

@@ -23,13 +23,19 @@ def failed(tmp_path, rank: int, exitcode: int) -> ChildFailedError:
     return ChildFailedError("shardwise.train.worker", {rank: f})
 
 
-def leave(out, rank: int, error: str | None = None, alive: bool = False) -> None:
+def leave(out, rank: int, error: str | None = None, alive: bool = False, exc: str | None = None) -> None:
     d = rundir.error_dir(str(out))
     os.makedirs(d, exist_ok=True)
     if error is not None:
         (open(os.path.join(d, f"rank{rank}.txt"), "w")).write(error)
+    if exc is not None:
+        (open(os.path.join(d, f"rank{rank}.exc"), "w")).write(exc)
     if alive:
         (open(os.path.join(d, f"rank{rank}.alive"), "w")).write("4243")
+
+
+SAVE_LOST = ("rank 0: failed while saving checkpoint /o/checkpoints/step_00000011 (RuntimeError: [../gloo/transport/"
+             "tcp/pair.cc:534] Connection reset by peer); the previous checkpoint is intact")
 
 
 def test_a_rank_that_left_only_its_life_mark_is_blamed_not_the_one_whose_collective_then_failed(tmp_path):
@@ -76,3 +82,32 @@ def test_the_life_mark_lasts_from_the_start_to_any_way_out(tmp_path, no_exit_hoo
     assert not os.path.exists(mark)
     remove()  # and main's finally, after it: nothing left to remove, no error
     assert not os.path.exists(mark)
+
+
+def test_a_rank_that_raised_is_blamed_whichever_rank_the_agent_reported(tmp_path):
+    # rank 1 raised (its traceback in the output); the agent found rank 0 first, whose collective lost its peer
+    leave(tmp_path, 0, LOST.replace("rank 1", "rank 0"))
+    leave(tmp_path, 1, exc="OutOfMemoryError: injected out-of-memory at step 3 (SHARDWISE_FAULT)")
+    line = _failure_report(str(tmp_path), failed(tmp_path, 0, 2), Config())
+    assert line.startswith("out of memory on rank 1 (OutOfMemoryError: injected"), line
+    assert line.endswith("; rank(s) 0 stopped after it"), line
+    leave(tmp_path, 1, exc="KeyError: 'input_ids'")
+    line = _failure_report(str(tmp_path), failed(tmp_path, 0, 2), Config())
+    assert line.startswith("training failed: rank 1 raised an exception (KeyError: 'input_ids')"), line
+
+
+def test_a_save_that_lost_its_peer_is_a_consequence_too(tmp_path):
+    # rank 1 was killed while both saved: rank 0's error is the save's, with the connection reset in it
+    leave(tmp_path, 0, SAVE_LOST)
+    leave(tmp_path, 1, alive=True)
+    line = _failure_report(str(tmp_path), failed(tmp_path, 0, 2), Config(max_restarts=1))
+    assert line.startswith("training failed: rank 1 ended without an error of its own"), line
+    assert line.endswith("; rank(s) 0 stopped after it (after 1 restart(s), the --max-restarts limit)"), line
+
+
+def test_a_rank_starting_again_clears_its_earlier_attempts_errors(tmp_path, no_exit_hooks):
+    """After --max-restarts, an error left by the first attempt must not decide the blame for the last one."""
+    leave(tmp_path, 0, LOST.replace("rank 1", "rank 0"), exc="ValueError: old")
+    life_marker(str(tmp_path), "0")
+    d = rundir.error_dir(str(tmp_path))
+    assert sorted(os.listdir(d)) == ["rank0.alive"]

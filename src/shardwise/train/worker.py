@@ -3,6 +3,7 @@ elastic agent), or `run_job(path)` in-process for a single process."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -160,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(error_dir(out), exist_ok=True)
         atomic_write(os.path.join(error_dir(out), f"rank{rank}.txt"), str(e))
         return 2
+    except Exception as e:
+        # the traceback goes to the output; the launcher's one line names this rank and the exception's first line,
+        # whichever rank the agent reports first (launch._failure_report)
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        atomic_write(os.path.join(error_dir(out), f"rank{rank}.exc"), f"{type(e).__name__}: {first}".rstrip(": "))
+        raise
     finally:
         alive()
     return 0
@@ -176,6 +183,9 @@ def life_marker(output_dir: str, rank: str):
     path = os.path.join(error_dir(output_dir), f"rank{rank}.alive")
     try:
         os.makedirs(error_dir(output_dir), exist_ok=True)
+        for stale in (f"rank{rank}.txt", f"rank{rank}.exc"):  # an earlier attempt's (--max-restarts)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(error_dir(output_dir), stale))
         atomic_write(path, str(os.getpid()))
     except OSError:
         return lambda: None
