@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         # the traceback goes to the output; the launcher's one line names this rank and the exception's first line,
         # whichever rank the agent reports first (launch._failure_report)
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        atomic_write(os.path.join(error_dir(out), f"rank{rank}.exc"), f"{type(e).__name__}: {first}".rstrip(": "))
+        with contextlib.suppress(OSError):  # a full disk must not hide the exception itself
+            os.makedirs(error_dir(out), exist_ok=True)
+            atomic_write(os.path.join(error_dir(out), f"rank{rank}.exc"), f"{type(e).__name__}: {first}".rstrip(": "))
         raise
     finally:
         alive()
