@@ -91,9 +91,20 @@ def build_model(cfg: Config, model_dir: str, dims=None):
 FINISH_GRACE_S = 120.0  # a finished worker's teardown (trackers closed, barrier, process group, atexit): ~1 s
 
 
+_kept: list = []  # an agent worker's Trainer, never torn down (run)
+
+
 def run(job: Job) -> dict:
-    """One training run on this rank: set up, train, write the final model and summary."""
-    return Trainer(job).train()
+    """One training run on this rank: set up, train, write the final model and summary.
+
+    A worker of the agent ends with os._exit once its run is complete (worker.py, zygote.py), so its Trainer is kept
+    rather than freed on the way out: freeing it runs C++ destructors (the DDP reducer, the process group's
+    threads), and one of them hung holding the GIL after a finished 2-rank run in CI (2026-12-02), where
+    exit_deadline's timer cannot run and only its backstop ended the process, with exit code 1."""
+    trainer = Trainer(job)
+    if os.environ.get("SHARDWISE_LAUNCHER_PID", str(os.getpid())) != str(os.getpid()):
+        _kept.append(trainer)
+    return trainer.train()
 
 
 class Trainer:
