@@ -890,8 +890,8 @@ def _stopped_by_agent(f) -> bool:
 
 
 def _worker_errors(output_dir: str, kind: str = ".txt") -> dict[int, str]:
-    """{rank: the one-line ShardwiseError it left} (kind .txt), or the first line of the exception it raised
-    (.exc; train/worker.py)."""
+    """{rank: the one-line ShardwiseError it left} (kind .txt), the first line of the exception it raised (.exc), or
+    its PID where its life mark is still there (.alive; train/worker.py)."""
     d = rundir.error_dir(output_dir)
     out = {}
     if not os.path.isdir(d):
@@ -911,13 +911,8 @@ LOST_PEER = "a collective lost its peer"  # a rank's error when a peer died (tra
 
 
 def _silent_ranks(output_dir: str) -> set[int]:
-    """The ranks whose life mark is still there (train/worker.life_marker): they ended without a word."""
-    d = rundir.error_dir(output_dir)
-    try:
-        names = os.listdir(d)
-    except OSError:
-        return set()
-    return {int(n[4:-6]) for n in names if n.startswith("rank") and n.endswith(".alive") and n[4:-6].isdigit()}
+    """The ranks whose life mark (its PID) is still there (train/worker.life_marker): they ended without a word."""
+    return set(_worker_errors(output_dir, ".alive"))
 
 
 def _failure_line(rank: int, f) -> str:

@@ -241,10 +241,9 @@ def _remove_at_exit(folder: str) -> None:
     if not folder or not os.path.basename(folder).startswith("pymp-shardwise-"):
         return
     import atexit
-    import shutil
 
     server = os.getpid()
-    atexit.register(lambda: os.getpid() == server and shutil.rmtree(folder, ignore_errors=True))
+    atexit.register(lambda: os.getpid() == server and _remove(folder))
 
 
 def let_the_server_go() -> None:
