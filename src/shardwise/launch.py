@@ -416,6 +416,10 @@ def check_model(cfg: Config, res: Resolved, shapes: bool = True) -> str:
 
     model_dir = load.resolve_model_dir(cfg.model, cfg.seed)
     _check_config_json(model_dir, res.where("model"))
+    if cfg.padding_free == "on":  # the family, before the run directory is written (the workers check it again)
+        from shardwise.data.batches import check_padding_free_family
+
+        check_padding_free_family(cfg, load.model_family(model_dir, cfg.trust_remote_code), res.where("padding_free"))
     weights = load.check_weights(model_dir)
     if shapes:
         settings = [cfg.trust_remote_code, cfg.tuner, *([cfg.lora.targets, cfg.lora.r] if cfg.tuner != "full" else [])]

@@ -510,3 +510,24 @@ def test_a_lora_rank_above_the_adapted_linears_is_refused_with_the_models_number
     only_q = config.load_config(None, {"tuner": ("lora", "--tuner"), "lora.r": ("65", "--lora-r"),
                                        "lora.targets": ("q_proj", "--lora-targets")})
     assert check_model(only_q.cfg, only_q)  # q_proj is 128 -> 128
+
+
+def test_padding_free_on_for_an_unlisted_family_is_refused_before_anything_is_written(tiny_dir, tmp_path, capsys):
+    """The model family is read from config.json by the launcher's model check (it was refused only in the workers,
+    after the run directory was written)."""
+    import json
+
+    from shardwise.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    out = tmp_path / "run"
+    rc = main(["train", "--model", str(model), "--data", "demo", "--padding-free", "on", "--output-dir", str(out), "--strategy",
+               "single", "--nproc-per-node", "1", "--max-steps", "1"])
+    stdout, err = capsys.readouterr()
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("shardwise: error: flag --padding-free: a flattened micro-batch keeps its rows apart"), err
+    assert "not the model's 'gpt2' (model_type in its config.json); use --padding-free auto or off" in err
+    assert not out.exists()
