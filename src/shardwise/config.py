@@ -54,7 +54,7 @@ class DeepSpeedConfig:
     offload_optimizer: bool = _f(False, "Offload optimizer states and step to the CPU (ZeRO-Offload).")
     offload_params: bool = _f(False, "Offload parameters to the CPU (ZeRO-3 only).")
     fetch: str = _f("block", "ZeRO-3's parameter fetch unit: 'block' gathers each decoder block's parameters at once (the blocks are DeepSpeed leaf modules, as FSDP's per-block units: one hook per block, and compiled blocks stay one graph); 'module' is DeepSpeed's own default, one fetch per submodule holding parameters (a smaller gathered peak with very large blocks, but host-bound hooks: docs/speed.md).", ("block", "module"))
-    config: str = _f("", "Path to a DeepSpeed JSON whose keys override the generated config.")
+    config: str = _f("", "Path to a DeepSpeed JSON (an ms-swift / HF Trainer file works as it is): \"auto\" takes this run's value (batch sizes, clipping, precision, stage, offload; the bucket sizes from the model's hidden size, as the HF Trainer fills them), a value on a key a flag decides must agree with it, other keys override the generated config; optimizer and scheduler sections are refused (docs/strategies/deepspeed.md).")
 
 
 @dataclass
@@ -712,6 +712,7 @@ def validate(res: Resolved) -> None:
              "deepspeed.fetch chooses ZeRO-3's fetch unit; use --strategy zero3 or drop the option")
         if c.deepspeed.config:
             _check_json_object(c.deepspeed.config, w("deepspeed.config"))
+            check_deepspeed_json(c)
     if base == "fsdp" and c.fsdp.hybrid and c.fsdp.shard_group_size and c.nproc_per_node:
         world = c.nproc_per_node * c.nnodes
         need(world % c.fsdp.shard_group_size == 0, "fsdp.shard_group_size",
@@ -750,6 +751,14 @@ def validate(res: Resolved) -> None:
             need(world % (c.sequence_parallel * c.tensor_parallel) == 0, "sequence_parallel",
                  f"sequence_parallel {c.sequence_parallel} x tensor_parallel {c.tensor_parallel} must divide the "
                  f"{world} ranks (nnodes x nproc_per_node); the rest are data-parallel")
+
+
+def check_deepspeed_json(c: Config, world: int | None = None) -> None:
+    """The user's DeepSpeed JSON against this run's settings (strategies/ds_json.py: "auto", keys a flag decides,
+    sections DeepSpeed reads as objects); `world` None before the launcher knows the ranks."""
+    from shardwise.strategies import ds_json
+
+    ds_json.resolve(ds_json.UserConfig.read(c.deepspeed.config), c, world)
 
 
 def _check_json_object(path: str, where: str) -> None:

@@ -70,6 +70,11 @@ def resolve_runtime(res: Resolved) -> Config:
             raise ShardwiseError(f"{res.where('float8')}: {why}")
     if cfg.mixed_precision == "bf16" and cuda and not bf16_supported():
         raise ShardwiseError(f"{res.where('mixed_precision')}: this GPU has no bf16; use --mixed-precision fp16")
+    if cfg.deepspeed.config and cfg.strategy in presets.PRESETS and presets.base_strategy(cfg.strategy) == "deepspeed":
+        # again, with the precision and the ranks now known
+        from shardwise.config import check_deepspeed_json
+
+        check_deepspeed_json(cfg, cfg.nproc_per_node * cfg.nnodes)
     if not cfg.output_dir:
         cfg.output_dir = os.path.join("runs", f"{cfg.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg.output_dir = os.path.abspath(cfg.output_dir)

@@ -190,6 +190,39 @@ def test_a_deepspeed_config_value_deepspeed_refuses_is_one_line(tmp_path):
                     r"\(.*\); fix that key", errors[0]), errors[0]
 
 
+def test_an_ms_swift_deepspeed_json_trains_under_zero3(tmp_path):
+    """ms-swift's zero3.json ("auto" for batch sizes, clipping, precision and bucket sizes) was a TypeError traceback
+    in every rank; "auto" is now filled in as the HF Trainer fills it, and the run's header says what was filled (2
+    real gloo ranks, real DeepSpeed)."""
+    pytest.importorskip("deepspeed")
+    import json
+
+    from tests.helpers import run_cli
+    from tests.unit.test_strategies import HF_STYLE
+
+    ds = tmp_path / "zero3.json"
+    ds.write_text(json.dumps(HF_STYLE, indent=4))
+    p = run_cli("train", "--model", "tiny", "--strategy", "zero3", "--nproc-per-node", "2", "--max-steps", "2",
+                "--deepspeed-config", str(ds), "--output-dir", str(tmp_path / "run"), check=False, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    # the tiny model's hidden size is 128: hidden^2, 0.9 hidden^2, 10 hidden
+    assert (f'shardwise: DeepSpeed config: {ds} over the generated one ("auto" filled from hidden size: '
+            "reduce_bucket_size 16384, stage3_prefetch_bucket_size 14745, stage3_param_persistence_threshold 1280)"
+            ) in p.stdout, p.stdout[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
+
+
+def test_a_deepspeed_json_section_of_the_wrong_type_is_one_line_before_anything_starts(tmp_path, capsys):
+    """`"zero_optimization": "yes"` was a TypeError inside DeepSpeed in every rank."""
+    ds = tmp_path / "ds.json"
+    ds.write_text('{\n  "zero_optimization": "yes"\n}\n')
+    refused(capsys, ["train", "--strategy", "zero2", "--nproc-per-node", "2", "--max-steps", "1",
+                     "--deepspeed-config", str(ds), "--output-dir", str(tmp_path / "run")],
+            re.escape(f'{ds}:2: zero_optimization: DeepSpeed reads this as a JSON object ({{"key": value, ...}}), '
+                      'got "yes"; fix that key'))
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_deepspeed_refusal_names_the_key_with_its_section_and_stays_short():
     """DeepSpeed validates each section alone: a field's location lacks its section, and a check over the whole
     section has no field at all (its input is the section's whole model, 2 KB). Both against DeepSpeed's own

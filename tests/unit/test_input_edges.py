@@ -116,7 +116,7 @@ def test_a_missing_deepspeed_config_is_refused_before_launch(tmp_path):
         config.load_config(None, flags("--strategy", "zero2", "--deepspeed-config", str(bad)))
     assert one_line(e).startswith(f"flag --deepspeed-config: {bad}: not a JSON object")
     good = tmp_path / "ds.json"
-    good.write_text('{"gradient_clipping": 0.5}')
+    good.write_text('{"gradient_clipping": "auto", "zero_optimization": {"overlap_comm": true}}')
     assert config.load_config(None, flags("--strategy", "zero2", "--deepspeed-config", str(good)))
     assert os.path.isfile(good)
 

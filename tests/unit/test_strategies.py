@@ -2,8 +2,10 @@
 unit selection, LoRA merge math, and the refusals made before any process starts."""
 
 import json
+import re
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,18 +118,131 @@ def test_deepspeed_config_is_generated_from_ours(tmp_path):
     assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0
 
 
-def test_a_user_deepspeed_json_overrides_generated_keys(tmp_path):
+def test_a_user_deepspeed_json_overrides_the_keys_no_flag_decides(tmp_path):
     from shardwise.strategies.deepspeed import ds_config
 
     user = tmp_path / "ds.json"
-    user.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000}, "gradient_clipping": 0.0}))
+    user.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000, "stage": 2},
+                                "gradient_clipping": 1, "communication_data_type": "fp16"}))
     ds = ds_config(cfg_of(strategy="zero2", max_grad_norm=1.0, **{"deepspeed.config": str(user)}), 2, False)
-    assert ds["gradient_clipping"] == 0.0
+    assert ds["gradient_clipping"] == 1.0 and ds["communication_data_type"] == "fp16"
     assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000}  # merged, not replaced
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ShardwiseError, match="deepspeed.config"):
         ds_config(cfg_of(strategy="zero2", **{"deepspeed.config": str(bad)}), 2, False)
+
+
+# An ms-swift / HF-examples style file (the keys of ms-swift 4.6's swift/config/zero3.json): "auto" for what the
+# trainer decides, DeepSpeed settings for the rest.
+HF_STYLE = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "none", "pin_memory": True},
+        "offload_param": {"device": "none", "pin_memory": True}, "overlap_comm": False, "contiguous_gradients": True,
+        "sub_group_size": 1e9, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def _hf_style(tmp_path, **changes) -> str:
+    obj = json.loads(json.dumps(HF_STYLE))
+    for dotted, value in changes.items():
+        *parents, last = dotted.split("__")
+        d = obj
+        for part in parents:
+            d = d.setdefault(part, {})
+        d[last] = value
+    path = tmp_path / "zero3.json"
+    path.write_text(json.dumps(obj, indent=4))
+    return str(path)
+
+
+def test_an_hf_style_deepspeed_json_gets_its_autos_filled_as_the_hf_trainer_fills_them(tmp_path):
+    """"auto" = the flag's value; the three bucket sizes from the model's hidden size (hidden^2, 0.9 hidden^2,
+    10 hidden); offload devices "none" agree with a preset without offload; the rest of the file is kept."""
+    from shardwise.strategies import ds_json
+    from shardwise.strategies.deepspeed import ds_config
+
+    c = cfg_of(strategy="zero3", micro_batch_size=3, grad_accum=5, max_grad_norm=0.7, mixed_precision="bf16",
+               **{"deepspeed.config": _hf_style(tmp_path)})
+    ds = ds_config(c, world=4, cuda=True)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == \
+        (3, 5, 60)
+    assert ds["gradient_clipping"] == 0.7 and ds["bf16"] == {"enabled": True}
+    assert "enabled" not in ds["fp16"] and ds["fp16"]["loss_scale_window"] == 1000  # DeepSpeed's default: off
+    z = ds["zero_optimization"]
+    assert z["stage"] == 3 and "offload_optimizer" not in z and "offload_param" not in z
+    assert z["overlap_comm"] is False and z["stage3_max_live_parameters"] == 1e9 and ds["steps_per_print"] == 2000
+    assert z["reduce_bucket_size"] == "auto"  # until the model is known
+    filled = ds_json.fill_hidden(ds, 4096, "zero3.json")
+    assert (z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"], z["stage3_param_persistence_threshold"]) == \
+        (4096 * 4096, int(0.9 * 4096 * 4096), 40960)
+    assert filled == "reduce_bucket_size 16777216, stage3_prefetch_bucket_size 15099494, " \
+                     "stage3_param_persistence_threshold 40960"
+    assert not any(v == "auto" for _, v in ds_json._walk(ds))
+    with pytest.raises(ShardwiseError, match=r"zero_optimization.reduce_bucket_size is \"auto\", .* has none"):
+        ds_json.fill_hidden(ds_config(c, world=4, cuda=True), None, "zero3.json")
+
+    fp16 = ds_config(cfg_of(strategy="zero3", mixed_precision="fp16", **{"deepspeed.config": _hf_style(tmp_path)}),
+                     world=2, cuda=True)
+    assert fp16["fp16"]["enabled"] is True and fp16["fp16"]["hysteresis"] == 2
+    assert fp16["bf16"] == {}  # "auto" taken out: DeepSpeed's default, off
+    below3 = ds_config(cfg_of(strategy="zero2", mixed_precision="no",
+                              **{"deepspeed.config": _hf_style(tmp_path, zero_optimization__stage="auto")}),
+                       world=2, cuda=False)["zero_optimization"]
+    assert below3["stage"] == 2 and below3["reduce_bucket_size"] == "auto"
+    assert not [k for k in below3 if k.startswith("stage3_") and below3[k] == "auto"]  # read only at stage 3
+    offload = ds_config(cfg_of(strategy="zero3-offload", **{"deepspeed.config": _hf_style(
+        tmp_path, zero_optimization__offload_optimizer={"device": "cpu", "pin_memory": False},
+        zero_optimization__offload_param={"device": "auto"})}), world=2, cuda=True)["zero_optimization"]
+    assert offload["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert offload["offload_param"] == {"device": "cpu", "pin_memory": True}  # the generated one
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"gradient_clipping": 0.5}, r":\d+: gradient_clipping: 0.5 here, but this run's --max-grad-norm 1.0 sets it to 1.0; "
+                                 r"write \"auto\""),
+    ({"train_micro_batch_size_per_gpu": 8}, r": train_micro_batch_size_per_gpu: 8 here, but this run's "
+                                            r"--micro-batch-size 4 sets it to 4"),
+    ({"train_batch_size": 64}, r": train_batch_size: 64 here, but this run's --micro-batch-size 4 x --grad-accum 1 x "
+                               r"2 data-parallel ranks sets it to 8"),
+    ({"zero_optimization__stage": 2}, r": zero_optimization.stage: 2 here, but this run's --strategy zero3 \(ZeRO "
+                                      r"stage 3\) sets it to 3"),
+    ({"bf16__enabled": True}, r": bf16.enabled: true here, but this run's --mixed-precision no sets it to false"),
+    ({"zero_optimization__offload_optimizer": {"device": "cpu"}},
+     r": zero_optimization.offload_optimizer.device: \"cpu\" here, but this run's --strategy zero3 .* does not "
+     r"offload; write \"auto\", or choose the strategy"),
+    ({"zero_optimization__sub_group_size": "auto"}, r": zero_optimization.sub_group_size: \"auto\" is filled in only "
+                                                    r"for the batch sizes, .*; give a value"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, r": optimizer: shardwise trains every strategy with "
+                                                                 r"its own AdamW; remove the section and set --lr"),
+    ({"scheduler": {"type": "WarmupLR"}}, r": scheduler: .* remove the section and set --warmup-steps"),
+    ({"zero_optimization": "yes"}, r": zero_optimization: DeepSpeed reads this as a JSON object \(\{\"key\": value, "
+                                   r"\.\.\.\}\), got \"yes\"; fix that key"),
+    ({"zero_optimization__offload_param": "cpu"}, r": zero_optimization.offload_param: DeepSpeed reads this as a JSON "
+                                                  r"object"),
+])
+def test_a_deepspeed_json_that_disagrees_with_the_run_is_refused_at_its_line(tmp_path, change, says):
+    """A key a flag decides must say "auto" or agree (the data loader and the loop follow the flag); the message
+    names the file and the line of the key (the innermost key, searched after its section)."""
+    from shardwise.strategies.deepspeed import ds_config
+
+    path = _hf_style(tmp_path, **change)
+    with pytest.raises(ShardwiseError) as e:
+        ds_config(cfg_of(strategy="zero3", micro_batch_size=4, mixed_precision="no", **{"deepspeed.config": path}),
+                  world=2, cuda=False)
+    msg = str(e.value)
+    assert "\n" not in msg and re.match(re.escape(path) + r":\d+: " + says.removeprefix(r":\d+: ").removeprefix(": "),
+                                        msg), msg
+    line = int(msg.split(":")[1])
+    key = re.match(re.escape(path) + r":\d+: ([\w.]+):", msg).group(1).split(".")[-1]
+    assert f'"{key}"' in Path(path).read_text().splitlines()[line - 1]  # the line of that key
 
 
 # -- FSDP units -------------------------------------------------------------------------------

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import sys
 
 import torch
 
 from shardwise.errors import ShardwiseError
-from shardwise.strategies import ds_state
+from shardwise.strategies import ds_json, ds_state
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.parallel import shard_all
 from shardwise.strategies.parallelize import compile_enabled
@@ -94,14 +93,22 @@ def ds_config(cfg, world: int, cuda: bool) -> dict:
     elif cfg.mixed_precision == "fp16":
         out["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
         out["communication_data_type"] = "fp32"
-    if ds.config:
-        try:
-            with open(ds.config) as fh:
-                user = json.load(fh)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ShardwiseError(f"deepspeed.config {ds.config}: cannot read it as JSON ({e})")
-        merge(out, user)
+    if ds.config:  # the user's keys over ours, "auto" filled in as the HF Trainer does (ds_json.py)
+        merge(out, ds_json.resolve(ds_json.UserConfig.read(ds.config), cfg, world))
     return out
+
+
+def hidden_size(model_config) -> int | None:
+    """The model's hidden size for DeepSpeed's "auto" bucket sizes (a multimodal model's text hidden size; the
+    largest of `hidden_sizes`), as the HF Trainer finds it."""
+    for c in (model_config, getattr(model_config, "text_config", None)):
+        if c is None:
+            continue
+        if isinstance(getattr(c, "hidden_size", None), int):
+            return c.hidden_size
+        if getattr(c, "hidden_sizes", None):
+            return max(c.hidden_sizes)
+    return None
 
 
 MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
@@ -209,6 +216,11 @@ class DeepSpeedStrategy(Strategy):
         import_muon_lazily()
         if self.cfg.deepspeed.stage == 3:
             self.apply_leaves(model)
+        filled = ds_json.fill_hidden(self.config, hidden_size(getattr(model, "config", None)),
+                                     self.cfg.deepspeed.config)
+        if self.cfg.deepspeed.config:  # the run's header says what DeepSpeed got from the user's file
+            self.applied.append(f"DeepSpeed config: {self.cfg.deepspeed.config} over the generated one"
+                                + (f" (\"auto\" filled from hidden size: {filled})" if filled else ""))
         opt = self.build_optimizer(model)
         self.groups = [list(g["params"]) for g in opt.param_groups]  # before DeepSpeed flattens them
         from pydantic import ValidationError

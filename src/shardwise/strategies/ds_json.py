@@ -1,0 +1,215 @@
+"""A user's DeepSpeed JSON (`deepspeed.config`), read the way the Hugging Face Trainer reads one.
+
+Users come with the files of ms-swift, LLaMA-Factory or the HF examples (ms-swift's zero3.json: batch sizes,
+clipping, precision and three bucket sizes all "auto"). The Trainer's rule, which those files are written for:
+
+- `"auto"` means "the trainer's own value": here the flag's (`--micro-batch-size`, `--grad-accum`,
+  `--max-grad-norm`, `--mixed-precision`, the strategy's ZeRO stage and offload);
+- a value given for one of those keys must agree with the flag: the data loader, the loop and the run's record
+  follow the flag, so a disagreeing key would train another run than the one shown. It is refused, naming both;
+- the three bucket sizes that depend on the model (`zero_optimization.reduce_bucket_size`,
+  `stage3_prefetch_bucket_size`, `stage3_param_persistence_threshold`) are filled from its hidden size with the
+  Trainer's formulas (hidden², 0.9·hidden², 10·hidden), so the same file runs the same engine under both;
+- any other key overrides shardwise's generated config, as before.
+
+Two things the Trainer takes that shardwise refuses: an `optimizer` or `scheduler` section (shardwise trains every
+strategy with its own AdamW and schedule, so ddp, fsdp and zero* stay comparable: `--lr`, `--weight-decay`,
+`--warmup-steps`), and `"auto"` anywhere else (there is nothing to fill it with).
+
+Pure Python (no torch, no deepspeed): the launcher checks the file before anything is written, and the worker
+resolves it again with the model's hidden size (strategies/deepspeed.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from shardwise.errors import ShardwiseError
+
+AUTO = "auto"
+HIDDEN_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+# sections DeepSpeed reads as JSON objects (a string or a number there was a TypeError deep inside DeepSpeed)
+OBJECT_SECTIONS = ("zero_optimization", "bf16", "bfloat16", "fp16", "amp", "optimizer", "scheduler", "pipeline",
+                   "checkpoint", "data_types", "compile", "activation_checkpointing", "flops_profiler", "comms_logger",
+                   "tensorboard", "wandb", "csv_monitor", "comet", "aio", "data_efficiency", "compression_training",
+                   "elasticity", "autotuning", "hybrid_engine", "torch_autocast", "weight_quantization", "nebula",
+                   "curriculum_learning", "progressive_layer_drop", "eigenvalue", "sparse_attention", "timers")
+REFUSED_SECTIONS = {
+    "optimizer": "shardwise trains every strategy with its own AdamW; remove the section and set --lr, "
+                 "--weight-decay (and the others of `shardwise train --help`)",
+    "scheduler": "shardwise runs its own schedule (warm-up, then cosine decay) on every strategy; remove the section "
+                 "and set --warmup-steps, --min-lr-ratio",
+}
+
+
+def line_of(text: str, dotted: str) -> int | None:
+    """The 1-based line where `dotted`'s last key is written in the JSON `text` (each key searched after its
+    parent's), or None."""
+    pos, found = 0, None
+    for part in dotted.split("."):
+        m = re.compile(r'"' + re.escape(part) + r'"\s*:').search(text, pos)
+        if m is None:
+            return found
+        pos, found = m.end(), text.count("\n", 0, m.start()) + 1
+    return found
+
+
+class UserConfig:
+    """The file's object and text (for line numbers)."""
+
+    def __init__(self, path: str, obj: dict, text: str):
+        self.path, self.obj, self.text = path, obj, text
+
+    @classmethod
+    def read(cls, path: str) -> UserConfig:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+            obj = json.loads(text)
+        except (OSError, ValueError) as e:
+            raise ShardwiseError(f"deepspeed.config {path}: cannot read it as JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise ShardwiseError(f"deepspeed.config {path}: not a JSON object ({{\"key\": value, ...}}); fix the file")
+        return cls(path, obj, text)
+
+    def where(self, dotted: str) -> str:
+        line = line_of(self.text, dotted)
+        return f"{self.path}:{line}" if line else self.path
+
+    def refuse(self, dotted: str, why: str) -> ShardwiseError:
+        return ShardwiseError(f"{self.where(dotted)}: {dotted}: {why}")
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def _pop(d: dict, dotted: str) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        d = d.get(part)
+        if not isinstance(d, dict):
+            return
+    d.pop(last, None)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    return a == b
+
+
+def _decided(cfg, world: int | None) -> list[tuple[str, object, str]]:
+    """(key, shardwise's value, where it comes from) for each key a shardwise setting decides; a value None is not
+    known yet (the launcher's check before the hardware is read: precision auto, processes per node 0)."""
+    mp = None if cfg.mixed_precision == AUTO else cfg.mixed_precision
+    out = [("train_micro_batch_size_per_gpu", cfg.micro_batch_size, f"--micro-batch-size {cfg.micro_batch_size}"),
+           ("gradient_accumulation_steps", cfg.grad_accum, f"--grad-accum {cfg.grad_accum}"),
+           ("gradient_clipping", cfg.max_grad_norm, f"--max-grad-norm {cfg.max_grad_norm}"),
+           ("zero_optimization.stage", cfg.deepspeed.stage, f"--strategy {cfg.strategy} (ZeRO stage "
+                                                            f"{cfg.deepspeed.stage})")]
+    out.append(("train_batch_size", cfg.micro_batch_size * cfg.grad_accum * world if world else None,
+                f"--micro-batch-size {cfg.micro_batch_size} x --grad-accum {cfg.grad_accum} x {world} "
+                "data-parallel ranks"))
+    for section, name in (("fp16", "fp16"), ("bf16", "bf16"), ("bfloat16", "bf16")):
+        out.append((f"{section}.enabled", None if mp is None else mp == name, f"--mixed-precision {mp}"))
+    return out
+
+
+def _offload(cfg) -> list[tuple[str, bool, str]]:
+    ds = cfg.deepspeed
+    return [("offload_optimizer", ds.offload_optimizer,
+             f"--strategy {cfg.strategy} (deepspeed.offload_optimizer {str(ds.offload_optimizer).lower()})"),
+            ("offload_param", ds.offload_params,
+             f"--strategy {cfg.strategy} (deepspeed.offload_params {str(ds.offload_params).lower()})")]
+
+
+def resolve(user: UserConfig, cfg, world: int | None = None) -> dict:
+    """The user's keys to merge over shardwise's generated config: the keys a shardwise setting decides checked and
+    dropped (the generated config has them), "auto" elsewhere refused, the hidden-size keys left "auto" for
+    `fill_hidden` (or dropped below ZeRO-3 where they are stage-3 keys). Raises a ShardwiseError naming the file,
+    line and key."""
+    obj = json.loads(json.dumps(user.obj))  # a copy
+    for section in OBJECT_SECTIONS:
+        if section in obj and not isinstance(obj[section], dict):
+            raise user.refuse(section, f"DeepSpeed reads this as a JSON object ({{\"key\": value, ...}}), got "
+                                       f"{json.dumps(obj[section])[:60]}; fix that key")
+    for section, why in REFUSED_SECTIONS.items():
+        if section in obj:
+            raise user.refuse(section, why)
+    zero = obj.get("zero_optimization", {})
+    for sub in ("offload_optimizer", "offload_param"):
+        if sub in zero and zero[sub] is not None and not isinstance(zero[sub], dict):
+            raise user.refuse(f"zero_optimization.{sub}", "DeepSpeed reads this as a JSON object ({\"device\": "
+                                                          f"\"cpu\", ...}}), got {json.dumps(zero[sub])[:60]}; fix "
+                                                          "that key")
+    for key, ours, source in _decided(cfg, world):
+        value = _get(obj, key)
+        if value is None:
+            continue
+        if value != AUTO and ours is not None and not _same(value, ours):
+            raise user.refuse(key, f"{json.dumps(value)} here, but this run's {source} sets it to "
+                                   f"{json.dumps(ours)}; write \"auto\" (shardwise fills it in, as the HF Trainer "
+                                   "does) or change the flag")
+        _pop(obj, key)
+    for sub, ours, source in _offload(cfg):
+        key = f"zero_optimization.{sub}.device"
+        value = _get(obj, key)
+        if value is None:
+            continue
+        if value != AUTO and (value != "none") != ours:
+            raise user.refuse(key, f"{json.dumps(value)} here, but this run's {source} "
+                                   f"{'offloads' if ours else 'does not offload'}; write \"auto\", or choose "
+                                   "the strategy (e.g. --strategy zero3-offload, or zero3 without offload)")
+        if not ours:
+            zero.pop(sub)  # no offload, as the generated config says (no section)
+        elif value == AUTO:
+            _pop(obj, key)  # the generated config's device
+    stage3 = cfg.deepspeed.stage == 3
+    for name in HIDDEN_KEYS:
+        if _get(zero, name) == AUTO and not stage3 and name.startswith("stage3_"):
+            zero.pop(name)  # read only at stage 3
+    for key, value in _walk(obj):
+        if value == AUTO and not (key.startswith("zero_optimization.") and key.split(".", 1)[1] in HIDDEN_KEYS):
+            raise user.refuse(key, "\"auto\" is filled in only for the batch sizes, gradient_clipping, "
+                                   "fp16/bf16.enabled, zero_optimization.stage, the offload devices and "
+                                   f"{', '.join('zero_optimization.' + k for k in HIDDEN_KEYS)}; give a value")
+    for sub in ("offload_optimizer", "offload_param"):
+        if sub in zero and not zero[sub]:
+            zero.pop(sub)
+    return obj
+
+
+def _walk(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            yield from _walk(v, key + ".")
+        else:
+            yield key, v
+
+
+def fill_hidden(config: dict, hidden_size: int | None, path: str) -> str:
+    """The hidden-size keys still "auto" in the merged `config`, filled as the HF Trainer fills them: reduce bucket
+    hidden², stage-3 prefetch bucket 0.9·hidden², stage-3 persistence threshold 10·hidden. Returns what it filled
+    ("key value, ..."; "" for nothing)."""
+    zero = config.get("zero_optimization", {})
+    autos = [k for k in HIDDEN_KEYS if zero.get(k) == AUTO]
+    if not autos:
+        return ""
+    if not hidden_size:
+        raise ShardwiseError(f"deepspeed.config {path}: zero_optimization.{autos[0]} is \"auto\", which is filled "
+                             "from the model's hidden_size, and its config.json has none; give a number")
+    values = {"reduce_bucket_size": hidden_size * hidden_size,
+              "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+              "stage3_param_persistence_threshold": 10 * hidden_size}
+    for k in autos:
+        zero[k] = values[k]
+    return ", ".join(f"{k} {values[k]}" for k in autos)
