@@ -216,3 +216,46 @@ m.save_pretrained({str(tmp_path / 'plain')!r})
     ours, plain = load_file(tmp_path / "ours" / "model.safetensors"), load_file(tmp_path / "plain" / "model.safetensors")
     assert ours.keys() == plain.keys() and all(torch.equal(ours[k], plain[k]) for k in ours)
     assert json.load(open(tmp_path / "ours" / "config.json")) == json.load(open(tmp_path / "plain" / "config.json"))
+
+
+def test_a_checks_record_this_user_did_not_write_does_not_skip_the_checks(tmp_path, tiny_dir, monkeypatch):
+    """A record's name is the key of files that passed: one planted by another user (or through a link) would skip
+    the model checks, so only this user's own regular files in a folder nobody else writes count."""
+    import shutil
+
+    from shardwise import config
+    from shardwise.launch import check_model
+    from shardwise.models import load
+
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
+    built = []
+    real = load.check_shapes
+    monkeypatch.setattr(load, "check_shapes", lambda *a, **k: built.append(a[0]) or real(*a, **k))
+    m = tmp_path / "m"
+    shutil.copytree(tiny_dir, m)
+    res = config.load_config(None, {"model": (str(m), "--model")})
+    folder = tmp_path / "cache" / "checks"
+
+    check_model(res.cfg, res)
+    check_model(res.cfg, res)
+    assert len(built) == 1 and (folder.stat().st_mode & 0o777) == 0o700
+    (record,) = folder.iterdir()
+    folder.chmod(0o777)  # our own folder left writable by others (a umask): made private, then trusted
+    check_model(res.cfg, res)
+    assert len(built) == 1 and (folder.stat().st_mode & 0o022) == 0
+    elsewhere = tmp_path / "planted.json"
+    record.rename(elsewhere)
+    record.symlink_to(elsewhere)  # a link in place of the record
+    check_model(res.cfg, res)
+    assert len(built) == 2  # checked again
+    assert record.is_file() and not record.is_symlink()  # and recorded again, as a file of ours
+    if os.getuid() == 0:  # another user's record, and another user's folder (chown needs root)
+        os.chown(record, 65534, 65534)
+        check_model(res.cfg, res)
+        assert len(built) == 3
+        record.unlink()
+        check_model(res.cfg, res)
+        assert len(built) == 4
+        os.chown(folder, 65534, 65534)
+        check_model(res.cfg, res)
+        assert len(built) == 5

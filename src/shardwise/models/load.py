@@ -175,8 +175,21 @@ def checks_key(model_dir: str, shapes: dict, settings: list) -> str:
 
 
 def passed_before(key: str) -> bool:
-    path = os.path.join(checks_dir(), f"{key}.json")
-    if not os.path.isfile(path):
+    """Whether these files and settings passed the checks in an earlier run: a record this user wrote, in a folder
+    nobody else can write (a record planted by another user, or through a link, does not skip the checks)."""
+    import stat
+
+    from shardwise.hardware import folder_problem
+
+    folder = checks_dir()
+    path = os.path.join(folder, f"{key}.json")
+    try:
+        if folder_problem(folder, tighten=True):  # only the folder's writers can make a record: its name is the key
+            return False
+        st = os.lstat(path)
+    except OSError:  # no folder, no record
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
         return False
     try:
         os.utime(path, follow_symlinks=False)  # most recently used: kept by the pruning below
@@ -194,7 +207,7 @@ def remember_passed(key: str, model_dir: str) -> None:
 
     folder = checks_dir()
     try:
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
         atomic_write(os.path.join(folder, f"{key}.json"),
                      json.dumps({"model_dir": model_dir, "checked": time.strftime("%Y-%m-%dT%H:%M:%S")}))
     except OSError:
