@@ -777,6 +777,22 @@ class _Early:
 def _say_run_dir(p: Prepared) -> None:
     say(f"run directory: {p.output_dir} ({p.cfg.strategy}, {p.world_size} process(es), "
         f"mixed precision {p.cfg.mixed_precision})")
+    note = oversubscribed(p.cfg.nproc_per_node)
+    if note:
+        say(note)
+
+
+def oversubscribed(nproc: int) -> str | None:
+    """A note when this node's ranks outnumber the CPU cores this process may use (torchrun starts them without a
+    word): every rank then shares a core, and each step waits for the slowest."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if nproc <= cores:
+        return None
+    return (f"note: {nproc} ranks on this node's {cores} CPU core(s): they share cores, so each step is slower than "
+            f"with --nproc-per-node {cores} or fewer")
 
 
 def _failure_report(output_dir: str, e, cfg: Config) -> str:

@@ -531,3 +531,13 @@ def test_padding_free_on_for_an_unlisted_family_is_refused_before_anything_is_wr
     assert err.startswith("shardwise: error: flag --padding-free: a flattened micro-batch keeps its rows apart"), err
     assert "not the model's 'gpt2' (model_type in its config.json); use --padding-free auto or off" in err
     assert not out.exists()
+
+
+def test_more_ranks_than_cores_gets_a_note():
+    """torchrun starts 64 ranks on 2 cores without a word; the run directory line is followed by a note."""
+    from shardwise.launch import oversubscribed
+
+    cores = len(os.sched_getaffinity(0))
+    assert oversubscribed(cores) is None and oversubscribed(1) is None
+    assert oversubscribed(cores + 1) == (f"note: {cores + 1} ranks on this node's {cores} CPU core(s): they share "
+                                         f"cores, so each step is slower than with --nproc-per-node {cores} or fewer")
