@@ -38,6 +38,7 @@
 #                                                    gputests18 (eighteenth session)
 #                                                    gputests19 ttfs19 (nineteenth session; ttfs19 carries .whl/base_src = aadd66e's src)
 #                                                    gputests20 ttfs20 (twentieth session; ttfs20 carries .whl/base_src = 1d73dd3's src)
+#                                                    z3hf21 gputests21 (twenty-first session; carries .whl/opt/accelerate)
 #                                                    prof17 z3mod17 norm17 gputests17 (seventeenth session; prof17 after
 #                                                    fold16 or norm17; norm17 carries .whl/base_src = 3d31060's src)
 #                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests z3eager (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
@@ -502,6 +503,15 @@ gputests20() {
 # ddp's time to first step, forked by default, against 1d73dd3 (carried as .whl/base_src: each worker its own
 # interpreter, the default there), beside the Trainer; single too (unchanged: it trains in the launcher)
 ttfs20() { ttfs_ab /tmp/pycache20 560 4 base-ddp,ddp; }
+# twenty-first session: `--deepspeed-config` now reads an HF / ms-swift file as the Trainer does ("auto" filled, the
+# bucket sizes from the hidden size). The anchor job on one GPU: the HF Trainer with its ZeRO-3 JSON, shardwise's zero3
+# (generated config: DeepSpeed's default bucket sizes) and shardwise's zero3 fed the Trainer's very JSON
+# (sw-zero3-hfjson), Trainer first and last; then every CUDA test on this tree
+z3hf21() {
+  timeout -k 10 480 python3 benchmarks/vs_hf_trainer.py --out "$OUT/z3hf21" --gpus 1 --steps 24 --warmup 8 \
+    --variants hf-trainer-zero3,sw-zero3,sw-zero3-hfjson,hf-trainer-zero3
+}
+gputests21() { timeout -k 10 500 python3 -m pytest -n 0 -v -rs -p no:cacheprovider tests/gpu/test_cuda.py; }
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {
   python3 benchmarks/long_context.py --lengths 8192 --sp 1 --steps 4 --timeout 260 --tag tp2 --out "$OUT" -- \

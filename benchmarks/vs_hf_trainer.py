@@ -64,9 +64,12 @@ SHARDWISE_VARIANTS = {
     "sw-zero3-module-eager": ["--strategy", "zero3", "--deepspeed-fetch", "module", "--compile", "off"],
     "sw-fsdp-all": ["--strategy", "fsdp"],
     "sw-ddp-all": ["--strategy", "ddp"],
+    # shardwise's zero3 given the very JSON the Trainer gets (zero3_config: "auto" filled the Trainer's way, so the
+    # same overlap_comm and bucket, prefetch and persistence sizes): the engine settings no longer differ
+    "sw-zero3-hfjson": ["--strategy", "zero3"],
 }
 ON_ALL_GPUS = {"sw-zero3", "sw-zero3-module", "sw-zero3-eager", "sw-zero3-module-eager", "sw-fsdp-all", "sw-ddp-all",
-               "hf-trainer-zero3"}
+               "hf-trainer-zero3", "sw-zero3-hfjson"}
 HF_VARIANTS = {"hf-trainer": False, "hf-trainer-gc": True, "hf-trainer-zero3": False}
 
 
@@ -89,6 +92,11 @@ def run_shardwise(name, model_dir, data, steps, warmup, workdir, lr, extra_commo
             "--max-steps", str(steps), "--log-every", "1", "--lr", str(lr), "--warmup-steps", "10",
             *precision, "--output-dir", out, "--overwrite", "--no-save-final", "--seed", "0",
             *SHARDWISE_VARIANTS[name], *procs, *extra_common]
+    if name == "sw-zero3-hfjson":
+        ds = os.path.join(workdir, "zero3-sw.json")
+        with open(ds, "w") as fh:
+            json.dump(zero3_config(), fh, indent=1)
+        args += ["--deepspeed-config", ds]
     t0 = time.time()
     p = shardwise(*args)
     if p.returncode != 0:
