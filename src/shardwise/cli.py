@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # here, where a closed pipe is caught below, not at interpreter exit
         return rc
     except ShardwiseError as e:
+        if e.exit_code == 0:  # NothingToDo
+            print(f"shardwise: {e}", flush=True)
+            return 0
         if getattr(args, "debug", False):
             raise
         print(f"shardwise: error: {e}", file=sys.stderr, flush=True)

@@ -9,3 +9,10 @@ class ShardwiseError(Exception):
     """A user-facing error: one line, what + where + what to do."""
 
     exit_code = 2
+
+
+class NothingToDo(ShardwiseError):
+    """Not an error: there is nothing to do (a finished run resumed again). The CLI prints the message as a note and
+    exits 0, having written nothing."""
+
+    exit_code = 0

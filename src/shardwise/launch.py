@@ -284,6 +284,9 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     if len(encoded) < global_batch:
         raise ShardwiseError(f"the dataset has {len(encoded)} sequences, fewer than one global batch of "
                              f"{global_batch}; lower --micro-batch-size or --grad-accum, or add data")
+    if resume_from:
+        check_steps_left(cfg, res, resume_from, cfg.max_steps if cfg.max_steps > 0
+                         else cfg.epochs * (len(encoded) // global_batch))
 
     # -- nothing has been written until here ---------------------------------------------
     if gate is not None:
@@ -411,6 +414,35 @@ def first_checks(cfg: Config, res: Resolved) -> tuple[list, object, list]:
     check_tensor_parallel(cfg, res, world, model_dir)
     check_sequence_parallel(cfg, res, world, model_dir)
     return read_data(cfg, res)
+
+
+def check_steps_left(cfg: Config, res: Resolved, resume_from: str, total: int) -> None:
+    """A resume needs steps left: a checkpoint past the run's last step is refused (the loop would count down from
+    it), and a run that already finished (its summary.json and final model written after that step) has nothing
+    to do: NothingToDo, exit 0, nothing written. A checkpoint at the last step of a run that did not finish (stopped
+    while saving its final model) goes on: the workers load it and write the final model and summary."""
+    from shardwise.errors import NothingToDo
+    from shardwise.train import checkpoint as ckpt
+
+    step = ckpt.read_meta(resume_from).get("step")
+    if not isinstance(step, int) or step < total:
+        return
+    where = res.where("max_steps") if cfg.max_steps > 0 else res.where("epochs")
+    if step > total:
+        raise ShardwiseError(f"{where}: this run has {total} steps, but the checkpoint it resumes ({resume_from}) is "
+                             f"at step {step}; raise --max-steps above {step} to train on, or start a new run in "
+                             "another --output-dir")
+    try:
+        with open(os.path.join(cfg.output_dir, "summary.json")) as fh:
+            summary = json.load(fh)
+    except (OSError, ValueError):
+        return
+    if not isinstance(summary, dict):
+        return
+    final = summary.get("final_model")
+    if summary.get("steps") == step and (not cfg.save_final or (isinstance(final, str) and os.path.isdir(final))):
+        raise NothingToDo(f"{cfg.output_dir} already finished its {total} steps (checkpoint {resume_from}); nothing "
+                          f"to train: raise --max-steps above {step} to train on")
 
 
 def check_model(cfg: Config, res: Resolved, shapes: bool = True) -> str:

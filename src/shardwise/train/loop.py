@@ -370,6 +370,8 @@ class Trainer:
         wall = time.time() - self.t_start
         self.marks["saved"] = time.time()
         first_loss, step = self.first_loss, self.step
+        if not self.last_rec:  # no step in this launch (resumed at the last step): the run's last logged record
+            self.last_rec = _last_logged(os.path.join(out, "metrics.jsonl"))
         # first_loss and wall_time_s cover the whole run, resumes included; final_loss (kept for older readers)
         # is the same value as final_loss_window_mean: the mean over the last logged window, not the last step's
         summary = {"strategy": cfg.strategy, "world_size": env.world_size, "steps": step, "first_loss": first_loss,
@@ -383,8 +385,9 @@ class Trainer:
         if env.is_main:
             _write_json(os.path.join(out, ".prep", "timeline.json"), self.marks)  # the launcher adds the exit
             _write_json(os.path.join(out, "summary.json"), summary)
-        self.rep.say(f"shardwise: done: {step} steps, loss {first_loss:.4f} (first logged) -> "
-                     f"{summary['final_loss']:.4f} (last)" if first_loss is not None else f"shardwise: done: {step} steps")
+        last = summary["final_loss"]
+        self.rep.say(f"shardwise: done: {step} steps, loss {first_loss:.4f} (first logged) -> {last:.4f} (last)"
+                     if first_loss is not None and last is not None else f"shardwise: done: {step} steps")
         if os.environ.get("SHARDWISE_LAUNCHER_PID", str(os.getpid())) != str(os.getpid()):  # a worker of the agent's
             phases.exit_deadline(FINISH_GRACE_S, f"rank {env.rank}")
         self.rep.close()
@@ -392,6 +395,23 @@ class Trainer:
         if dist.is_initialized():
             dist.destroy_process_group()
         return summary
+
+
+def _last_logged(path: str) -> dict:
+    """The last training record (one with a loss) of a run's metrics.jsonl, or {}."""
+    last: dict = {}
+    try:
+        with open(path) as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("loss"), (int, float)):
+                    last = rec
+    except OSError:
+        pass
+    return last
 
 
 def is_collective_timeout(e: BaseException) -> bool:

@@ -1,0 +1,80 @@
+"""`--resume` of a run that has no steps left (real 2-rank gloo runs of the built-in tiny job).
+
+A finished run started again with `--resume auto` (a requeued job, a re-run script) crashed in every worker's end
+of run and rewrote its summary.json with empty figures. Now: a finished run has nothing to do (exit 0, nothing
+written); a checkpoint past this run's last step is refused; a checkpoint at the last step of a run that stopped
+before its final model goes on to write the final model and summary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_cli
+
+JOB = ("--strategy", "ddp", "--nproc-per-node", "2", "--max-steps", "4", "--save-every", "2")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("finished") / "run"
+    run_cli("train", *JOB, "--output-dir", str(out), timeout=300)
+    return out
+
+
+def snapshot(d: Path) -> dict:
+    """Every file under `d` with its digest (the run lock aside: it holds the PID of the last launcher)."""
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
+            if p.is_file() and p.name != ".shardwise-lock"}
+
+
+def copy(finished: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(finished, out, symlinks=True)
+    return out
+
+
+def test_a_finished_run_resumed_again_has_nothing_to_do(finished, tmp_path):
+    out = copy(finished, tmp_path)
+    before = snapshot(out)
+    p = run_cli("train", *JOB, "--output-dir", str(out), "--resume", "auto", check=False, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (f"shardwise: {out} already finished its 4 steps (checkpoint {out}/checkpoints/step_00000004); nothing "
+            "to train: raise --max-steps above 4 to train on") in p.stdout, p.stdout
+    assert "error" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert snapshot(out) == before  # summary.json, final/, metrics untouched; no resume recorded
+
+
+def test_a_checkpoint_past_the_last_step_is_refused_and_nothing_is_written(finished, tmp_path):
+    out = copy(finished, tmp_path)
+    before = snapshot(out)
+    p = run_cli("train", *JOB[:-4], "--max-steps", "2", "--save-every", "2", "--output-dir", str(out), "--resume",
+                "auto", check=False, timeout=300)
+    errors = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and errors == [
+        f"shardwise: error: flag --max-steps: this run has 2 steps, but the checkpoint it resumes "
+        f"({out}/checkpoints/step_00000004) is at step 4; raise --max-steps above 4 to train on, or start a new run "
+        "in another --output-dir"], p.stderr[-3000:]
+    assert snapshot(out) == before
+
+
+def test_a_run_stopped_before_its_final_model_writes_it_on_resume(finished, tmp_path):
+    """The last checkpoint is at the last step, but the run stopped while saving its final model (no summary.json):
+    the resume trains nothing and writes the final model and the summary, the loss taken from the run's last
+    logged record."""
+    out = copy(finished, tmp_path)
+    summary_before = json.loads((out / "summary.json").read_text())
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+    p = run_cli("train", *JOB, "--output-dir", str(out), "--resume", "auto", timeout=300)
+    assert f"resumed from {out}/checkpoints/step_00000004 at step 4" in p.stdout, p.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["final_loss"] == summary_before["final_loss"] is not None
+    assert summary["first_loss"] == summary_before["first_loss"]
+    assert (out / "final" / "model.safetensors").is_file() and summary["final_model"] == str(out / "final")
+    assert f"done: 4 steps, loss {summary['first_loss']:.4f} (first logged) -> {summary['final_loss']:.4f}" in p.stdout
