@@ -635,6 +635,9 @@ def validate(res: Resolved) -> None:
     need(c.mixed_precision != "fp16" or c.param_dtype != "bf16", "mixed_precision",
          "mixed_precision fp16 with param_dtype bf16 mixes two half types; use --mixed-precision bf16")
     need(c.resume in ("auto", "none") or bool(c.resume), "resume", "resume must be auto, none or a checkpoint path")
+    need(not (c.overwrite and c.resume not in ("auto", "none")), "overwrite",
+         f"--overwrite replaces the run in --output-dir and --resume {c.resume} continues from a checkpoint; give one "
+         "of them (--resume auto --overwrite resumes the run's newest checkpoint, or replaces a run that has none)")
     try:
         parse_report_to(c.report_to)
     except ValueError as e:

@@ -252,6 +252,9 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
         resume_from = cfg.resume
     elif cfg.resume == "auto":
         resume_from = ckpt.latest(cfg.output_dir)  # the workers choose the same one
+        if resume_from and cfg.overwrite:
+            say(f"--resume auto --overwrite: {cfg.output_dir} has a checkpoint to resume, so nothing is replaced "
+                "(--overwrite replaces a run only where --resume auto finds no checkpoint)")
         skipped = ckpt.skipped_newer(cfg.output_dir)
         if skipped:
             say("--resume auto: skipped " + "; ".join(f"{p} ({why})" for p, why in skipped)

@@ -17,6 +17,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -306,6 +307,30 @@ def clear(output_dir: str) -> None:
             shutil.rmtree(p)
         elif os.path.lexists(p):
             os.remove(p)
+    _clear_written_later(output_dir)
+
+
+# Entries a run adds to its directory only sometimes: the record of each resume, and --profile-steps's tables and
+# traces. Cleared with the run (a replaced run's resumes described checkpoints gone), but they do not mark a
+# directory as a run's (own_entries_present), and of profile/ only the profiler's own files go.
+RESUMES = "resumes.jsonl"
+PROFILE = "profile"
+PROFILE_FILE = re.compile(r"step-\d+-rank\d+\.(txt|json\.gz)")
+
+
+def _clear_written_later(output_dir: str) -> None:
+    resumes = os.path.join(output_dir, RESUMES)
+    if os.path.isfile(resumes) and not os.path.islink(resumes):
+        os.remove(resumes)
+    profile = os.path.join(output_dir, PROFILE)
+    if not os.path.isdir(profile) or os.path.islink(profile):
+        return
+    for name in os.listdir(profile):
+        p = os.path.join(profile, name)
+        if PROFILE_FILE.fullmatch(name) and os.path.isfile(p) and not os.path.islink(p):
+            os.remove(p)
+    with contextlib.suppress(OSError):
+        os.rmdir(profile)  # only when nothing else is left in it
 
 
 # ----------------------------------------------------------------------------- lock

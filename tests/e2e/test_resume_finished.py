@@ -78,3 +78,38 @@ def test_a_run_stopped_before_its_final_model_writes_it_on_resume(finished, tmp_
     assert summary["first_loss"] == summary_before["first_loss"]
     assert (out / "final" / "model.safetensors").is_file() and summary["final_model"] == str(out / "final")
     assert f"done: 4 steps, loss {summary['first_loss']:.4f} (first logged) -> {summary['final_loss']:.4f}" in p.stdout
+
+
+def test_overwrite_replaces_the_runs_resume_records_and_profiles_but_not_a_users_file_among_them(finished, tmp_path):
+    """A replaced run's resumes.jsonl described checkpoints that were gone; of profile/ only the profiler's own
+    files go (the folder stays while something of the user's is in it)."""
+    from shardwise import rundir
+
+    out = copy(finished, tmp_path)
+    (out / "resumes.jsonl").write_text('{"checkpoint": "checkpoints/step_00000002", "step": 2}\n')
+    (out / "profile").mkdir()
+    for name in ("step-3-rank0.txt", "step-3-rank1.json.gz"):
+        (out / "profile" / name).write_text("the profiler's")
+    rundir.clear(str(out))
+    assert not (out / "resumes.jsonl").exists() and not (out / "profile").exists()
+    assert not (out / "checkpoints").exists()
+    rundir.mark(str(out))  # as the launcher marks the directory again for the run replacing it
+    (out / "profile").mkdir()
+    (out / "profile" / "step-3-rank0.txt").write_text("the profiler's")
+    (out / "profile" / "my-notes.txt").write_text("the user's")
+    rundir.clear(str(out))
+    assert sorted(p.name for p in (out / "profile").iterdir()) == ["my-notes.txt"]
+
+
+def test_resume_auto_with_overwrite_resumes_and_says_nothing_is_replaced(finished, tmp_path):
+    out = copy(finished, tmp_path)
+    p = run_cli("train", *JOB[:-4], "--max-steps", "5", "--save-every", "2", "--output-dir", str(out), "--resume",
+                "auto", "--overwrite", timeout=300)
+    assert (f"shardwise: --resume auto --overwrite: {out} has a checkpoint to resume, so nothing is replaced "
+            "(--overwrite replaces a run only where --resume auto finds no checkpoint)") in p.stdout, p.stdout
+    assert f"resumed from {out}/checkpoints/step_00000004 at step 4" in p.stdout
+    assert json.loads((out / "summary.json").read_text())["steps"] == 5
+    q = run_cli("train", *JOB, "--output-dir", str(out), "--resume", str(out / "checkpoints" / "step_00000004"),
+                "--overwrite", check=False, timeout=300)
+    assert q.returncode == 2 and q.stderr.startswith("shardwise: error: flag --overwrite: --overwrite replaces the "
+                                                     "run in --output-dir and --resume "), q.stderr
