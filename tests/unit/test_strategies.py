@@ -123,9 +123,10 @@ def test_a_user_deepspeed_json_overrides_the_keys_no_flag_decides(tmp_path):
 
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000, "stage": 2},
-                                "gradient_clipping": 1, "communication_data_type": "fp16"}))
+                                "gradient_clipping": 1, "communication_data_type": "fp16", "comment": "mine"}))
     ds = ds_config(cfg_of(strategy="zero2", max_grad_norm=1.0, **{"deepspeed.config": str(user)}), 2, False)
     assert ds["gradient_clipping"] == 1.0 and ds["communication_data_type"] == "fp16"
+    assert ds["comment"] == "mine"  # a key close to no DeepSpeed key is left to DeepSpeed (newer keys)
     assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000}  # merged, not replaced
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -227,6 +228,8 @@ def test_an_hf_style_deepspeed_json_gets_its_autos_filled_as_the_hf_trainer_fill
                                    r"\.\.\.\}\), got \"yes\"; fix that key"),
     ({"zero_optimization__offload_param": "cpu"}, r": zero_optimization.offload_param: DeepSpeed reads this as a JSON "
                                                   r"object"),
+    ({"zero_optimisation": {"stage": 3}}, r": zero_optimisation: not a DeepSpeed key \(DeepSpeed would ignore it\); "
+                                          r"did you mean 'zero_optimization'\?"),
 ])
 def test_a_deepspeed_json_that_disagrees_with_the_run_is_refused_at_its_line(tmp_path, change, says):
     """A key a flag decides must say "auto" or agree (the data loader and the loop follow the flag); the message

@@ -22,6 +22,7 @@ resolves it again with the model's hidden size (strategies/deepspeed.py).
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 
@@ -35,6 +36,18 @@ OBJECT_SECTIONS = ("zero_optimization", "bf16", "bfloat16", "fp16", "amp", "opti
                    "tensorboard", "wandb", "csv_monitor", "comet", "aio", "data_efficiency", "compression_training",
                    "elasticity", "autotuning", "hybrid_engine", "torch_autocast", "weight_quantization", "nebula",
                    "curriculum_learning", "progressive_layer_drop", "eigenvalue", "sparse_attention", "timers")
+# DeepSpeed's other top-level keys (deepspeed/runtime/constants.py and config.py, 0.19): DeepSpeed ignores a key it
+# does not know, so a misspelt one (`zero_optimisation`) silently ran without its settings; a key close to one of
+# these is refused with the likely spelling (an unknown key close to none is left to DeepSpeed, for newer keys)
+SCALAR_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+               "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "memory_breakdown",
+               "communication_data_type", "seq_parallel_communication_data_type", "prescale_gradients",
+               "gradient_predivide_factor", "gradient_allreduce_op", "disable_allgather", "dump_state",
+               "disable_python_gc", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+               "dataloader_drop_last", "sparse_gradients", "use_data_before_expert_parallelism",
+               "use_node_local_storage", "load_universal", "graph_harvesting", "tensor_parallel",
+               "sequence_parallel_size", "mics_shard_size", "mics_hierarchical_params_gather", "vocabulary_size",
+               "zero_quantized_weights", "zero_quantized_gradients", "seed")
 REFUSED_SECTIONS = {
     "optimizer": "shardwise trains every strategy with its own AdamW; remove the section and set --lr, "
                  "--weight-decay (and the others of `shardwise train --help`)",
@@ -137,6 +150,11 @@ def resolve(user: UserConfig, cfg, world: int | None = None) -> dict:
     `fill_hidden` (or dropped below ZeRO-3 where they are stage-3 keys). Raises a ShardwiseError naming the file,
     line and key."""
     obj = json.loads(json.dumps(user.obj))  # a copy
+    known = OBJECT_SECTIONS + SCALAR_KEYS
+    for key in obj:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.85) if key not in known else []
+        if close:
+            raise user.refuse(key, f"not a DeepSpeed key (DeepSpeed would ignore it); did you mean '{close[0]}'?")
     for section in OBJECT_SECTIONS:
         if section in obj and not isinstance(obj[section], dict):
             raise user.refuse(section, f"DeepSpeed reads this as a JSON object ({{\"key\": value, ...}}), got "
