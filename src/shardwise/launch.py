@@ -272,6 +272,8 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
 
     model_dir = check_model(cfg, res)
     resume_notes = ckpt.check_resume(resume_from, cfg, model_dir) if resume_from else []
+    if resume_from:
+        resume_notes += _data_change_notes(resume_from, cfg)
     if loaded is None:  # else first_checks() checked the degrees
         check_tensor_parallel(cfg, res, world, model_dir)
         check_sequence_parallel(cfg, res, world, model_dir)
@@ -417,6 +419,23 @@ def first_checks(cfg: Config, res: Resolved) -> tuple[list, object, list]:
     check_tensor_parallel(cfg, res, world, model_dir)
     check_sequence_parallel(cfg, res, world, model_dir)
     return read_data(cfg, res)
+
+
+def _data_change_notes(resume_from: str, cfg: Config) -> list[str]:
+    """A note when a resume reads other data than the checkpoint's run (--data, --val-data): allowed (a curriculum,
+    a fixed file), but the saved data position (epoch, offset) then counts rows of the new data."""
+    from shardwise.train import checkpoint as ckpt
+
+    old = ckpt.read_meta(resume_from).get("config")
+    if not isinstance(old, dict):
+        return []
+    changed = [f"{key} {old[key]} -> {getattr(cfg, key)}" for key in ("data", "val_data")
+               if isinstance(old.get(key), str) and old[key] != getattr(cfg, key)]
+    if not changed:
+        return []
+    return [f"resuming {resume_from} on other data ({', '.join(changed)}); the data position it saved (epoch and "
+            "offset) is applied to the new data, so the rows it trains next are not those an uninterrupted run "
+            "would have"]
 
 
 def check_steps_left(cfg: Config, res: Resolved, resume_from: str, total: int) -> None:

@@ -113,3 +113,19 @@ def test_resume_auto_with_overwrite_resumes_and_says_nothing_is_replaced(finishe
                 "--overwrite", check=False, timeout=300)
     assert q.returncode == 2 and q.stderr.startswith("shardwise: error: flag --overwrite: --overwrite replaces the "
                                                      "run in --output-dir and --resume "), q.stderr
+
+
+def test_a_resume_on_other_data_says_so(finished, tmp_path):
+    """Allowed (a curriculum), but the saved data position then counts rows of the new data: a note, as for a
+    changed batch shape (a resume onto another file said nothing)."""
+    from tests.helpers import chat_records, write_jsonl
+
+    out = copy(finished, tmp_path)
+    data = write_jsonl(str(tmp_path / "chat.jsonl"), chat_records(64))
+    p = run_cli("train", *JOB[:-4], "--max-steps", "5", "--save-every", "2", "--output-dir", str(out), "--resume",
+                "auto", "--data", data, timeout=300)
+    assert (f"shardwise: resuming {out}/checkpoints/step_00000004 on other data (data demo -> {data}); the data "
+            "position it saved (epoch and offset) is applied to the new data") in p.stdout, p.stdout
+    assert json.loads((out / "summary.json").read_text())["steps"] == 5
+    assert [json.loads(ln)["notes"] for ln in (out / "resumes.jsonl").read_text().splitlines()][-1][-1].startswith(
+        f"resuming {out}/checkpoints/step_00000004 on other data")
