@@ -541,3 +541,18 @@ def test_more_ranks_than_cores_gets_a_note():
     assert oversubscribed(cores) is None and oversubscribed(1) is None
     assert oversubscribed(cores + 1) == (f"note: {cores + 1} ranks on this node's {cores} CPU core(s): they share "
                                          f"cores, so each step is slower than with --nproc-per-node {cores} or fewer")
+
+
+@pytest.mark.parametrize("name, says", [
+    ("rows.parquet", "not a Parquet file (it does not start with PAR1)"),
+    ("rows.arrow", "not an Arrow file (it does not start with ARROW1 (or an Arrow stream's 0xFFFFFFFF))"),
+])
+def test_a_parquet_or_arrow_file_without_its_format_is_named_as_such(tmp_path, name, says):
+    """Random bytes named .parquet were read as JSON lines ("line 1: not valid UTF-8 ... --skip-bad-records")."""
+    from shardwise.data.sources import read_records
+
+    f = tmp_path / name
+    f.write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(ShardwiseError) as e:
+        read_records(str(f))
+    assert str(e.value) == f"{f}: {says}; re-export it, or rename it if it holds JSON lines"

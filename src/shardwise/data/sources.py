@@ -113,6 +113,10 @@ def file_kind(path: str) -> str:
         return "arrow-stream"
     first = head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
     ext = os.path.splitext(path)[1].lower()
+    if ext in (".parquet", ".arrow") and head:  # named as one, but without the format's magic bytes
+        want = "PAR1" if ext == ".parquet" else "ARROW1 (or an Arrow stream's 0xFFFFFFFF)"
+        raise ShardwiseError(f"{path}: not a{' Parquet' if ext == '.parquet' else 'n Arrow'} file (it does not "
+                             f"start with {want}); re-export it, or rename it if it holds JSON lines")
     if first == b"[":
         return "json-array"
     if ext in (".csv", ".tsv"):
