@@ -329,8 +329,9 @@ def _yaml_with_lines(path: str) -> dict[str, tuple[Any, str]]:
     except RecursionError:
         raise ShardwiseError(f"{path}: the YAML is nested too deeply to read; a config is a mapping of keys to "
                              "values (one level of sections)")
-    if data is None:
-        return {}
+    if data is None:  # nothing but comments or blanks: the run would be the built-in tiny demo, unasked
+        raise ShardwiseError(f"{path}: the config file is empty (no key in it); give the run's keys (docs/config.md), "
+                             "or leave the file out and use flags")
     if not isinstance(data, dict) or node is None or not isinstance(node, yaml.MappingNode):
         raise ShardwiseError(f"{path}:1: a config file must be a mapping of keys to values")
     out: dict[str, tuple[Any, str]] = {}

@@ -556,3 +556,13 @@ def test_a_parquet_or_arrow_file_without_its_format_is_named_as_such(tmp_path, n
     with pytest.raises(ShardwiseError) as e:
         read_records(str(f))
     assert str(e.value) == f"{f}: {says}; re-export it, or rename it if it holds JSON lines"
+
+
+@pytest.mark.parametrize("text", ["", "# settings to come\n\n"])
+def test_an_empty_config_file_is_refused_not_the_demo(tmp_path, text):
+    """An empty CONFIG (or only comments) trained the built-in tiny model on the demo data without a word."""
+    f = write(tmp_path, text)
+    with pytest.raises(ShardwiseError) as e:
+        config.load_config(str(f), {})
+    assert one_line(e) == (f"{f}: the config file is empty (no key in it); give the run's keys (docs/config.md), or "
+                           "leave the file out and use flags")
