@@ -290,7 +290,7 @@ f8sel() {
 # fsdp on both GPUs, the anchor job per GPU (the harness checked on the CPU: vs_hf_trainer.py --smoke --gpus 2)
 zero3hf() {
   timeout -k 10 580 python3 benchmarks/vs_hf_trainer.py --out "$OUT/zero3hf" --gpus 2 --steps 24 --warmup 8 \
-    --variants hf-trainer-zero3,sw-zero3,sw-fsdp-all,hf-trainer-zero3
+    --variants hf-trainer-zero3,sw-zero3,sw-zero3-hfjson,sw-fsdp-all,hf-trainer-zero3
 }
 # twelfth session (one GPU): ZeRO-3 fetching whole blocks (deepspeed.fetch block, compiled blocks one graph) against
 # DeepSpeed's per-submodule fetch, eager, fsdp, and the HF Trainer with the same DeepSpeed ZeRO-3 on one GPU
