@@ -566,3 +566,17 @@ def test_an_empty_config_file_is_refused_not_the_demo(tmp_path, text):
         config.load_config(str(f), {})
     assert one_line(e) == (f"{f}: the config file is empty (no key in it); give the run's keys (docs/config.md), or "
                            "leave the file out and use flags")
+
+
+def test_a_json_array_with_a_syntax_error_names_its_line(tmp_path):
+    """pyarrow's parser reported "at position 16750"; the line is what an editor goes to."""
+    import json
+
+    from shardwise.data.sources import read_records
+
+    rows = [json.dumps({"text": f"row {i}"}) for i in range(5)]
+    f = tmp_path / "rows.json"
+    f.write_text("[\n" + ",\n".join(rows) + ",\n]\n")  # a trailing comma: the value it promises is missing on line 7
+    with pytest.raises(ShardwiseError) as e:
+        read_records(str(f))
+    assert str(e.value) == f"{f}:7: not valid JSON (Expecting value at column 1); fix the file there"

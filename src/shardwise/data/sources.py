@@ -261,9 +261,26 @@ def _hf_dataset(path: str, kind: str, cache: str):
             detail = f"byte 0x{cause.object[cause.start]:02x} at offset {cause.start}"
         if isinstance(cause, UnicodeDecodeError) or "utf8" in detail.lower().replace("-", ""):
             raise ShardwiseError(f"{path}: not valid UTF-8 ({detail}); convert the file to UTF-8") from None
+        if kind == "json-array":  # pyarrow's parser names a byte position; Python's names the line
+            _json_array_syntax(path)
         name = {"saved": "saved dataset", "json-array": "JSON array", "csv": "CSV", "parquet": "Parquet"}.get(kind, "Arrow")
         raise ShardwiseError(f"{path}: cannot read this {name} file ({type(cause).__name__}: {detail}); "
                              "check that it is complete and in that format") from None
+
+
+def _json_array_syntax(path: str) -> None:
+    """Raise a ShardwiseError at the line and column of a JSON syntax error in `path` (a file datasets could not
+    read), if Python's parser finds one."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8-sig") as fh:
+            json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ShardwiseError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno}); fix the file "
+                             "there") from None
+    except (OSError, ValueError, RecursionError):
+        return
 
 
 def read_records(path: str, fmt: str = "auto", skip_bad: bool = False, columns: dict | None = None,
