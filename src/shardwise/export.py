@@ -77,9 +77,13 @@ def export(checkpoint: str, out: str, merge_lora: bool = False, trust_remote_cod
 
     from shardwise.config import from_dict
     from shardwise.train import checkpoint as ckpt
-    ckpt.verify(path)  # before anything of it is read: complete, and nothing in it can run code
+    ckpt.verify(path, rng=False)  # before anything of it is read: complete, and nothing in it can run code
     meta = ckpt.read_meta(path)
-    cfg = from_dict(meta["config"])
+    try:
+        cfg = from_dict(meta["config"])
+    except (TypeError, ValueError) as e:
+        raise ShardwiseError(f"checkpoint {path}: meta.json key 'config' is not a shardwise run's config ({e}); the "
+                             "checkpoint is damaged, use an older one") from None
     hf_dir = os.path.join(path, "hf")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ShardwiseError(f"{path}: the checkpoint has no hf/config.json (written by an older shardwise?)")

@@ -14,11 +14,14 @@ items of the shards; here `.metadata` goes through an unpickler that admits only
 metadata classes and plain values, and non-tensor items through `torch.load(weights_only=True)`.
 meta.json records every file's size and the sha256 of `.metadata`, so a truncated or
 missing file is found before anything is loaded (shards are not hashed: that would read
-every byte of a large checkpoint).
+every byte of a large checkpoint); the same cheap check refuses a meta.json whose keys have
+the wrong type or range and an unreadable RNG file. A shard with garbage inside is named
+when it is loaded, never with torch's advice to load it with weights_only=False.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import hashlib
@@ -80,12 +83,17 @@ def skipped_newer(output_dir: str) -> list[tuple[str, str]]:
 
 
 def read_meta(path: str) -> dict:
+    """meta.json, its keys' types and ranges checked (`meta_problem`): a damaged one is refused in one line."""
     try:
         with open(os.path.join(path, META)) as fh:
-            return json.load(fh)
-    except (OSError, json.JSONDecodeError) as e:
+            meta = json.load(fh)
+    except (OSError, ValueError) as e:
         raise ShardwiseError(f"--resume {path}: not a complete shardwise checkpoint ({e}); "
                              "give a checkpoints/step_N directory or use --resume auto")
+    why = meta_problem(meta, path, required=("step", "data_position", "config"))
+    if why is not None:
+        raise CorruptCheckpoint(f"checkpoint {path}: {why}; the checkpoint is damaged, use an older one")
+    return meta
 
 
 def save(output_dir: str, step: int, state: dict, meta: dict, rank: int, keep: int, model_dir: str = "",
@@ -215,16 +223,18 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def problem(path: str) -> str | None:
-    """What makes this checkpoint unusable (missing/truncated files, a changed .metadata),
-    or None. Cheap: sizes, and one hash of the small .metadata file."""
+def problem(path: str, rng: bool = True) -> str | None:
+    """What makes this checkpoint unusable (a damaged meta.json, missing/truncated files, a changed .metadata,
+    with `rng` an unreadable rng/rankR.pt), or None. Cheap: sizes, one hash of the small .metadata file, and a
+    read of the small RNG files (the shards are not read: garbage in them is found when they are loaded)."""
     try:
         with open(os.path.join(path, META)) as fh:
             meta = json.load(fh)
     except (OSError, ValueError) as e:
         return f"{META} unreadable ({_first_line(e)})"
-    if not isinstance(meta, dict):
-        return f"{META} is not a JSON object"
+    why = meta_problem(meta, path)
+    if why is not None:
+        return why
     md = os.path.join(path, DCP_METADATA)
     if not os.path.isfile(md):
         return f"{DCP_METADATA} is missing"
@@ -236,17 +246,148 @@ def problem(path: str) -> str | None:
             return f"{rel} has {os.path.getsize(f)} bytes, {size} were written"
     if meta.get("metadata_sha256") and _sha256(md) != meta["metadata_sha256"]:
         return f"{DCP_METADATA} differs from the one written (sha256)"
+    rng_dir = os.path.join(path, "rng")
+    if rng and os.path.isdir(rng_dir):
+        for f in sorted(os.listdir(rng_dir)):
+            why = _rng_problem(os.path.join(rng_dir, f))
+            if why is not None:
+                return f"rng/{f} is corrupt ({why})"
     return None
+
+
+def _json_type(v) -> str:
+    if v is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def meta_problem(meta, path: str, required: tuple[str, ...] = ("step",)) -> str | None:
+    """What is wrong with a checkpoint's meta.json (already parsed): a missing `required` key, a key of the wrong
+    type, a value out of range; or None. Every reader of meta.json goes through this, so a damaged one is one
+    line naming the key, not a traceback wherever the value is first used."""
+    if not isinstance(meta, dict):
+        return f"{META} is not a JSON object (it is {_json_type(meta)})"
+    for key in required:
+        if key not in meta:
+            return f"{META} has no key '{key}'"
+
+    def bad(key: str, want: str) -> str:
+        v = meta
+        for part in key.split("."):
+            v = v[part]
+        return f"{META} key '{key}' must be {want} (it is {_json_type(v)})"
+
+    files = meta.get("files")
+    if files is not None:
+        if not isinstance(files, dict):
+            return bad("files", "an object mapping each file to its size")
+        for rel, size in files.items():
+            if not _is_int(size) or size < 0:
+                return f"{META} key 'files' gives {rel} the size {size!r}, not a byte count"
+    if "metadata_sha256" in meta and not isinstance(meta["metadata_sha256"], str):
+        return bad("metadata_sha256", "a string")
+    step = meta.get("step")
+    if "step" in meta:
+        if not _is_int(step):
+            return bad("step", "an integer")
+        m = STEP_RE.match(os.path.basename(os.path.normpath(path)))
+        if step < 0:
+            return f"{META} key 'step' is {step}, less than 0"
+        if m and int(m.group(1)) != step:
+            return f"{META} key 'step' is {step}, but the checkpoint's directory is {m.group(0)}"
+    for key, least in (("tokens_seen", 0), ("world_size", 1)):
+        if key in meta and not _is_int(meta[key]):
+            return bad(key, "an integer")
+        if meta.get(key, least) < least:
+            return f"{META} key '{key}' is {meta[key]}, less than {least}"
+    if "strategy" in meta and not isinstance(meta["strategy"], str):
+        return bad("strategy", "a string")
+    for key in ("config", "model_arch"):
+        if key in meta and not isinstance(meta[key], dict):
+            return bad(key, "an object")
+    config = meta.get("config") or {}
+    for key in ("lora",):
+        if key in config and not isinstance(config[key], dict):
+            return bad(f"config.{key}", "an object")
+    for key in ("first_loss", "wall_time_s"):
+        if meta.get(key) is not None and (isinstance(meta[key], bool) or not isinstance(meta[key], (int, float))):
+            return bad(key, "a number")
+    if "data_position" in meta:
+        pos = meta["data_position"]
+        if not isinstance(pos, dict):
+            return bad("data_position", "an object with the keys epoch and offset")
+        if set(pos) - {"epoch", "offset"}:
+            return f"{META} key 'data_position' has unknown keys {sorted(set(pos) - {'epoch', 'offset'})}"
+        for key in ("epoch", "offset"):
+            if key in pos and not _is_int(pos[key]):
+                return bad(f"data_position.{key}", "an integer")
+            if pos.get(key, 0) < 0:
+                return f"{META} key 'data_position.{key}' is {pos[key]}, less than 0"
+        # a step reads at most one new epoch; every row read holds at least one token
+        if _is_int(step) and pos.get("epoch", 0) > step:
+            return f"{META} key 'data_position.epoch' is {pos['epoch']}, more than the {step} steps taken"
+        seen = meta.get("tokens_seen")
+        if _is_int(seen) and pos.get("offset", 0) > seen:
+            return (f"{META} key 'data_position.offset' is {pos['offset']} rows, more than the {seen} tokens the "
+                    "run had read (tokens_seen)")
+    return None
+
+
+def _rng_problem(f: str) -> str | None:
+    try:
+        _read_rng(f)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _read_rng(f: str) -> dict:
+    """An rng/rankR.pt file's states, read as weights only and tried on a spare generator (never the process's
+    own); ValueError saying what is wrong with it."""
+    try:
+        st = torch.load(f, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a damaged file raises almost anything
+        raise ValueError(_load_error_text(e)) from None
+    if not isinstance(st, dict) or not isinstance(st.get("cpu"), torch.Tensor) or st["cpu"].dtype != torch.uint8:
+        raise ValueError("no CPU generator state in it")
+    if "cuda" in st and (not isinstance(st["cuda"], torch.Tensor) or st["cuda"].dtype != torch.uint8):
+        raise ValueError("its CUDA generator state is not a byte tensor")
+    try:
+        torch.Generator().set_state(st["cpu"])
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"its CPU generator state is invalid: {_first_line(e)}") from None
+    return st
+
+
+# torch's weights-only refusal of a global: "Unsupported global: GLOBAL m.f ..." or "... unsupported GLOBAL m.f whose
+# module m is blocked"; a pickle naming one was made to run code, not damaged by chance
+_UNSUPPORTED_GLOBAL = re.compile(r"\bGLOBAL ([\w.]+)")
+
+
+def _load_error_text(e: BaseException) -> str:
+    """A torch.load failure in a few words, without the advice torch gives with weights_only failures (to load the
+    file with weights_only=False, that is, to let it run code): a checkpoint never needs that."""
+    text = str(e)
+    if "Weights only load failed" in text:
+        m = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
+        return m.group(1).strip()[:120] if m else "a damaged pickle"
+    return _first_line(e).split(". ")[0]  # PytorchStreamReader's line goes on with advice of its own
 
 
 class CorruptCheckpoint(ShardwiseError):
     pass
 
 
-def verify(path: str) -> dcp_metadata.Metadata:
+def verify(path: str, rng: bool = True) -> dcp_metadata.Metadata:
     """Refuse a checkpoint that is incomplete, corrupt or asks to run code; returns DCP's
-    metadata, read without running anything. Every byte range it names must exist."""
-    why = problem(path)
+    metadata, read without running anything. Every byte range it names must exist. `rng`: its
+    RNG files are read too (a resume restores them; an export does not need them)."""
+    why = problem(path, rng)
     if why is not None:
         raise CorruptCheckpoint(f"checkpoint {path} is incomplete or corrupt: {why}; use an older checkpoint "
                                 "(--resume auto picks the newest complete one)")
@@ -331,9 +472,32 @@ def _safe_io() -> tuple[type, type]:
     from torch.distributed.checkpoint import metadata as dcp_metadata
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.futures import Future
 
     class SafeReader(FileSystemReader):
-        """DCP's file reader with .metadata read by the restricted unpickler."""
+        """DCP's file reader with .metadata read by the restricted unpickler, and a shard that cannot be read
+        named in one line (DCP's own error is torch's advice to load it with weights_only=False)."""
+
+        def read_data(self, plan, planner):
+            by_file: dict[str, list] = {}
+            for item in plan.items:
+                by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            for rel, items in by_file.items():  # one file at a time, so that a failure names its file
+                try:
+                    super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+                except (ShardwiseError, AssertionError):  # refused by us; a size mismatch (another model)
+                    raise
+                except Exception as e:  # noqa: BLE001 - a damaged file raises almost anything
+                    glob = _UNSUPPORTED_GLOBAL.search(str(e))
+                    if glob:
+                        raise ShardwiseError(f"checkpoint {self.path}: refused to load {rel}: it asks for "
+                                             f"'{glob.group(1)}', which a checkpoint never needs (a tampered or "
+                                             "foreign file; loading it could run code); nothing from it was used")
+                    raise CorruptCheckpoint(damaged(str(self.path), f"{rel} is corrupt (unreadable tensor data: "
+                                                                    f"{_load_error_text(e)})")) from None
+            fut = Future()
+            fut.set_result(None)
+            return fut
 
         def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
             rank = kwargs.get("rank")
@@ -351,8 +515,12 @@ def _safe_io() -> tuple[type, type]:
             try:
                 torch.load(value, weights_only=True)
             except Exception as e:  # noqa: BLE001
-                raise ShardwiseError(f"refused to load item {read_item.dest_index.fqn} of the checkpoint: "
-                                     f"{_first_line(e)}; nothing from it was used")
+                glob = _UNSUPPORTED_GLOBAL.search(str(e))
+                if glob is None:  # damaged, not tampered: SafeReader names the file
+                    raise
+                raise ShardwiseError(f"refused to load item {read_item.dest_index.fqn} of the checkpoint: it asks "
+                                     f"for '{glob.group(1)}', which a checkpoint never needs (a tampered or foreign "
+                                     "file; loading it could run code); nothing from it was used")
             value.seek(0)
             super().load_bytes(read_item, value)
 
@@ -416,7 +584,7 @@ def _first_line(e: BaseException) -> str:
 def load(path: str, state: dict, no_dist: bool = False) -> None:
     """Fill `state` (from strategy.state_dict) in place from a checkpoint, resharding;
     verified first, and read without running anything it holds."""
-    verify(path)
+    verify(path, rng=False)  # restore_rng reads the RNG files (and the launcher's verify did)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -432,8 +600,25 @@ def load(path: str, state: dict, no_dist: bool = False) -> None:
         ours = [x for x in (e, *inner) if isinstance(x, ShardwiseError)]
         if ours:
             raise ShardwiseError(str(ours[0])) from None
-        raise ShardwiseError(f"checkpoint {path}: cannot load it ({_first_line(inner[0] if inner else e)}); it "
-                             "may not match this model or tuner") from None
+        raise ShardwiseError(f"checkpoint {path}: cannot load it ({_load_error_text(inner[0] if inner else e)}); "
+                             "it may not match this model or tuner") from None
+
+
+def damaged(path: str, what: str) -> str:
+    """The line for a checkpoint found damaged while it is read, naming the newest intact one before it."""
+    older = _older_intact(path)
+    return (f"checkpoint {path}: {what}; the checkpoint is damaged, use an older one"
+            + (f": {older}" if older else " (none older is intact in its directory)"))
+
+
+def _older_intact(path: str) -> str | None:
+    root, name = os.path.split(os.path.normpath(path))
+    if not STEP_RE.match(name) or not os.path.isdir(root):
+        return None
+    for d in sorted((d for d in os.listdir(root) if STEP_RE.match(d) and d < name), reverse=True):
+        if os.path.isfile(os.path.join(root, d, META)) and problem(os.path.join(root, d)) is None:
+            return os.path.join(root, d)
+    return None
 
 
 # the grouped form's list of names per group; the flat form has no "params" entry (a parameter named
@@ -460,7 +645,10 @@ def restore_rng(path: str, rank: int) -> bool:
     f = os.path.join(path, "rng", f"rank{rank}.pt")
     if not os.path.isfile(f):
         return False
-    st = torch.load(f, weights_only=True)
+    try:
+        st = _read_rng(f)
+    except ValueError as e:
+        raise CorruptCheckpoint(damaged(path, f"rng/rank{rank}.pt is corrupt ({e})")) from None
     torch.random.set_rng_state(st["cpu"])
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state(st["cuda"])
