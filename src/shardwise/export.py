@@ -84,6 +84,9 @@ def export(checkpoint: str, out: str, merge_lora: bool = False, trust_remote_cod
     except (TypeError, ValueError) as e:
         raise ShardwiseError(f"checkpoint {path}: meta.json key 'config' is not a shardwise run's config ({e}); the "
                              "checkpoint is damaged, use an older one") from None
+    if merge_lora and cfg.tuner == "full":  # as train refuses --merge-lora without --tuner lora
+        raise ShardwiseError(f"--merge-lora: {path} is a full fine-tune (tuner full), with no LoRA adapter to "
+                             "merge; export it without --merge-lora (it is already a full model)")
     hf_dir = os.path.join(path, "hf")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ShardwiseError(f"{path}: the checkpoint has no hf/config.json (written by an older shardwise?)")

@@ -136,6 +136,12 @@ def test_a_meta_json_of_the_wrong_shape_is_one_line_and_nothing_is_written(made,
     assert snapshot(run) == before and not (tmp_path / "exp").exists()
 
 
+def test_export_merge_lora_of_a_full_fine_tune_is_refused(made, tmp_path, capsys):
+    line = one_line_error(cli_here(capsys, "export", ck(made[0], 4), "--out", tmp_path / "exp", "--merge-lora"))
+    assert "--merge-lora" in line and "full fine-tune" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
 class MakesMarker:
     """Unpickling this creates a directory: the proof that loading ran code."""
 
