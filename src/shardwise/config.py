@@ -715,8 +715,7 @@ def validate(res: Resolved) -> None:
         need(c.deepspeed.fetch == "block" or c.deepspeed.stage == 3, "deepspeed.fetch",
              "deepspeed.fetch chooses ZeRO-3's fetch unit; use --strategy zero3 or drop the option")
         if c.deepspeed.config:
-            _check_json_object(c.deepspeed.config, w("deepspeed.config"))
-            check_deepspeed_json(c)
+            _check_json_object(c.deepspeed.config, w("deepspeed.config"))  # its keys: launch.resolve_runtime
     if base == "fsdp" and c.fsdp.hybrid and c.fsdp.shard_group_size and c.nproc_per_node:
         world = c.nproc_per_node * c.nnodes
         need(world % c.fsdp.shard_group_size == 0, "fsdp.shard_group_size",
@@ -755,14 +754,6 @@ def validate(res: Resolved) -> None:
             need(world % (c.sequence_parallel * c.tensor_parallel) == 0, "sequence_parallel",
                  f"sequence_parallel {c.sequence_parallel} x tensor_parallel {c.tensor_parallel} must divide the "
                  f"{world} ranks (nnodes x nproc_per_node); the rest are data-parallel")
-
-
-def check_deepspeed_json(c: Config, world: int | None = None) -> None:
-    """The user's DeepSpeed JSON against this run's settings (strategies/ds_json.py: "auto", keys a flag decides,
-    sections DeepSpeed reads as objects); `world` None before the launcher knows the ranks."""
-    from shardwise.strategies import ds_json
-
-    ds_json.resolve(ds_json.UserConfig.read(c.deepspeed.config), c, world)
 
 
 def _check_json_object(path: str, where: str) -> None:

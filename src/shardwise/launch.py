@@ -71,10 +71,11 @@ def resolve_runtime(res: Resolved) -> Config:
     if cfg.mixed_precision == "bf16" and cuda and not bf16_supported():
         raise ShardwiseError(f"{res.where('mixed_precision')}: this GPU has no bf16; use --mixed-precision fp16")
     if cfg.deepspeed.config and cfg.strategy in presets.PRESETS and presets.base_strategy(cfg.strategy) == "deepspeed":
-        # again, with the precision and the ranks now known
-        from shardwise.config import check_deepspeed_json
+        # its keys against this run's settings ("auto", keys a flag decides, sections of the wrong type), with the
+        # precision and the ranks now known, before anything is written
+        from shardwise.strategies import ds_json
 
-        check_deepspeed_json(cfg, cfg.nproc_per_node * cfg.nnodes)
+        ds_json.resolve(ds_json.UserConfig.read(cfg.deepspeed.config), cfg, cfg.nproc_per_node * cfg.nnodes)
     if not cfg.output_dir:
         cfg.output_dir = os.path.join("runs", f"{cfg.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg.output_dir = os.path.abspath(cfg.output_dir)
@@ -336,18 +337,17 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     if val is not None:
         say(f"validation: {val.stats['sequences']} sequences, {val.stats['loss_tokens']:,} loss tokens "
             f"({'from ' + cfg.val_data if cfg.val_data else f'{cfg.val_split:g} of the records, held out'})")
+    resume_record: dict = {}
     if node0:
         if resume_from and os.path.isfile(os.path.join(out, "config.yaml")):
-            # the run's config.yaml stays as it was written; each resume is recorded beside it
-            record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "checkpoint": resume_from,
-                      "step": ckpt.read_meta(resume_from).get("step"), "notes": resume_notes,
-                      "config": dataclasses.asdict(cfg)}
-            with open(os.path.join(out, "resumes.jsonl"), "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+            # the run's config.yaml stays as it was written; each resume is recorded beside it (resumes.jsonl), by
+            # rank 0 once the checkpoint has loaded (train/loop.py): a checkpoint that fails to load records nothing
+            resume_record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "notes": resume_notes,
+                             "config": dataclasses.asdict(cfg)}
         else:
             rundir.atomic_write(os.path.join(out, "config.yaml"), to_yaml(cfg, out))
     job = {"config": dataclasses.asdict(cfg), "model_dir": model_dir, "data_file": data_file,
-           "output_dir": out, "resume": cfg.resume, "val_file": val_file,
+           "output_dir": out, "resume": cfg.resume, "val_file": val_file, "resume_record": resume_record,
            "timeline": {"process_start": phases.process_start(), "prepare_start": t0 or time.time(),
                         **(marks or {}), "prepared": time.time()}}
     job_path = os.path.join(prep, "job.json")

@@ -82,6 +82,7 @@ def test_garbage_in_a_shard_is_named_with_an_older_checkpoint(made, tmp_path, ca
         assert f"checkpoint {ck(run, 4)}: {shard.name} is corrupt (unreadable tensor data" in line, line
         assert f"use an older one: {ck(run, 2)}" in line, line
     assert not (tmp_path / "exp").exists()
+    assert not (run / "resumes.jsonl").exists()  # rank 0 records a resume once its checkpoint has loaded
 
 
 def corrupt_rng(run) -> Path:

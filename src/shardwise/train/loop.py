@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardwise import phases, strategies
+from shardwise import phases, rundir, strategies
 from shardwise.config import Config, from_dict
 from shardwise.data.batches import DataPosition, StepBatch, StepSampler, padding_free
 from shardwise.data.encode import Encoded
@@ -51,6 +51,7 @@ class Job:
     resume: str  # "none", "auto" or a checkpoint path
     val_file: str = ""  # the tokenized validation set, if any
     timeline: dict = dataclasses.field(default_factory=dict)  # the launcher's marks (shardwise.phases)
+    resume_record: dict = dataclasses.field(default_factory=dict)  # for resumes.jsonl, once the checkpoint loaded
 
 
 class Preempted(Exception):
@@ -213,6 +214,11 @@ class Trainer:
         same_world = meta.get("world_size") == env.world_size
         if same_world:
             ckpt.restore_rng(resume_from, env.rank)
+        if env.is_main and self.job.resume_record:  # the launcher's record of this resume, now that it happened
+            record = {**self.job.resume_record, "checkpoint": resume_from, "step": self.step}
+            with open(os.path.join(out, rundir.RESUMES), "a") as fh:
+                fh.write(json.dumps({k: record[k] for k in ("time", "checkpoint", "step", "notes", "config")
+                                     if k in record}) + "\n")
         notes.append(f"resumed from {resume_from} at step {self.step} (saved by {meta.get('strategy')} on "
                      f"{meta.get('world_size')} ranks; now {cfg.strategy} on {env.world_size})"
                      + ("" if same_world else f"; data continues at row {pos.offset} of epoch {pos.epoch}, "
