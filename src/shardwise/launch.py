@@ -502,7 +502,8 @@ def check_model(cfg: Config, res: Resolved, shapes: bool = True) -> str:
 
 
 def _check_config_json(model_dir: str, where: str) -> None:
-    """The model's config.json is one JSON object (every later check and the workers read it)."""
+    """The model's config.json is one JSON object (every later check and the workers read it), its sizes positive
+    integers (the checks below read heads and max_position_embeddings from it before transformers does)."""
     path = os.path.join(model_dir, "config.json")
     try:
         with open(path, "rb") as fh:
@@ -515,6 +516,12 @@ def _check_config_json(model_dir: str, where: str) -> None:
         raise ShardwiseError(f"{where}: {path}: cannot read it ({e.strerror}); fix or replace the file") from None
     if not isinstance(obj, dict):
         raise ShardwiseError(f"{where}: {path}: not a JSON object ({{\"key\": value, ...}}); fix or replace the file")
+    from shardwise.models.load import config_size_problem
+
+    bad = config_size_problem(obj)  # read as numbers by the checks below (heads, max_position_embeddings)
+    if bad:
+        raise ShardwiseError(f"{where}: {path}: {bad}; fix it, or copy config.json from the model the weights "
+                             "come from")
 
 
 def validation_records(cfg: Config, res: Resolved, records: list) -> tuple[list, list]:

@@ -251,9 +251,37 @@ def check_options(tokenizer, options: ChatOptions | None, chat: bool) -> None:
                              "assistant turn) contradict each other; pass one of them")
 
 
+def _beyond_vocab(tokenizer, vocab: int, who: str, what: str) -> ShardwiseError:
+    """The line for a token id the model cannot embed (`what`: which id, where)."""
+    top = max(tokenizer.get_vocab().values(), default=-1)
+    return ShardwiseError(f"{who}: {what} but config.json vocab_size is {vocab} (the model embeds ids 0-{vocab - 1}); "
+                          f"the tokenizer ({len(tokenizer)} tokens, ids up to {top}) is not this model's: copy its "
+                          "tokenizer files from the model the weights come from (or, if tokens were added to it, "
+                          "resize the model's embeddings to match)")
+
+
+def check_pad_id(tokenizer) -> None:
+    """Padding puts the pad token's id in the batches' inputs: it must be one the model can embed (the vocab size
+    load_tokenizer attached as `shardwise_vocab`; no check without one)."""
+    vocab, who = getattr(tokenizer, "shardwise_vocab", (None, ""))
+    pad = tokenizer.pad_token_id
+    if vocab is not None and pad is not None and pad >= vocab:
+        eos = tokenizer.eos_token_id
+        hint = f" (e.g. its eos token {tokenizer.eos_token!r})" if eos is not None and eos < vocab else ""
+        raise ShardwiseError(f"{who}: its pad token {tokenizer.pad_token!r} has id {pad} but config.json vocab_size "
+                             f"is {vocab}: padding would index past the model's embedding; set pad_token in "
+                             f"tokenizer_config.json to a token below {vocab}{hint}")
+
+
 def encode(records: list[Record], tokenizer, seq_len: int, packing: bool,
            options: ChatOptions | None = None) -> Encoded:
+    """Records -> Encoded rows. A token id the model cannot embed (at or above config.json's vocab_size, which
+    load_tokenizer attached to the tokenizer) is refused here, naming the record, before anything is written: the
+    ids the data holds, not the tokenizer's size, since a real tokenizer may list ids past the embedding that text
+    never produces (transformers' Qwen2 tokenizer adds <|endoftext|> at id vocab_size to a 512-token model)."""
     check_options(tokenizer, options, any(r.kind == "chat" for r in records))
+    check_pad_id(tokenizer)
+    vocab, who = getattr(tokenizer, "shardwise_vocab", (None, ""))
     budget = (seq_len + 1) * CHARS_PER_TOKEN_BOUND
     rows_in, rows_tg, sources = [], [], []
     truncated = dropped = nevers = 0
@@ -265,6 +293,8 @@ def encode(records: list[Record], tokenizer, seq_len: int, packing: bool,
             truncated += 1
             ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
         tg = shift(ids, mask)[:seq_len]
+        if vocab is not None and ids and max(ids) >= vocab:  # an input (or the last input's target) it cannot embed
+            raise _beyond_vocab(tokenizer, vocab, who, f"its tokenizer gives token id {max(ids)} in {rec.source}")
         ids = ids[:seq_len]
         if not any(t != IGNORE for t in tg):
             dropped += 1

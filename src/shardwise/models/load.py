@@ -62,70 +62,186 @@ def lean_transformers() -> None:
                     setattr(module, check, _unavailable)
 
 
-def check_weights(model_dir: str) -> dict[str, list[int]]:
+def check_weights(model_dir: str, what: str | None = None) -> dict[str, list[int]]:
     """Every safetensors file is complete: its header parses and the file is as long as
     the header says. Catches truncated downloads and copies before any worker starts.
-    Returns {tensor name: shape} from the headers."""
+    Returns {tensor name: shape} from the headers. `what` names the directory in messages (default --model DIR)."""
     import json
-    import struct
 
+    what = what or f"--model {model_dir}"
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
             with open(index) as fh:
                 files = sorted(set(json.load(fh)["weight_map"].values()))
-        except (OSError, ValueError, KeyError) as e:
-            raise ShardwiseError(f"--model {model_dir}: model.safetensors.index.json is unreadable ({e})")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ShardwiseError(f"{what}: model.safetensors.index.json is unreadable ({e}); re-copy it from the "
+                                 "model it came from")
     else:
         files = ["model.safetensors"]
     shapes = {}
     for f in files:
-        path = os.path.join(model_dir, f)
-        try:
-            size = os.path.getsize(path)
-            with open(path, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                if n > size:
-                    raise ValueError("header longer than the file")
-                header = json.loads(fh.read(n))
-            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        except (OSError, ValueError, struct.error, KeyError, TypeError) as e:
-            raise ShardwiseError(f"--model {model_dir}: {f} is missing or corrupt ({e}); re-copy the weights")
-        if size < 8 + n + end:
-            raise ShardwiseError(f"--model {model_dir}: {f} is truncated ({size} of {8 + n + end} bytes); "
-                                 "re-copy the weights")
-        shapes.update({k: v.get("shape") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)})
+        shapes.update(safetensors_shapes(os.path.join(model_dir, f), f"{what}: {f}", "re-copy the weights"))
     return shapes
 
 
-def check_shapes(model_dir: str, shapes: dict, trust_remote_code: bool = False):
-    """The weights' shapes (from the safetensors headers) are those config.json describes:
-    the model is built on the meta device (no memory, no weights read) and every tensor both
-    name is compared, so a mismatch is one line before launch, not an error in each worker.
-    Returns the meta-device model (None where it was not built: custom code, packed weights, a build error)."""
+def safetensors_shapes(path: str, where: str, todo: str) -> dict[str, list[int]]:
+    """{tensor name: shape} from a safetensors file's header, the file checked to be as long as the header says;
+    one line (`where`: what is wrong; `todo`) for a missing, corrupt or truncated file."""
+    import json
+    import struct
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > size:
+                raise ValueError("header longer than the file")
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, struct.error, KeyError, TypeError, AttributeError) as e:
+        raise ShardwiseError(f"{where} is missing or corrupt ({e}); {todo}") from None
+    if size < 8 + n + end:
+        raise ShardwiseError(f"{where} is truncated ({size} of {8 + n + end} bytes); {todo}")
+    return {k: v.get("shape") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+
+
+def check_shapes(model_dir: str, shapes: dict, trust_remote_code: bool = False, what: str | None = None):
+    """config.json builds a model, and the weights' shapes (from the safetensors headers) are those it describes:
+    the config is read and the model built on the meta device (no memory, no weights read), as the workers'
+    from_pretrained will, and every tensor both name is compared, so a value transformers refuses or a mismatch is
+    one line before launch, not an error in each worker. Returns the meta-device model (None where it was not built:
+    custom code without --trust-remote-code, packed weights)."""
+    import json
+
     import torch
 
+    what = what or f"--model {model_dir}"
+    try:
+        with open(os.path.join(model_dir, "config.json"), "rb") as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError):  # AutoConfig says what is wrong with it, below
+        raw = None
+    if isinstance(raw, dict) and raw.get("auto_map") and not trust_remote_code:
+        return None  # custom code: the worker's load refuses it with its own message
     lean_transformers()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
         if getattr(config, "auto_map", None) and not trust_remote_code:
-            return None  # custom code: the worker's load refuses it with its own message
+            return None
         if getattr(config, "quantization_config", None):
             return None  # pre-quantized weights are stored packed, in shapes of their own
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    except Exception:
-        return None  # the worker's load_model reports what is wrong with the directory
+    except Exception as e:  # noqa: BLE001 - transformers raises many types; from_pretrained in the workers would too
+        raise ShardwiseError(config_problem(model_dir, e, what)) from None
     expected = {k: list(v.shape) for k, v in model.state_dict().items()}
     base = getattr(model, "base_model_prefix", "")
     for name, shape in shapes.items():
         want = expected.get(name, expected.get(f"{base}.{name}") if base else None)
         if want is not None and shape is not None and list(shape) != want:
-            raise ShardwiseError(f"--model {model_dir}: weight {name} has shape {list(shape)} but config.json "
+            raise ShardwiseError(f"{what}: weight {name} has shape {list(shape)} but config.json "
                                  f"describes {want}; the weights and config.json are from different models")
     return model
+
+
+# config.json sizes the launcher and the planner read before transformers does (heads for tensor and sequence
+# parallelism, max_position_embeddings against seq_len): each a positive integer where given (null, or a list of
+# them, as some families have, is left to transformers)
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def config_size_problem(cfg: dict) -> str | None:
+    """'KEY is VALUE (a string); it must be a positive integer' for the first size key of config.json (or of its
+    text_config) that is not a number of things, else None."""
+    import json
+
+    for scope, d in (("", cfg), ("text_config.", cfg.get("text_config"))):
+        if not isinstance(d, dict):
+            continue
+        for k in SIZE_KEYS:
+            v = d.get(k)
+            if v is None or isinstance(v, list) or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+                continue
+            kind = {str: " (a string)", bool: " (a boolean)", float: " (a decimal number)", dict: " (an object)"}
+            return f"{scope}{k} is {json.dumps(v)}{kind.get(type(v), '')}; it must be a positive integer"
+    return None
+
+
+def _value_choices(key: str) -> str:
+    """' (one of ...)' for a config key whose values transformers looks up in a table, else ''."""
+    leaf = key.rsplit(".", 1)[-1]
+    try:
+        if leaf in ("hidden_act", "hidden_activation", "activation_function"):
+            from transformers.activations import ACT2FN
+
+            return f" (one of {', '.join(sorted(ACT2FN))})"
+        if leaf in ("rope_type", "type"):
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            return f" (one of default, {', '.join(ROPE_INIT_FUNCTIONS)})"
+    except ImportError:
+        pass
+    return ""
+
+
+def _key_of(raw, value, prefix: str = "") -> str | None:
+    """The dotted config.json key holding `value` (nested objects included), or None."""
+    if not isinstance(raw, dict):
+        return None
+    for k, v in raw.items():
+        if isinstance(v, str) and v == value:
+            return prefix + k
+    for k, v in raw.items():
+        found = _key_of(v, value, f"{prefix}{k}.")
+        if found:
+            return found
+    return None
+
+
+def config_problem(model_dir: str, e: Exception, what: str) -> str:
+    """One line for an error transformers raised reading config.json or building the model it describes: the key
+    and its value where they can be told (a field of the wrong type, an unknown model_type, a value looked up in a
+    table such as hidden_act or rope_type), else the error's first line; naming config.json and what to do."""
+    import json
+    import re
+
+    from transformers import __version__ as tf_version
+
+    try:
+        with open(os.path.join(model_dir, "config.json"), "rb") as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError):
+        raw = {}
+    raw = raw if isinstance(raw, dict) else {}
+    text = str(e).strip()
+    first = text.splitlines()[0][:200] if text else type(e).__name__
+    fix = "fix it in config.json, or copy config.json from the model the weights come from"
+    if "trust_remote_code" in text:
+        return f"{what}: config.json needs the directory's own code (auto_map); pass --trust-remote-code if you trust it"
+    field = re.match(r"Validation error for field '([^']+)'", text)
+    if field:  # transformers' typed config fields: "... field 'hidden_size':\n  TypeError: Field ... got str ..."
+        detail = text.splitlines()[-1].strip()[:200] if len(text.splitlines()) > 1 else first
+        return f"{what}: config.json {field.group(1)} {json.dumps(raw.get(field.group(1)))}: {detail}; {fix}"
+    family = raw.get("model_type")
+    if "does not recognize this architecture" in text or ("Unrecognized model" in text and "model_type" in text):
+        if not family:
+            return f"{what}: config.json has no model_type; add the model's family (e.g. \"llama\", \"qwen2\"), {fix}"
+        return (f"{what}: config.json model_type {json.dumps(family)} is not a model family transformers "
+                f"{tf_version} knows; fix model_type, or upgrade transformers if the model is newer than it")
+    if "Unrecognized configuration class" in text:
+        return (f"{what}: config.json model_type {json.dumps(family)} is not a causal language model (transformers "
+                "has no AutoModelForCausalLM class for it); give a decoder-only model such as Llama or Qwen")
+    if isinstance(e, KeyError) and e.args and isinstance(e.args[0], str):
+        key = _key_of(raw, e.args[0])
+        if key:
+            return (f"{what}: config.json {key} {json.dumps(e.args[0])} is not a value transformers {tf_version} "
+                    f"knows{_value_choices(key)}; {fix}")
+    return (f"{what}: transformers cannot build the model config.json describes ({type(e).__name__}: {first}); "
+            f"{fix}")
 
 
 # What passed the checks above is remembered (issue 17.3: time to first step). Building the model on the meta
@@ -215,36 +331,145 @@ def remember_passed(key: str, model_dir: str) -> None:
     prune_keyed(folder, ".json", CHECKS_KEEP)
 
 
-def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
+# Files a tokenizer is built from (transformers' tokenizer classes' vocab_files_names, and tokenizer_config.json);
+# a directory with none of them gets an empty tokenizer from transformers, not an error.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt", "merges.txt", "tekken.json", "sentencepiece.bpe.model", "vocab.model")
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def _has_tokenizer_files(model_dir: str) -> bool:
+    try:
+        names = os.listdir(model_dir)
+    except OSError:
+        return True  # AutoTokenizer says what is wrong
+    return any(n in TOKENIZER_FILES or n.endswith((".tiktoken", ".model")) for n in names)
+
+
+def _bad_json_file(model_dir: str, names) -> str | None:
+    """'NAME:LINE: not valid JSON (why)' for the first of `names` in the directory that is not JSON, else None."""
+    import json
+
+    for name in names:
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, "rb") as fh:
+                json.load(fh)
+        except json.JSONDecodeError as e:
+            return f"{name}:{e.lineno}: not valid JSON ({e.msg})"
+        except (OSError, ValueError) as e:
+            return f"{name}: unreadable ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})"
+    return None
+
+
+def config_vocab_size(model_dir: str) -> int | None:
+    """config.json's vocab_size (the rows of the model's input embedding), or None where it names none."""
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "config.json"), "rb") as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    n = cfg.get("vocab_size") if isinstance(cfg, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def own_vocab_top(tok) -> int | None:
+    """The largest id of the tokenizer's own vocabulary (its model's: added tokens not counted), or None."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        return max(backend.get_vocab(with_added_tokens=False).values(), default=-1)
+    n = getattr(tok, "vocab_size", None)  # a Python tokenizer: its vocabulary's ids are 0..n-1
+    return n - 1 if isinstance(n, int) else None
+
+
+def load_tokenizer(model_dir: str, trust_remote_code: bool = False, what: str | None = None,
+                   vocab_dir: str | None = None):
+    """The directory's tokenizer, with a pad token; one line (`what`: default --model DIR) for missing or broken
+    tokenizer files (naming the file), a config.json transformers refuses, or a tokenizer of another model.
+
+    Token ids against the model's embedding (config.json vocab_size, of `vocab_dir`, default `model_dir`): the
+    tokenizer's own vocabulary (its model's, the ids ordinary text becomes) must fit, else it is another model's
+    and is refused here. Added tokens past the embedding are not refused here: real tokenizers have them and text
+    never produces them (transformers' Qwen2 tokenizer adds <|endoftext|> at id vocab_size to a 512-token model);
+    the tokenizer carries `shardwise_vocab` = (vocab_size or None, `what`), and encode refuses data holding one."""
     lean_transformers()
     from transformers import AutoTokenizer
 
+    what = what or f"--model {model_dir}"
+    copy = ("copy the tokenizer files (tokenizer.json or the model's vocabulary files, tokenizer_config.json) from "
+            "the model it was trained from into this directory")
+    if not _has_tokenizer_files(model_dir):
+        raise ShardwiseError(f"{what}: cannot load its tokenizer (no tokenizer files: none of "
+                             f"{', '.join(TOKENIZER_FILES[:4])}, ...); {copy}")
     try:
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many types here
+        bad = _bad_json_file(model_dir, TOKENIZER_JSON)
+        if bad:
+            raise ShardwiseError(f"{what}: {bad}; fix the file, or copy it from the model it was trained from") \
+                from None
+        _check_config(model_dir, trust_remote_code, what)  # AutoTokenizer reads config.json too
         first = str(e).splitlines()[0][:200] if str(e).strip() else ""
-        raise ShardwiseError(f"--model {model_dir}: cannot load its tokenizer ({type(e).__name__}: {first}); copy the "
-                             "tokenizer files (tokenizer.json or the model's vocabulary files, tokenizer_config.json) "
-                             "from the model it was trained from into this directory") from None
+        if "trust_remote_code" in str(e):
+            copy = "it needs the directory's own code: pass --trust-remote-code if you trust it"
+        raise ShardwiseError(f"{what}: cannot load its tokenizer ({type(e).__name__}: {first}); {copy}") from None
+    try:
+        probe = tok("hello world", add_special_tokens=False)["input_ids"]
+    except Exception as e:  # noqa: BLE001 - a tokenizer that cannot encode text: one line, not a traceback
+        raise ShardwiseError(f"{what}: its tokenizer cannot encode text ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200] if str(e) else ''}); {copy}") from None
+    if not probe:  # files present, no vocabulary in them
+        raise ShardwiseError(f"{what}: its tokenizer has no vocabulary ({len(tok)} token(s); text encodes to "
+                             f"nothing): the tokenizer files are incomplete; {copy}")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+    vocab = config_vocab_size(vocab_dir or model_dir)
+    top = own_vocab_top(tok) if vocab is not None else None
+    if top is not None and top >= vocab:
+        if vocab_dir in (None, model_dir):
+            config, todo = "config.json", ("the tokenizer is from another model: copy its tokenizer files from the "
+                                           "model the weights come from")
+        else:  # an adapter's tokenizer against the base model's vocabulary
+            config, todo = os.path.join(vocab_dir, "config.json"), (
+                "the tokenizer is not that model's: the adapter was trained on another base model; pass --base with "
+                "the model it was trained from")
+        raise ShardwiseError(f"{what}: its tokenizer's vocabulary has ids up to {top} ({len(tok)} tokens) but "
+                             f"{config} vocab_size is {vocab} (the model embeds ids 0-{vocab - 1}); {todo}")
+    tok.shardwise_vocab = (vocab, what)
     return tok
 
 
-def load_model(model_dir: str, dtype, trust_remote_code: bool = False):
+def _check_config(model_dir: str, trust_remote_code: bool, what: str) -> None:
+    """Raise config_problem's line if transformers cannot read config.json."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types here
+        raise ShardwiseError(config_problem(model_dir, e, what)) from None
+
+
+def load_model(model_dir: str, dtype, trust_remote_code: bool = False, what: str | None = None):
     """The model on the CPU in `dtype`, loaded from safetensors with SDPA attention."""
     lean_transformers()
     from transformers import AutoModelForCausalLM
 
+    what = what or f"--model {model_dir}"
     try:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, attn_implementation="sdpa", local_files_only=True,
             trust_remote_code=trust_remote_code, use_safetensors=True,
         )
     except Exception as e:
+        _check_config(model_dir, trust_remote_code, what)
         msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-        raise ShardwiseError(f"--model {model_dir}: cannot load the model ({type(e).__name__}: {msg}); "
-                             "check that its weights are complete and match config.json")
+        raise ShardwiseError(f"{what}: cannot load the model ({type(e).__name__}: {msg}); "
+                             "check that its weights are complete and match config.json (re-copy them from where "
+                             "they came from)") from None
     model.config.use_cache = False
     return model
 
