@@ -14,7 +14,6 @@ safetensors only.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -87,11 +86,9 @@ def resolve_dirs(target: str, adapter: str = "", base: str = "") -> tuple[str, s
         return _check_model_dir(target, "chat"), None
     adapter_dir = _check_adapter_dir(target, "chat")
     if not base:
-        try:
-            with open(os.path.join(adapter_dir, ADAPTER_CONFIG)) as fh:
-                base = json.load(fh).get("base_model_name_or_path") or ""
-        except (OSError, ValueError) as e:
-            raise ShardwiseError(f"chat {adapter_dir}: unreadable {ADAPTER_CONFIG} ({e})")
+        from shardwise.models.lora import read_adapter_config
+
+        base = read_adapter_config(adapter_dir, f"chat {adapter_dir}").get("base_model_name_or_path") or ""
         if not base or not os.path.isdir(base):
             raise ShardwiseError(f"chat {adapter_dir}: the base model recorded in {ADAPTER_CONFIG} "
                                  f"({base or 'none'}) is not a local directory; pass --base DIR")
@@ -114,35 +111,61 @@ def _device(name: str):
     return dev
 
 
-def load(model_dir: str, adapter_dir: str | None, device, trust_remote_code: bool = False):
-    """(model in eval mode on `device`, tokenizer); the tokenizer comes from the adapter
-    directory when it holds one (a LoRA run saves it there), else from the model."""
+def load(model_dir: str, adapter_dir: str | None, device, trust_remote_code: bool = False, model_what: str = "",
+         adapter_what: str = ""):
+    """(model in eval mode on `device`, tokenizer); the tokenizer comes from the adapter directory when it holds one
+    (a LoRA run saves it there), else from the model. Each directory is checked as `train` checks one (tokenizer
+    files, config.json, the weights whole and of config.json's shapes, the adapter's config and shapes against the
+    base) before anything loads, so a problem is one line naming the directory (`model_what`, `adapter_what`) and
+    the file, not an error from inside transformers or peft blamed on the other directory."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from shardwise.models import load as ml
+    from shardwise.models.lora import check_adapter_fits, quiet_peft, read_adapter_config
+
+    model_what = model_what or f"chat {model_dir}"
+    adapter_what = adapter_what or f"chat {adapter_dir}"
     dtype = torch.float32
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         dtype = torch.bfloat16
-    tok_dir = adapter_dir if adapter_dir and os.path.isfile(os.path.join(adapter_dir, "tokenizer_config.json")) \
-        else model_dir
-    try:
-        tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True,
-                                                     use_safetensors=True, trust_remote_code=trust_remote_code)
-        if adapter_dir:
-            from peft import PeftModel
+    adapter_cfg = read_adapter_config(adapter_dir, adapter_what) if adapter_dir else None
+    # the weights against config.json first: the tokenizer is then checked against a vocab_size that is the model's
+    meta = ml.check_shapes(model_dir, ml.check_weights(model_dir, model_what), trust_remote_code, model_what)
+    if adapter_dir and os.path.isfile(os.path.join(adapter_dir, "tokenizer_config.json")):
+        tok = ml.load_tokenizer(adapter_dir, trust_remote_code, adapter_what, vocab_dir=model_dir)
+    else:
+        tok = ml.load_tokenizer(model_dir, trust_remote_code, model_what)
+    if adapter_dir and meta is not None:  # None: custom code or packed weights, not built here
+        check_adapter_fits(adapter_dir, adapter_cfg, meta, adapter_what, f"the base model {model_dir}")
+    model = ml.load_model(model_dir, dtype, trust_remote_code, model_what)
+    if adapter_dir:
+        from peft import PeftModel
 
-            from shardwise.models.lora import quiet_peft
-
+        try:
             with quiet_peft():
                 model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
-    except Exception as e:  # transformers and peft raise many types here
-        where = adapter_dir or model_dir
-        raise ShardwiseError(f"chat {where}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
-                             + ("; if it needs its own code, pass --trust-remote-code" if "remote code" in str(e) else ""))
+        except Exception as e:  # peft raises many types here
+            first = str(e).splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise ShardwiseError(f"{adapter_what}: cannot apply the adapter to {model_dir} ({type(e).__name__}: "
+                                 f"{first}); check that {ADAPTER_CONFIG} and adapter_model.safetensors come from one "
+                                 "run and that the base model is the one it was trained from (--base)") from None
     model.config.use_cache = True
     model.to(device).eval()
     return model, tok
+
+
+def check_prompt_ids(model, tok, ids, where: str = "") -> None:
+    """Every token id of the prompt is one the model embeds: a tokenizer of another model is one line, not an
+    IndexError from inside the embedding (the prompt's ids, not the tokenizer's size: a real tokenizer may list
+    ids past the embedding that text never produces)."""
+    rows = model.get_input_embeddings().num_embeddings
+    top = int(ids.max()) if ids.numel() else -1
+    if top >= rows:
+        most = max(tok.get_vocab().values(), default=-1)
+        raise ShardwiseError(f"chat{' ' + where if where else ''}: the prompt has token id {top} but the model embeds "
+                             f"ids 0-{rows - 1} (config.json vocab_size {rows}); the tokenizer ({len(tok)} tokens, "
+                             f"ids up to {most}) is not this model's: copy its tokenizer files from the model the "
+                             "weights come from")
 
 
 def set_template(tok, template: str, where: str) -> None:
@@ -174,11 +197,12 @@ def render(tok, messages: list[dict], where: str = "") -> dict:
 
 
 def answer(model, tok, messages: list[dict], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-           stream=None) -> str:
+           stream=None, where: str = "") -> str:
     """Generate the assistant's next turn, streaming its text to `stream` (a file) as it comes."""
     import torch
 
     enc = render(tok, messages)
+    check_prompt_ids(model, tok, enc["input_ids"], where)
     ids = enc["input_ids"].to(model.device)
     mask = enc.get("attention_mask")
     mask = mask.to(model.device) if mask is not None else torch.ones_like(ids)
@@ -239,7 +263,8 @@ def repl(model, tok, args) -> None:
             continue
         history.append({"role": "user", "content": _text(line)})
         try:
-            reply = answer(model, tok, history, args.max_new_tokens, args.temperature, args.top_p, sys.stdout)
+            reply = answer(model, tok, history, args.max_new_tokens, args.temperature, args.top_p, sys.stdout,
+                           args.where)
         except KeyboardInterrupt:  # stops this answer, not the session
             history.pop()
             print("\n(interrupted)", file=sys.stderr)
@@ -271,14 +296,23 @@ def run(args) -> int:
 
     device = _device(args.device)
     torch.manual_seed(args.seed)
-    model, tok = load(model_dir, adapter_dir, device, args.trust_remote_code)
-    set_template(tok, args.chat_template, adapter_dir or model_dir)
+    if args.base and adapter_dir:
+        model_what = f"--base {model_dir}"
+    elif adapter_dir and not args.adapter:
+        model_what = f"the base model {model_dir} (recorded in {adapter_dir}/{ADAPTER_CONFIG})"
+    else:
+        model_what = f"chat {model_dir}"
+    adapter_what = f"--adapter {adapter_dir}" if args.adapter else f"chat {adapter_dir}"
+    model, tok = load(model_dir, adapter_dir, device, args.trust_remote_code, model_what, adapter_what)
+    args.where = adapter_dir or model_dir
+    set_template(tok, args.chat_template, args.where)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": args.prompt if args.prompt is not None else "hi"}]
+    check_prompt_ids(model, tok, render(tok, messages, args.where)["input_ids"], args.where)  # before the banner
     what = f"{model_dir} + adapter {adapter_dir}" if adapter_dir else model_dir
     print(f"shardwise chat: {what} on {model.device}", file=sys.stderr, flush=True)
     if args.prompt is not None:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                   [{"role": "user", "content": args.prompt}]
-        answer(model, tok, messages, args.max_new_tokens, args.temperature, args.top_p, sys.stdout)
+        answer(model, tok, messages, args.max_new_tokens, args.temperature, args.top_p, sys.stdout, args.where)
         print(flush=True)
         return 0
     repl(model, tok, args)

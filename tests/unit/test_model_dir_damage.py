@@ -1,8 +1,8 @@
 """A damaged model or adapter directory is one line naming the directory, the file (and key) and what to do, before
 anything is written: a tokenizer of another model (it crashed the workers with "IndexError: index out of range in
 self"), no tokenizer files (transformers built an empty tokenizer, and the data was blamed), a config.json value
-transformers refuses (found only in the workers, or blamed on the tokenizer), broken tokenizer JSON. Real tiny models,
-built here."""
+transformers refuses (found only in the workers, or blamed on the tokenizer), broken tokenizer JSON, and for `chat`
+an adapter on another base or with a config value of the wrong type. Real tiny models, built here."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import re
 import shutil
 
 import pytest
+import torch
 
 from shardwise import cli
 from shardwise.errors import ShardwiseError
@@ -181,3 +182,106 @@ def test_a_config_field_of_the_wrong_type_is_blamed_on_config_json_not_the_token
         check_shapes(str(m), check_weights(str(m)))
     with pytest.raises(ShardwiseError, match=pattern):
         load_tokenizer(str(m))
+
+
+# -- chat: adapters and prompts -----------------------------------------------------------------------------------
+
+def small_model(path, tok_from, hidden=64):
+    """A Llama model of another width (the same tokenizer), as a base an adapter was not trained on."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardwise.models.save import save_pretrained
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    save_pretrained(LlamaForCausalLM(cfg), str(path))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tok_from}/{f}", path / f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_dir, tmp_path_factory):
+    """A LoRA adapter of the tiny model, saved with its tokenizer as a LoRA run's final/ is."""
+    from peft import LoraConfig, get_peft_model
+
+    from shardwise.models.load import load_model
+    from shardwise.models.lora import quiet_peft
+
+    d = tmp_path_factory.mktemp("adapter") / "final"
+    with quiet_peft():
+        model = get_peft_model(load_model(tiny_dir, torch.float32),
+                               LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    model.save_pretrained(str(d))
+    load_tokenizer(tiny_dir).save_pretrained(str(d))
+    return d
+
+
+def test_an_adapter_config_value_of_the_wrong_type_is_one_line(tmp_path, tiny_dir, adapter):
+    from shardwise.chat import load
+
+    a = tmp_path / "a"
+    shutil.copytree(adapter, a)
+    edit_json(a / "adapter_config.json", lambda c: c.update(r="sixteen"))
+    with pytest.raises(ShardwiseError, match=r'^chat .*/a: adapter_config\.json r is "sixteen"; it must be a positive '
+                                             r"integer .*: fix it, or copy the file from the run that made the adapter"):
+        load(tiny_dir, str(a), torch.device("cpu"))
+
+
+def test_an_adapter_on_another_base_names_both_directories_and_the_flag(tmp_path, tiny_dir, adapter):
+    from shardwise.chat import load
+
+    assert load(tiny_dir, str(adapter), torch.device("cpu"))[0] is not None  # its own base: loads
+    narrow = small_model(tmp_path / "narrow", tiny_dir)
+    with pytest.raises(ShardwiseError, match=r"^chat .*/final: adapter_model\.safetensors adapts model\.layers\.0\."
+                                             r"self_attn\.\w_proj with 128 (in|out) features but the base model "
+                                             r".*/narrow has 64 there; the adapter was trained on another base model: "
+                                             r"pass --base with the model it was trained from"):
+        load(str(narrow), str(adapter), torch.device("cpu"))
+
+
+def test_an_adapters_tokenizer_against_a_base_of_another_vocabulary_names_the_flag(tmp_path, tiny_dir, adapter):
+    from shardwise.chat import load
+    from shardwise.models.load import load_model
+    from shardwise.models.save import save_pretrained
+
+    small = load_model(tiny_dir, torch.float32)
+    small.resize_token_embeddings(256)
+    base = tmp_path / "vocab256"
+    save_pretrained(small, str(base))
+    with pytest.raises(ShardwiseError, match=r"^chat .*/final: its tokenizer's vocabulary has ids up to 511 .* but "
+                                             r".*/vocab256/config\.json vocab_size is 256 .*the adapter was trained on "
+                                             r"another base model; pass --base"):
+        load(str(base), str(adapter), torch.device("cpu"))
+
+
+def test_a_base_whose_weights_do_not_match_its_config_is_blamed_not_the_adapter(tmp_path, tiny_dir, adapter):
+    """It was 'chat ADAPTER: cannot load (RuntimeError: ... For details look at the above report!)'."""
+    from shardwise.chat import load
+
+    base = copy(tiny_dir, tmp_path, "base")
+    edit_json(base / "config.json", lambda c: c.update(vocab_size=256))
+    with pytest.raises(ShardwiseError, match=r"^chat .*/base: weight (lm_head|model\.embed_tokens)\.weight has "
+                                             r"shape \[512, 128\] but config\.json describes \[256, 128\]"):
+        load(str(base), str(adapter), torch.device("cpu"))
+
+
+def test_a_prompt_token_the_model_cannot_embed_is_one_line_not_an_index_error(tmp_path, tiny_dir):
+    from shardwise.chat import answer, load
+
+    m = copy(tiny_dir, tmp_path)
+    add_token_past_the_embedding(m)
+    model, tok = load(str(m), None, torch.device("cpu"))
+    assert answer(model, tok, [{"role": "user", "content": "hello"}], 1) is not None  # no such token: answers
+    with pytest.raises(ShardwiseError, match=r"the prompt has token id 512 but the model embeds ids 0-511 .*copy its "
+                                             r"tokenizer files from the model the weights come from"):
+        answer(model, tok, [{"role": "user", "content": "hello <|extra|>"}], 1)
+
+
+def test_chat_on_a_model_without_tokenizer_files_is_one_line(tmp_path, tiny_dir, capsys):
+    """It was a 92-line traceback from inside the model (an empty tokenizer gave an empty prompt)."""
+    m = qwen2_typed(tiny_dir, tmp_path)
+    (m / "tokenizer.json").unlink()
+    (m / "tokenizer_config.json").unlink()
+    refused(capsys, ["chat", str(m), "--prompt", "hi"], r"^shardwise: error: chat .*/m: cannot load its tokenizer "
+                                                        r"\(no tokenizer files")

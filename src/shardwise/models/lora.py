@@ -144,3 +144,98 @@ def save_final(peft_model, full: dict, tokenizer, path: str, cfg) -> None:
         merged = os.path.join(path, "merged")
         save_pretrained(base, merged, state_dict=merged_state_dict(full, cfg))
         tokenizer.save_pretrained(merged)
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def read_adapter_config(adapter_dir: str, what: str) -> dict:
+    """adapter_config.json as a dict, its LoRA fields of the types peft needs (a bare TypeError from inside peft
+    otherwise); one line naming the file and key (`what` names the directory)."""
+    import json
+
+    path = os.path.join(adapter_dir, ADAPTER_CONFIG)
+    try:
+        with open(path, "rb") as fh:
+            cfg = json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ShardwiseError(f"{what}: {ADAPTER_CONFIG}:{e.lineno}: not valid JSON ({e.msg}); fix the file, or copy "
+                             "it from the run that made the adapter") from None
+    except (OSError, ValueError) as e:
+        raise ShardwiseError(f"{what}: {ADAPTER_CONFIG} is unreadable ({str(e).splitlines()[0][:200]}); fix the "
+                             "file, or copy it from the run that made the adapter") from None
+    if not isinstance(cfg, dict):
+        raise ShardwiseError(f"{what}: {ADAPTER_CONFIG} is not a JSON object; fix the file, or copy it from the run "
+                             "that made the adapter")
+    checks = [("base_model_name_or_path", lambda v: v is None or isinstance(v, str), "a directory path (a string)"),
+              ("peft_type", lambda v: v is None or isinstance(v, str), "a string such as \"LORA\"")]
+    if cfg.get("peft_type") in (None, "LORA"):
+        checks += [
+            ("r", _positive_int, "a positive integer (the adapter's rank, e.g. 16)"),
+            ("lora_alpha", lambda v: v is None or _number(v), "a number (e.g. 32)"),
+            ("lora_dropout", lambda v: v is None or (_number(v) and 0 <= v <= 1), "a number in [0, 1]"),
+            ("target_modules", lambda v: v is None or isinstance(v, str)
+             or (isinstance(v, list) and all(isinstance(t, str) for t in v)), "a module name or a list of them"),
+            ("rank_pattern", lambda v: v is None or (isinstance(v, dict) and all(map(_positive_int, v.values()))),
+             "an object of module names to positive integers"),
+            ("alpha_pattern", lambda v: v is None or (isinstance(v, dict) and all(map(_number, v.values()))),
+             "an object of module names to numbers"),
+        ]
+    for key, ok, want in checks:
+        if key in cfg and not ok(cfg[key]):
+            raise ShardwiseError(f"{what}: {ADAPTER_CONFIG} {key} is {json.dumps(cfg[key])}; it must be {want}: fix it, or copy the "
+                                 "file from the run that made the adapter")
+    return cfg
+
+
+def check_adapter_fits(adapter_dir: str, cfg: dict, meta_model, what: str, base_what: str) -> None:
+    """The adapter's weights (their shapes, from the safetensors header) fit the base model (built on the meta
+    device): each adapted linear has the base's in and out features and the config's rank, each saved whole module
+    (modules_to_save: an embedding, a head) the base's shape. An adapter trained on another base is one line naming
+    both directories, not peft's size-mismatch error."""
+    from shardwise.models.load import safetensors_shapes
+
+    shapes = safetensors_shapes(os.path.join(adapter_dir, ADAPTER_WEIGHTS), f"{what}: {ADAPTER_WEIGHTS}",
+                                "copy it again from the run that made the adapter")
+    recorded = cfg.get("base_model_name_or_path")
+    other = ("the adapter was trained on another base model: pass --base with the model it was trained from"
+             + (f" (adapter_config.json records {recorded})" if recorded else ""))
+    modules = dict(meta_model.named_modules())
+    state = {k: list(v.shape) for k, v in meta_model.state_dict().items()}
+    rank = cfg.get("r") if not cfg.get("rank_pattern") else None
+    prefix = "base_model.model."
+    for key, shape in sorted(shapes.items()):
+        if not key.startswith(prefix) or shape is None:
+            continue
+        name = key[len(prefix):]
+        for part in (".lora_A.", ".lora_B."):
+            if part in name and name.endswith(".weight") and len(shape) == 2:
+                path = name.split(part)[0]
+                m = modules.get(path)
+                if not isinstance(m, nn.Linear):
+                    break  # not a linear of this model (or another adapter kind): peft says what it makes of it
+                got, want = (shape[1], m.in_features) if part == ".lora_A." else (shape[0], m.out_features)
+                if got != want:
+                    side = "in" if part == ".lora_A." else "out"
+                    raise ShardwiseError(f"{what}: {ADAPTER_WEIGHTS} adapts {path} with {got} {side} features but "
+                                         f"{base_what} has {want} there; {other}")
+                r = shape[0] if part == ".lora_A." else shape[1]
+                if rank is not None and r != rank:
+                    raise ShardwiseError(f"{what}: {ADAPTER_CONFIG} r is {rank} but {ADAPTER_WEIGHTS} holds rank-{r} "
+                                         f"weights ({path}); the two files are from different adapters: copy both "
+                                         "from the run that made it")
+                break
+        else:
+            whole = name.replace(".modules_to_save", "")
+            if whole in state and list(shape) != state[whole]:
+                raise ShardwiseError(f"{what}: {ADAPTER_WEIGHTS} holds {whole} of shape {list(shape)} but {base_what} "
+                                     f"has {state[whole]} (another vocabulary or size); {other}")
