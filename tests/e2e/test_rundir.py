@@ -134,9 +134,11 @@ def test_a_failure_before_training_does_not_block_a_rerun_and_overwrite_clears_o
 
     bad = tmp_path / "bad-model"
     shutil.copytree(tiny_dir(0), bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["hidden_act"] = "no_such_act"  # found only when the worker builds the model
-    (bad / "config.json").write_text(json.dumps(cfg))
+    weights = bad / "model.safetensors"  # a dtype safetensors does not know: found only when the worker loads it
+    raw = bytearray(weights.read_bytes())
+    at = raw.find(b'"F32"')
+    raw[at:at + 5] = b'"F33"'
+    weights.write_bytes(bytes(raw))
     out = tmp_path / "out"
     args = (*COMMON, *ONE, "--max-steps", "2", "--output-dir", str(out), "--data", chat_data)
     one_line_error(run_cli("train", *args, "--model", str(bad), check=False), r"cannot load the model")

@@ -46,7 +46,7 @@ from shardwise.data.formats import Record
 from shardwise.errors import ShardwiseError
 from shardwise.rundir import prune_keyed
 
-FORMAT = 1
+FORMAT = 2  # 2: encode checks token ids against the model's vocab_size (2026-12-02); data cached before never was
 KEEP = 8
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
 TENSORS = ("input_ids", "targets", "position_ids", "lengths")
