@@ -479,6 +479,17 @@ def test_config_json_that_is_not_a_decoder(tmp_path):
         resolve_model(str(tmp_path))
 
 
+@pytest.mark.parametrize("value, shown", [("64", '"64"'), (0, "0"), (True, "true"), (64.5, "64.5")])
+def test_a_config_json_size_of_the_wrong_type_is_named_not_missing(tmp_path, value, shown):
+    """hidden_size "64" was reported as "config.json lacks hidden_size"."""
+    cfg = {"model_type": "llama", "vocab_size": 512, "hidden_size": value, "intermediate_size": 256,
+           "num_hidden_layers": 2, "num_attention_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ShardwiseError) as e:
+        resolve_model(str(tmp_path))
+    assert str(e.value).endswith(f"key 'hidden_size' must be a positive integer, got {shown}; fix config.json")
+
+
 def test_unknown_strategy_name_in_for_strategy():
     with pytest.raises(ShardwiseError, match="not planned"):
         gpu_plan().for_strategy("hybrid")

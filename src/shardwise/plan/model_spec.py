@@ -11,6 +11,8 @@ presets and `resolve_model`, which picks one of them for --model. No torch, no t
 
 from __future__ import annotations
 
+import json
+
 import ast
 import os
 import re
@@ -189,6 +191,11 @@ def from_hf_config(cfg: dict, name: str, source: str) -> ModelSpec:
     if "text_config" in cfg and "hidden_size" not in cfg:  # multimodal wrappers: plan the language model
         cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
     need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    wrong = [k for k in need if k in cfg and not (isinstance(cfg[k], int) and not isinstance(cfg[k], bool)
+                                                   and cfg[k] > 0)]
+    if wrong:
+        raise ShardwiseError(f"{source}: key '{wrong[0]}' must be a positive integer, got "
+                             f"{json.dumps(cfg[wrong[0]])[:40]}; fix config.json")
     missing = [k for k in need if not isinstance(cfg.get(k), int)]
     if missing:
         raise ShardwiseError(f"{source}: config.json lacks {', '.join(missing)}; the planner needs a decoder-only "
