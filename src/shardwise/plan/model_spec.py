@@ -11,9 +11,8 @@ presets and `resolve_model`, which picks one of them for --model. No torch, no t
 
 from __future__ import annotations
 
-import json
-
 import ast
+import json
 import os
 import re
 from dataclasses import dataclass, replace
