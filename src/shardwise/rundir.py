@@ -362,9 +362,13 @@ class RunLock:
             os.close(fd)
             if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise
+            pid = holder(self.output_dir)
+            deadline = time.monotonic() + 2.0
+            while pid is None and time.monotonic() < deadline:  # the holder writes its PID just after its flock
+                time.sleep(0.02)
+                pid = holder(self.output_dir)
             raise ShardwiseError(f"{where}: {self.output_dir} is in use by another shardwise run "
-                                 f"(PID {holder(self.output_dir) or 'unknown'}); wait for it to finish or "
-                                 "choose another --output-dir")
+                                 f"(PID {pid or 'unknown'}); wait for it to finish or choose another --output-dir")
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd
