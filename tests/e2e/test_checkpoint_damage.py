@@ -118,6 +118,18 @@ def test_restore_rng_names_a_corrupt_file_in_one_line(made, tmp_path):
     assert ckpt.latest(str(run)) == str(ck(run, 2))  # --resume auto passes over it
 
 
+def test_a_stray_file_in_rng_is_no_damage(made, tmp_path):
+    """A file a save never writes (Finder's .DS_Store, an editor's backup) is not read: --resume auto keeps the newest
+    checkpoint (it passed over it, and the run retrained over it)."""
+    from shardwise.train import checkpoint as ckpt
+
+    run = copy_run(made, tmp_path)
+    (ck(run, 4) / "rng" / ".DS_Store").write_bytes(b"Bud1\x00\x00\x00\x01garbage")
+    (ck(run, 4) / "rng" / "rank0.pt~").write_bytes(b"not a torch file")
+    assert ckpt.problem(str(ck(run, 4))) is None
+    assert ckpt.latest(str(run)) == str(ck(run, 4))
+
+
 @pytest.mark.parametrize("key, damage", [
     ("'files' must be an object", lambda m: m.update(files=["x"])),
     ("'step' must be an integer", lambda m: m.update(step="four")),

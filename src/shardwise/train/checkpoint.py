@@ -223,6 +223,9 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+RNG_FILE_RE = re.compile(r"rank\d+\.pt")
+
+
 def problem(path: str, rng: bool = True) -> str | None:
     """What makes this checkpoint unusable (a damaged meta.json, missing/truncated files, a changed .metadata,
     with `rng` an unreadable rng/rankR.pt), or None. Cheap: sizes, one hash of the small .metadata file, and a
@@ -249,6 +252,8 @@ def problem(path: str, rng: bool = True) -> str | None:
     rng_dir = os.path.join(path, "rng")
     if rng and os.path.isdir(rng_dir):
         for f in sorted(os.listdir(rng_dir)):
+            if not RNG_FILE_RE.fullmatch(f):  # only what a save writes and a resume reads (a .DS_Store is no damage)
+                continue
             why = _rng_problem(os.path.join(rng_dir, f))
             if why is not None:
                 return f"rng/{f} is corrupt ({why})"
