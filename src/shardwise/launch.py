@@ -422,20 +422,45 @@ def first_checks(cfg: Config, res: Resolved) -> tuple[list, object, list]:
 
 
 def _data_change_notes(resume_from: str, cfg: Config) -> list[str]:
-    """A note when a resume reads other data than the checkpoint's run (--data, --val-data): allowed (a curriculum,
-    a fixed file), but the saved data position (epoch, offset) then counts rows of the new data."""
+    """A note when a resume trains on other rows than the checkpoint's run (--data, or --val-split, which holds out
+    other rows): allowed (a curriculum, a fixed file), but the saved data position (epoch, offset) then counts rows of
+    the new data. Paths are compared as files (the checkpoint records them as typed, config.yaml absolute). Another
+    validation set changes no training row: it gets its own note only when one set replaces another."""
     from shardwise.train import checkpoint as ckpt
 
     old = ckpt.read_meta(resume_from).get("config")
     if not isinstance(old, dict):
         return []
-    changed = [f"{key} {old[key]} -> {getattr(cfg, key)}" for key in ("data", "val_data")
-               if isinstance(old.get(key), str) and old[key] != getattr(cfg, key)]
-    if not changed:
-        return []
-    return [f"resuming {resume_from} on other data ({', '.join(changed)}); the data position it saved (epoch and "
-            "offset) is applied to the new data, so the rows it trains next are not those an uninterrupted run "
-            "would have"]
+    changed = []
+    if isinstance(old.get("data"), str) and _sources_key(old["data"]) != _sources_key(cfg.data):
+        changed.append(f"data {old['data']} -> {cfg.data}")
+    if isinstance(old.get("val_split"), (int, float)) and float(old["val_split"]) != cfg.val_split:
+        changed.append(f"val_split {old['val_split']} -> {cfg.val_split}")
+    notes = []
+    if changed:
+        notes.append(f"resuming {resume_from} on other data ({', '.join(changed)}); the data position it saved (epoch "
+                     "and offset) is applied to the new data, so the rows it trains next are not those an "
+                     "uninterrupted run would have")
+    before = old.get("val_data")
+    if isinstance(before, str) and before and cfg.val_data and _path_key(before) != _path_key(cfg.val_data):
+        notes.append(f"resuming {resume_from} with another validation set ({before} -> {cfg.val_data}): its val loss "
+                     "is not comparable with the one logged before the resume")
+    return notes
+
+
+def _path_key(path: str) -> str:
+    return path if path in ("", "demo") else os.path.realpath(path)
+
+
+def _sources_key(spec: str) -> list[tuple[str, str]]:
+    """A data spec ('a.jsonl:0.7,demo:0.3') as (real path, count or weight) pairs, for comparing two specs."""
+    from shardwise.config import split_source
+
+    out = []
+    for item in spec.split(","):
+        path, num = split_source(item.strip())
+        out.append((_path_key(path), num))
+    return out
 
 
 def check_steps_left(cfg: Config, res: Resolved, resume_from: str, total: int) -> None:

@@ -1,0 +1,58 @@
+"""The note a resume on other data gives (launch._data_change_notes), from a checkpoint's real meta.json: the same
+file named another way is the same data, a validation set added changes no training row, a changed val_split does."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from shardwise.config import Config
+from shardwise.launch import _data_change_notes
+
+
+@pytest.fixture
+def ckpt(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    (tmp_path / "b.jsonl").write_text("{}\n")
+    (tmp_path / "v1.jsonl").write_text("{}\n")
+    (tmp_path / "v2.jsonl").write_text("{}\n")
+    os.symlink(tmp_path / "a.jsonl", tmp_path / "link.jsonl")
+    path = tmp_path / "checkpoints" / "step_00000004"
+    path.mkdir(parents=True)
+
+    def make(**saved):
+        config = {"data": "a.jsonl", "val_data": "", "val_split": 0.0} | saved
+        meta = {"step": 4, "data_position": {"epoch": 0, "offset": 8}, "config": config}
+        (path / "meta.json").write_text(json.dumps(meta))
+        return str(path)
+    return make
+
+
+def notes(path, **now):
+    return _data_change_notes(path, Config(**({"data": "a.jsonl"} | now)))
+
+
+def test_the_same_file_named_otherwise_is_the_same_data(ckpt, tmp_path):
+    path = ckpt()
+    assert notes(path, data=str(tmp_path / "a.jsonl")) == []  # config.yaml's absolute path, meta's as typed
+    assert notes(path, data="./link.jsonl") == []
+    assert notes(ckpt(data="a.jsonl:0.5,demo:0.5"), data=f"{tmp_path}/a.jsonl:0.5,demo:0.5") == []
+
+
+def test_other_training_rows_are_noted(ckpt):
+    (line,) = notes(ckpt(), data="b.jsonl")
+    assert "on other data (data a.jsonl -> b.jsonl)" in line and "data position" in line
+    (line,) = notes(ckpt(data="a.jsonl:0.5,demo:0.5"), data="a.jsonl:0.7,demo:0.3")
+    assert "on other data" in line
+    (line,) = notes(ckpt(), val_split=0.1)  # other rows held out: the training rows differ
+    assert "val_split 0.0 -> 0.1" in line
+
+
+def test_a_validation_set_changes_no_training_row(ckpt):
+    assert notes(ckpt(), val_data="v1.jsonl") == []  # added: nothing to say
+    assert notes(ckpt(val_data="v1.jsonl")) == []  # dropped
+    (line,) = notes(ckpt(val_data="v1.jsonl"), val_data="v2.jsonl")
+    assert "another validation set (v1.jsonl -> v2.jsonl)" in line and "data position" not in line
