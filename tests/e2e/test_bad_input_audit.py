@@ -198,17 +198,18 @@ def test_an_ms_swift_deepspeed_json_trains_under_zero3(tmp_path):
     import json
 
     from tests.helpers import run_cli
-    from tests.unit.test_strategies import HF_STYLE
+    from tests.unit.test_strategies import HF_OPTIMIZER, HF_SCHEDULER, HF_STYLE
 
-    ds = tmp_path / "zero3.json"
-    ds.write_text(json.dumps(HF_STYLE, indent=4))
+    ds = tmp_path / "zero3.json"  # with the HF examples' all-"auto" optimizer and scheduler sections (they were refused)
+    ds.write_text(json.dumps(dict(HF_STYLE, optimizer=HF_OPTIMIZER, scheduler=HF_SCHEDULER), indent=4))
     p = run_cli("train", "--model", "tiny", "--strategy", "zero3", "--nproc-per-node", "2", "--max-steps", "2",
                 "--deepspeed-config", str(ds), "--output-dir", str(tmp_path / "run"), check=False, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     # the tiny model's hidden size is 128: hidden^2, 0.9 hidden^2, 10 hidden
     assert (f'shardwise: DeepSpeed config: {ds} over the generated one ("auto" filled from hidden size: '
-            "reduce_bucket_size 16384, stage3_prefetch_bucket_size 14745, stage3_param_persistence_threshold 1280)"
-            ) in p.stdout, p.stdout[-3000:]
+            "reduce_bucket_size 16384, stage3_prefetch_bucket_size 14745, stage3_param_persistence_threshold 1280; "
+            'its optimizer and scheduler sections, every parameter "auto", dropped: shardwise\'s AdamW and schedule '
+            "run with --lr, --weight-decay, --warmup-steps)") in p.stdout, p.stdout[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
 
 

@@ -206,6 +206,27 @@ def test_an_hf_style_deepspeed_json_gets_its_autos_filled_as_the_hf_trainer_fill
     assert offload["offload_param"] == {"device": "cpu", "pin_memory": True}  # the generated one
 
 
+# the HF examples' sections (transformers' docs, deepspeed.md: ds_config_zero3.json): a type, every parameter "auto"
+HF_OPTIMIZER = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+HF_SCHEDULER = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                    "warmup_num_steps": "auto", "total_num_steps": "auto"}}
+
+
+def test_an_optimizer_and_scheduler_asking_for_nothing_of_their_own_give_way_to_ours(tmp_path):
+    """The HF examples' all-"auto" sections were refused; they are dropped (ours run with the flags' values, as the
+    Trainer fills those "auto"s), and any value or another type is still refused (see the table below)."""
+    from shardwise.strategies import ds_json
+    from shardwise.strategies.deepspeed import ds_config
+
+    path = _hf_style(tmp_path, optimizer=HF_OPTIMIZER, scheduler=HF_SCHEDULER)
+    ds = ds_config(cfg_of(strategy="zero3", **{"deepspeed.config": path}), world=2, cuda=False)
+    assert "optimizer" not in ds and "scheduler" not in ds
+    assert ds_json.auto_sections(json.loads(Path(path).read_text())) == ["optimizer", "scheduler"]
+    assert ds_json.auto_sections({"optimizer": {"type": "adam"}, "scheduler": {"type": "WarmupLR", "params": {}}}) \
+        == ["optimizer", "scheduler"]
+    assert ds_json.auto_sections({"optimizer": dict(HF_OPTIMIZER, torch_adam=True)}) == []  # a key beside params
+
+
 @pytest.mark.parametrize("change, says", [
     ({"gradient_clipping": 0.5}, r":\d+: gradient_clipping: 0.5 here, but this run's --max-grad-norm 1.0 sets it to 1.0; "
                                  r"write \"auto\""),
@@ -221,9 +242,13 @@ def test_an_hf_style_deepspeed_json_gets_its_autos_filled_as_the_hf_trainer_fill
      r"offload; write \"auto\", or choose the strategy"),
     ({"zero_optimization__sub_group_size": "auto"}, r": zero_optimization.sub_group_size: \"auto\" is filled in only "
                                                     r"for the batch sizes, .*; give a value"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, r": optimizer: shardwise trains every strategy with "
-                                                                 r"its own AdamW; remove the section and set --lr"),
-    ({"scheduler": {"type": "WarmupLR"}}, r": scheduler: .* remove the section and set --warmup-steps"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": "auto"}}},
+     r": optimizer: shardwise trains every strategy with its own AdamW; remove the section and set --lr"),
+    ({"optimizer": {"type": "Lamb", "params": {"lr": "auto"}}}, r": optimizer: shardwise trains every strategy with "
+                                                                r"its own AdamW"),
+    ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "auto"}}},
+     r": scheduler: .* remove the section and set --warmup-steps, --min-lr-ratio, or leave its every parameter "
+     r"\"auto\""),
     ({"zero_optimization": "yes"}, r": zero_optimization: DeepSpeed reads this as a JSON object \(\{\"key\": value, "
                                    r"\.\.\.\}\), got \"yes\"; fix that key"),
     ({"zero_optimization__offload_param": "cpu"}, r": zero_optimization.offload_param: DeepSpeed reads this as a JSON "

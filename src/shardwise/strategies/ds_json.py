@@ -12,9 +12,11 @@ clipping, precision and three bucket sizes all "auto"). The Trainer's rule, whic
   Trainer's formulas (hidden², 0.9·hidden², 10·hidden), so the same file runs the same engine under both;
 - any other key overrides shardwise's generated config, as before.
 
-Two things the Trainer takes that shardwise refuses: an `optimizer` or `scheduler` section (shardwise trains every
-strategy with its own AdamW and schedule, so ddp, fsdp and zero* stay comparable: `--lr`, `--weight-decay`,
-`--warmup-steps`), and `"auto"` anywhere else (there is nothing to fill it with).
+An `optimizer` or `scheduler` section is the one thing read otherwise: shardwise trains every strategy with its own
+AdamW and schedule, so ddp, fsdp and zero* stay comparable (`--lr`, `--weight-decay`, `--warmup-steps`). A section
+that asks for nothing of its own (the HF examples': an Adam/AdamW or Warmup* type, every parameter "auto") is dropped
+and the run's header says so; one with a value or another type is refused. `"auto"` anywhere else is refused too
+(there is nothing to fill it with).
 
 Pure Python (no torch, no deepspeed): the launcher checks the file before anything is written, and the worker
 resolves it again with the model's hidden size (strategies/deepspeed.py).
@@ -50,10 +52,29 @@ SCALAR_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
                "zero_quantized_weights", "zero_quantized_gradients", "seed")
 REFUSED_SECTIONS = {
     "optimizer": "shardwise trains every strategy with its own AdamW; remove the section and set --lr, "
-                 "--weight-decay (and the others of `shardwise train --help`)",
+                 "--weight-decay (and the others of `shardwise train --help`), or leave its every parameter \"auto\"",
     "scheduler": "shardwise runs its own schedule (warm-up, then cosine decay) on every strategy; remove the section "
-                 "and set --warmup-steps, --min-lr-ratio",
+                 "and set --warmup-steps, --min-lr-ratio, or leave its every parameter \"auto\"",
 }
+# the types a section with every parameter "auto" may name and still be dropped for ours (DeepSpeed's names,
+# compared without case): an AdamW, and a warm-up schedule (ours decays by a cosine, theirs linearly or not at all)
+AUTO_SECTION_TYPES = {"optimizer": ("adam", "adamw"), "scheduler": ("warmuplr", "warmupdecaylr", "warmupcosinelr")}
+
+
+def auto_sections(obj: dict) -> list[str]:
+    """The optimizer/scheduler sections of a DeepSpeed JSON object that ask for nothing of their own: a type of
+    AUTO_SECTION_TYPES and every parameter "auto" (the HF examples'). shardwise's AdamW and schedule take their
+    place, with the run's --lr, --weight-decay and --warmup-steps, as the Trainer fills those "auto"s."""
+    out = []
+    for section, types in AUTO_SECTION_TYPES.items():
+        sec = obj.get(section)
+        if not isinstance(sec, dict) or set(sec) - {"type", "params"}:
+            continue
+        params = sec.get("params", {})
+        if (str(sec.get("type", "")).lower() in types and isinstance(params, dict)
+                and all(v == AUTO for v in params.values())):
+            out.append(section)
+    return out
 
 
 def line_of(text: str, dotted: str) -> int | None:
@@ -159,6 +180,8 @@ def resolve(user: UserConfig, cfg, world: int | None = None) -> dict:
         if section in obj and not isinstance(obj[section], dict):
             raise user.refuse(section, f"DeepSpeed reads this as a JSON object ({{\"key\": value, ...}}), got "
                                        f"{json.dumps(obj[section])[:60]}; fix that key")
+    for section in auto_sections(obj):
+        obj.pop(section)  # ours in its place (the run's header says so)
     for section, why in REFUSED_SECTIONS.items():
         if section in obj:
             raise user.refuse(section, why)
