@@ -107,7 +107,7 @@ def check_output_dir(cfg: Config, res: Resolved, lock: rundir.RunLock | None = N
         raise ShardwiseError(f"{where}: {out} is {why}; a run needs a directory of its own: choose another --output-dir")
     if lock is not None and lock.fd is None and os.path.exists(lock.path):
         lock.acquire(where)  # a live run there is refused now, naming its PID
-    if cfg.resume != "none":
+    if cfg.resume != "none" and not _replaces_without_checkpoint(cfg):
         return False
     ours = rundir.own_entries_present(out)
     marked = rundir.run_id(out) is not None
@@ -129,6 +129,16 @@ def check_output_dir(cfg: Config, res: Resolved, lock: rundir.RunLock | None = N
         raise ShardwiseError(f"{where}: {out} is {why}; --overwrite never clears it: choose another --output-dir")
     _check_inputs_outside(cfg, res, out)
     return True
+
+
+def _replaces_without_checkpoint(cfg: Config) -> bool:
+    """--resume auto --overwrite where no complete checkpoint is left: the run is replaced, as --overwrite alone
+    replaces it (it trained from the start over the old run's files, its profile/, tensorboard/ and run id kept)."""
+    if cfg.resume != "auto" or not cfg.overwrite:
+        return False
+    from shardwise.train import checkpoint as ckpt
+
+    return ckpt.latest(cfg.output_dir) is None
 
 
 def _check_outside_data_dirs(cfg: Config, res: Resolved, out: str, fix: str) -> None:

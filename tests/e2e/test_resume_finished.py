@@ -129,3 +129,24 @@ def test_a_resume_on_other_data_says_so(finished, tmp_path):
     assert json.loads((out / "summary.json").read_text())["steps"] == 5
     assert [json.loads(ln)["notes"] for ln in (out / "resumes.jsonl").read_text().splitlines()][-1][-1].startswith(
         f"resuming {out}/checkpoints/step_00000004 on other data")
+
+
+def test_resume_auto_with_overwrite_and_no_checkpoint_replaces_the_run(finished, tmp_path):
+    """--resume auto --overwrite promises to replace a run that has no checkpoint left; it trained from the start over
+    the old run's files (its run id, resumes.jsonl and profiler files kept). The user's own file stays."""
+    from shardwise import rundir
+
+    out = copy(finished, tmp_path)
+    shutil.rmtree(out / "checkpoints")
+    old_id = rundir.run_id(str(out))
+    (out / "resumes.jsonl").write_text('{"checkpoint": "checkpoints/step_00000002", "step": 2}\n')
+    (out / "profile").mkdir()
+    (out / "profile" / "step-3-rank0.txt").write_text("the profiler's")
+    (out / "my-notes.txt").write_text("the user's")
+    p = run_cli("train", *JOB[:-4], "--max-steps", "2", "--output-dir", str(out), "--resume", "auto", "--overwrite",
+                timeout=300)
+    assert "nothing is replaced" not in p.stdout and "resumed from" not in p.stdout, p.stdout
+    assert rundir.run_id(str(out)) not in (None, old_id)
+    assert not (out / "resumes.jsonl").exists() and not (out / "profile").exists()
+    assert (out / "my-notes.txt").read_text() == "the user's"
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
