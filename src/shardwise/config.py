@@ -329,9 +329,8 @@ def _yaml_with_lines(path: str) -> dict[str, tuple[Any, str]]:
     except RecursionError:
         raise ShardwiseError(f"{path}: the YAML is nested too deeply to read; a config is a mapping of keys to "
                              "values (one level of sections)")
-    if data is None:  # nothing but comments or blanks: the run would be the built-in tiny demo, unasked
-        raise ShardwiseError(f"{path}: the config file is empty (no key in it); give the run's keys (docs/config.md), "
-                             "or leave the file out and use flags")
+    if data is None or data == {}:  # nothing but comments or blanks (load_config judges it with the flags)
+        return {}
     if not isinstance(data, dict) or node is None or not isinstance(node, yaml.MappingNode):
         raise ShardwiseError(f"{path}:1: a config file must be a mapping of keys to values")
     out: dict[str, tuple[Any, str]] = {}
@@ -518,6 +517,11 @@ def load_config(path: str | None = None, flags: dict[str, tuple[Any, str]] | Non
     flags = flags or {}
     layers: list[dict[str, tuple[Any, str]]] = []
     file_layer = _yaml_with_lines(path) if path else {}
+    if path and not file_layer and not {"model", "data"} & set(flags):
+        # nothing but comments, blanks or {}, and no flag names a model or data: the run would be the built-in tiny
+        # model on the demo data, unasked (with --model or --data it is a file of settings still to come)
+        raise ShardwiseError(f"{path}: the config file is empty (no key in it) and no --model or --data is given; "
+                             "give the run's keys (docs/config.md), or leave the file out and use flags")
     if skip is not None:
         file_layer = {k: v for k, v in file_layer.items() if not skip(k)}
     user = {**file_layer, **flags}

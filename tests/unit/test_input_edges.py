@@ -558,14 +558,20 @@ def test_a_parquet_or_arrow_file_without_its_format_is_named_as_such(tmp_path, n
     assert str(e.value) == f"{f}: {says}; re-export it, or rename it if it holds JSON lines"
 
 
-@pytest.mark.parametrize("text", ["", "# settings to come\n\n"])
+@pytest.mark.parametrize("text", ["", "# settings to come\n\n", "{}\n"])
 def test_an_empty_config_file_is_refused_not_the_demo(tmp_path, text):
-    """An empty CONFIG (or only comments) trained the built-in tiny model on the demo data without a word."""
+    """An empty CONFIG (only comments, or {}) trained the built-in tiny model on the demo data without a word; with
+    a flag naming the model or the data it is a file of settings still to come, and the flags are the run."""
     f = write(tmp_path, text)
     with pytest.raises(ShardwiseError) as e:
         config.load_config(str(f), {})
-    assert one_line(e) == (f"{f}: the config file is empty (no key in it); give the run's keys (docs/config.md), or "
-                           "leave the file out and use flags")
+    assert one_line(e) == (f"{f}: the config file is empty (no key in it) and no --model or --data is given; give "
+                           "the run's keys (docs/config.md), or leave the file out and use flags")
+    from tests.helpers import write_jsonl
+
+    data = write_jsonl(str(tmp_path / "d.jsonl"), [{"text": "hello"}])
+    res = config.load_config(str(f), {"data": (data, "flag --data"), "max_steps": (3, "flag --max-steps")})
+    assert res.cfg.data == data and res.cfg.max_steps == 3
 
 
 def test_a_json_array_with_a_syntax_error_names_its_line(tmp_path):
