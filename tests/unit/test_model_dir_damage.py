@@ -285,3 +285,24 @@ def test_chat_on_a_model_without_tokenizer_files_is_one_line(tmp_path, tiny_dir,
     (m / "tokenizer_config.json").unlink()
     refused(capsys, ["chat", str(m), "--prompt", "hi"], r"^shardwise: error: chat .*/m: cannot load its tokenizer "
                                                         r"\(no tokenizer files")
+
+
+def test_a_model_transformers_has_no_sdpa_for_is_not_blamed_on_its_weights(tmp_path, tiny_dir):
+    """A real tiny Bloom (transformers refuses SDPA for it) got "check that its weights are complete ... re-copy
+    them", advice that cannot help; a model whose weights are truncated keeps that advice."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    from shardwise.models.load import load_model
+
+    d = tmp_path / "bloom"
+    BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2)).save_pretrained(d)
+    with pytest.raises(ShardwiseError) as e:
+        load_model(str(d), torch.float32)
+    msg = str(e.value)
+    assert msg.startswith(f"--model {d}: transformers has no SDPA attention for BloomForCausalLM") and "\n" not in msg
+    assert "re-copy" not in msg and "weights" not in msg, msg
+    m = copy(tiny_dir, tmp_path)
+    weights = m / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    with pytest.raises(ShardwiseError, match="re-copy them"):
+        load_model(str(m), torch.float32)

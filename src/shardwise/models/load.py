@@ -466,12 +466,28 @@ def load_model(model_dir: str, dtype, trust_remote_code: bool = False, what: str
         )
     except Exception as e:
         _check_config(model_dir, trust_remote_code, what)
-        msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-        raise ShardwiseError(f"{what}: cannot load the model ({type(e).__name__}: {msg}); "
-                             "check that its weights are complete and match config.json (re-copy them from where "
-                             "they came from)") from None
+        raise ShardwiseError(load_failure(e, what)) from None
     model.config.use_cache = False
     return model
+
+
+# what in a from_pretrained failure says the weights are at fault (missing, truncated, of other shapes)
+_WEIGHTS_WORDS = ("safetensors", "size mismatch", "shape", "weight", "checkpoint", "header", "deserializ", "tensor")
+
+
+def load_failure(e: Exception, what: str) -> str:
+    """The one line for a model that transformers would not load: the weights' advice (re-copy them) only where the
+    error is about the weights; transformers' own refusal of the model otherwise (an attention it lacks)."""
+    msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    if "does not support an attention implementation" in msg:
+        return (f"{what}: transformers has no SDPA attention for {msg.split()[0]}, the attention shardwise trains "
+                "with; shardwise cannot train this model family (current decoder families, Llama, Qwen, Mistral, Gemma, "
+                "have SDPA)")
+    if isinstance(e, OSError) or type(e).__name__ == "SafetensorError" or any(w in msg.lower()
+                                                                              for w in _WEIGHTS_WORDS):
+        return (f"{what}: cannot load the model ({type(e).__name__}: {msg}); check that its weights are complete "
+                "and match config.json (re-copy them from where they came from)")
+    return f"{what}: transformers cannot load this model ({type(e).__name__}: {msg})"
 
 
 def max_positions(model_dir: str) -> int | None:
