@@ -485,10 +485,12 @@ def check_steps_left(cfg: Config, res: Resolved, resume_from: str, total: int) -
     if not isinstance(step, int) or step < total:
         return
     where = res.where("max_steps") if cfg.max_steps > 0 else res.where("epochs")
+    # an epochs-counted run trains on with more epochs (or a --max-steps past the checkpoint, which replaces them)
+    more = (f"raise --max-steps above {step}" if cfg.max_steps > 0
+            else f"raise --epochs above {cfg.epochs} (or give --max-steps above {step})")
     if step > total:
         raise ShardwiseError(f"{where}: this run has {total} steps, but the checkpoint it resumes ({resume_from}) is "
-                             f"at step {step}; raise --max-steps above {step} to train on, or start a new run in "
-                             "another --output-dir")
+                             f"at step {step}; {more} to train on, or start a new run in another --output-dir")
     try:
         with open(os.path.join(cfg.output_dir, "summary.json")) as fh:
             summary = json.load(fh)
@@ -499,7 +501,7 @@ def check_steps_left(cfg: Config, res: Resolved, resume_from: str, total: int) -
     final = summary.get("final_model")
     if summary.get("steps") == step and (not cfg.save_final or (isinstance(final, str) and os.path.isdir(final))):
         raise NothingToDo(f"{cfg.output_dir} already finished its {total} steps (checkpoint {resume_from}); nothing "
-                          f"to train: raise --max-steps above {step} to train on")
+                          f"to train: {more} to train on")
 
 
 def check_model(cfg: Config, res: Resolved, shapes: bool = True) -> str:

@@ -56,3 +56,19 @@ def test_a_validation_set_changes_no_training_row(ckpt):
     assert notes(ckpt(val_data="v1.jsonl")) == []  # dropped
     (line,) = notes(ckpt(val_data="v1.jsonl"), val_data="v2.jsonl")
     assert "another validation set (v1.jsonl -> v2.jsonl)" in line and "data position" not in line
+
+
+def test_a_checkpoint_past_an_epochs_run_says_to_raise_the_epochs(ckpt):
+    """An epochs-counted run was told to raise --max-steps, a flag it does not use."""
+    from shardwise.config import load_config
+    from shardwise.launch import check_steps_left
+
+    path = ckpt()  # at step 4
+    res = load_config(None, {"epochs": (2, "flag --epochs"), "data": ("a.jsonl", "flag --data")})
+    with pytest.raises(Exception) as e:
+        check_steps_left(res.cfg, res, path, 3)
+    assert str(e.value).startswith("flag --epochs: this run has 3 steps") and \
+        "raise --epochs above 2 (or give --max-steps above 4) to train on" in str(e.value), str(e.value)
+    res = load_config(None, {"max_steps": (3, "flag --max-steps"), "data": ("a.jsonl", "flag --data")})
+    with pytest.raises(Exception, match=r"^flag --max-steps: .* raise --max-steps above 4 to train on"):
+        check_steps_left(res.cfg, res, path, 3)
