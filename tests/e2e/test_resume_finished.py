@@ -76,6 +76,7 @@ def test_a_run_stopped_before_its_final_model_writes_it_on_resume(finished, tmp_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["final_loss"] == summary_before["final_loss"] is not None
     assert summary["first_loss"] == summary_before["first_loss"]
+    assert summary["mean_tokens_per_s"] is None  # this launch trained nothing (it said 0.0)
     assert (out / "final" / "model.safetensors").is_file() and summary["final_model"] == str(out / "final")
     assert f"done: 4 steps, loss {summary['first_loss']:.4f} (first logged) -> {summary['final_loss']:.4f}" in p.stdout
 

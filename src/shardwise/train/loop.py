@@ -382,7 +382,8 @@ class Trainer:
         # is the same value as final_loss_window_mean: the mean over the last logged window, not the last step's
         summary = {"strategy": cfg.strategy, "world_size": env.world_size, "steps": step, "first_loss": first_loss,
                    "final_loss": self.last_rec.get("loss"), "final_loss_window_mean": self.last_rec.get("loss"),
-                   "mean_tokens_per_s": self.tokens_run / wall if wall > 0 else None,
+                   # None where this launch trained nothing (resumed at the last step to write the final model)
+                   "mean_tokens_per_s": self.tokens_run / wall if wall > 0 and self.tokens_run else None,
                    "peak_mem_gib": self.last_rec.get("peak_mem_gib"), "wall_time_s": self.earlier["wall_time_s"] + wall,
                    "wall_time_this_launch_s": wall, "params": self.n_params,
                    "trainable_params": self.n_trainable, "skipped_nonfinite_steps": self.skipped,
