@@ -235,11 +235,13 @@ def test_an_optimizer_and_scheduler_asking_for_nothing_of_their_own_give_way_to_
     ({"train_batch_size": 64}, r": train_batch_size: 64 here, but this run's --micro-batch-size 4 x --grad-accum 1 x "
                                r"2 data-parallel ranks sets it to 8"),
     ({"zero_optimization__stage": 2}, r": zero_optimization.stage: 2 here, but this run's --strategy zero3 \(ZeRO "
-                                      r"stage 3\) sets it to 3"),
+                                      r"stage 3\) sets it to 3; write \"auto\" .* or run --strategy zero2$"),
     ({"bf16__enabled": True}, r": bf16.enabled: true here, but this run's --mixed-precision no sets it to false"),
     ({"zero_optimization__offload_optimizer": {"device": "cpu"}},
      r": zero_optimization.offload_optimizer.device: \"cpu\" here, but this run's --strategy zero3 .* does not "
-     r"offload; write \"auto\", or choose the strategy"),
+     r"offload; write \"auto\", or run --strategy zero3-offload"),
+    ({"zero_optimization__stage": 0}, r": zero_optimization.stage: 0 here, .* or remove the key \(shardwise runs ZeRO "
+                                      r"stages 1, 2 and 3"),
     ({"zero_optimization__sub_group_size": "auto"}, r": zero_optimization.sub_group_size: \"auto\" is filled in only "
                                                     r"for the batch sizes, .*; give a value"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": "auto"}}},
@@ -408,3 +410,16 @@ def test_zero3_leaves_are_the_decoder_blocks_and_any_moe_block_outside_them():
     assert leaves(Model(layers=3, experts=2)) == ({"Layer"}, "deepspeed ZeRO-3, blocks fetched whole (Layer)")
     assert leaves(Model(layers=3, experts=8))[0] == {"Expert", "MoE"}  # the experts list is the longest
     assert leaves(Model(layers=3, experts=2), fetch="module")[0] == {"MoE"}
+
+
+def test_an_offload_disagreement_names_the_preset_of_the_runs_stage(tmp_path):
+    """A ZeRO-2 run was told to choose zero3-offload."""
+    from shardwise.strategies.deepspeed import ds_config
+
+    path = _hf_style(tmp_path, zero_optimization__stage="auto",
+                     zero_optimization__offload_optimizer={"device": "cpu"})
+    with pytest.raises(ShardwiseError, match=r"write \"auto\", or run --strategy zero2-offload$"):
+        ds_config(cfg_of(strategy="zero2", **{"deepspeed.config": path}), world=2, cuda=False)
+    path = _hf_style(tmp_path, zero_optimization__stage="auto")  # "none": the file does not offload
+    with pytest.raises(ShardwiseError, match=r"offloads; write \"auto\", or run --strategy zero2 \(no offload\)$"):
+        ds_config(cfg_of(strategy="zero2-offload", **{"deepspeed.config": path}), world=2, cuda=False)

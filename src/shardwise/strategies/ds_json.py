@@ -165,6 +165,24 @@ def _offload(cfg) -> list[tuple[str, bool, str]]:
              f"--strategy {cfg.strategy} (deepspeed.offload_params {str(ds.offload_params).lower()})")]
 
 
+def _flag_fix(key: str, value) -> str:
+    """How to make the run agree with the file's value of `key`."""
+    if key == "zero_optimization.stage":
+        if value in (1, 2, 3):
+            return f"run --strategy zero{value}"
+        return "remove the key (shardwise runs ZeRO stages 1, 2 and 3: --strategy zero1, zero2, zero3)"
+    return "change the flag"
+
+
+def _offload_fix(stage: int, wants: bool) -> str:
+    """The presets that offload (zero2-offload, zero3-offload) or do not, at this run's stage."""
+    if not wants:
+        return f"run --strategy zero{stage} (no offload)"
+    if stage in (2, 3):
+        return f"run --strategy zero{stage}-offload"
+    return "run --strategy zero2-offload or zero3-offload (ZeRO-1 has no offload preset)"
+
+
 def resolve(user: UserConfig, cfg, world: int | None = None) -> dict:
     """The user's keys to merge over shardwise's generated config: the keys a shardwise setting decides checked and
     dropped (the generated config has them), "auto" elsewhere refused, the hidden-size keys left "auto" for
@@ -198,7 +216,7 @@ def resolve(user: UserConfig, cfg, world: int | None = None) -> dict:
         if value != AUTO and ours is not None and not _same(value, ours):
             raise user.refuse(key, f"{json.dumps(value)} here, but this run's {source} sets it to "
                                    f"{json.dumps(ours)}; write \"auto\" (shardwise fills it in, as the HF Trainer "
-                                   "does) or change the flag")
+                                   f"does) or {_flag_fix(key, value)}")
         _pop(obj, key)
     for sub, ours, source in _offload(cfg):
         key = f"zero_optimization.{sub}.device"
@@ -207,8 +225,8 @@ def resolve(user: UserConfig, cfg, world: int | None = None) -> dict:
             continue
         if value != AUTO and (value != "none") != ours:
             raise user.refuse(key, f"{json.dumps(value)} here, but this run's {source} "
-                                   f"{'offloads' if ours else 'does not offload'}; write \"auto\", or choose "
-                                   "the strategy (e.g. --strategy zero3-offload, or zero3 without offload)")
+                                   f"{'offloads' if ours else 'does not offload'}; write \"auto\", or "
+                                   f"{_offload_fix(cfg.deepspeed.stage, wants=value != 'none')}")
         if not ours:
             zero.pop(sub)  # no offload, as the generated config says (no section)
         elif value == AUTO:
