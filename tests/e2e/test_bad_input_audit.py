@@ -209,7 +209,8 @@ def test_an_ms_swift_deepspeed_json_trains_under_zero3(tmp_path):
     assert (f'shardwise: DeepSpeed config: {ds} over the generated one ("auto" filled from hidden size: '
             "reduce_bucket_size 16384, stage3_prefetch_bucket_size 14745, stage3_param_persistence_threshold 1280; "
             'its optimizer and scheduler sections, every parameter "auto", dropped: shardwise\'s AdamW and schedule '
-            "run with --lr, --weight-decay, --warmup-steps)") in p.stdout, p.stdout[-3000:]
+            "run with --lr, --weight-decay, --warmup-steps, then a cosine decay to --min-lr-ratio 0.1 (1 holds the "
+            "rate, as WarmupLR does))") in p.stdout, p.stdout[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
 
 

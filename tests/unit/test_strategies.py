@@ -239,7 +239,8 @@ def test_an_optimizer_and_scheduler_asking_for_nothing_of_their_own_give_way_to_
     ({"bf16__enabled": True}, r": bf16.enabled: true here, but this run's --mixed-precision no sets it to false"),
     ({"zero_optimization__offload_optimizer": {"device": "cpu"}},
      r": zero_optimization.offload_optimizer.device: \"cpu\" here, but this run's --strategy zero3 .* does not "
-     r"offload; write \"auto\", or run --strategy zero3-offload"),
+     r"offload; write \"auto\", or pass --deepspeed-offload-optimizer"),
+    ({"zero_optimization__stage": True}, r": zero_optimization.stage: true here, .* or remove the key \(shardwise"),
     ({"zero_optimization__stage": 0}, r": zero_optimization.stage: 0 here, .* or remove the key \(shardwise runs ZeRO "
                                       r"stages 1, 2 and 3"),
     ({"zero_optimization__sub_group_size": "auto"}, r": zero_optimization.sub_group_size: \"auto\" is filled in only "
@@ -412,14 +413,29 @@ def test_zero3_leaves_are_the_decoder_blocks_and_any_moe_block_outside_them():
     assert leaves(Model(layers=3, experts=2), fetch="module")[0] == {"MoE"}
 
 
-def test_an_offload_disagreement_names_the_preset_of_the_runs_stage(tmp_path):
-    """A ZeRO-2 run was told to choose zero3-offload."""
+@pytest.mark.parametrize("strategy, offload, says", [
+    ("zero2", {"offload_optimizer": {"device": "cpu"}}, "pass --deepspeed-offload-optimizer"),
+    ("zero2", {"offload_param": {"device": "cpu"}}, r"remove the key \(ZeRO-2 does not offload parameters"),
+    ("zero2-offload", {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "auto"}},
+     r"remove the key \(ZeRO-2 does not offload parameters"),
+    ("zero2-offload", {}, "pass --no-deepspeed-offload-optimizer"),  # the file's "none"
+    ("zero3", {"offload_param": {"device": "cpu"}}, "pass --deepspeed-offload-params"),
+    ("zero3-offload", {"offload_optimizer": {"device": "cpu"}}, "pass --no-deepspeed-offload-params"),
+])
+def test_an_offload_disagreement_names_a_flag_that_ends_it(tmp_path, strategy, offload, says):
+    """A ZeRO-2 run was told to choose zero3-offload; a zero2 run asked for parameter offload was sent to
+    zero2-offload, which gave the same advice again. The advice, taken, gives a run the file agrees with."""
+    from shardwise.config import load_config
     from shardwise.strategies.deepspeed import ds_config
 
-    path = _hf_style(tmp_path, zero_optimization__stage="auto",
-                     zero_optimization__offload_optimizer={"device": "cpu"})
-    with pytest.raises(ShardwiseError, match=r"write \"auto\", or run --strategy zero2-offload$"):
-        ds_config(cfg_of(strategy="zero2", **{"deepspeed.config": path}), world=2, cuda=False)
-    path = _hf_style(tmp_path, zero_optimization__stage="auto")  # "none": the file does not offload
-    with pytest.raises(ShardwiseError, match=r"offloads; write \"auto\", or run --strategy zero2 \(no offload\)$"):
-        ds_config(cfg_of(strategy="zero2-offload", **{"deepspeed.config": path}), world=2, cuda=False)
+    changes = {"zero_optimization__stage": "auto"}
+    changes.update({f"zero_optimization__{k}": v for k, v in offload.items()})
+    path = _hf_style(tmp_path, **changes)
+    with pytest.raises(ShardwiseError, match=says) as e:
+        ds_config(cfg_of(strategy=strategy, **{"deepspeed.config": path}), world=2, cuda=False)
+    fix = re.search(r"pass (--[\w-]+)", str(e.value))
+    if fix:  # the flag, given: the file agrees (its other key "none" or "auto" included)
+        name = fix.group(1).removeprefix("--").removeprefix("no-").removeprefix("deepspeed-").replace("-", "_")
+        flags = {"strategy": (strategy, "flag"), "deepspeed.config": (path, "flag"),
+                 f"deepspeed.{name}": (not fix.group(1).startswith("--no-"), "flag")}
+        ds_config(load_config(None, flags).cfg, world=2, cuda=False)

@@ -224,7 +224,8 @@ class DeepSpeedStrategy(Strategy):
             if dropped:
                 said.append(f"its {' and '.join(dropped)} section{'s' if len(dropped) > 1 else ''}, every parameter "
                             "\"auto\", dropped: shardwise's AdamW and schedule run with --lr, --weight-decay, "
-                            "--warmup-steps")
+                            f"--warmup-steps, then a cosine decay to --min-lr-ratio {self.cfg.min_lr_ratio:g} "
+                            "(1 holds the rate, as WarmupLR does)")
             self.applied.append(f"DeepSpeed config: {self.cfg.deepspeed.config} over the generated one"
                                 + (f" ({'; '.join(said)})" if said else ""))
         opt = self.build_optimizer(model)

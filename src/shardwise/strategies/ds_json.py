@@ -168,19 +168,28 @@ def _offload(cfg) -> list[tuple[str, bool, str]]:
 def _flag_fix(key: str, value) -> str:
     """How to make the run agree with the file's value of `key`."""
     if key == "zero_optimization.stage":
-        if value in (1, 2, 3):
+        if _is_int(value) and value in (1, 2, 3):
             return f"run --strategy zero{value}"
         return "remove the key (shardwise runs ZeRO stages 1, 2 and 3: --strategy zero1, zero2, zero3)"
     return "change the flag"
 
 
-def _offload_fix(stage: int, wants: bool) -> str:
-    """The presets that offload (zero2-offload, zero3-offload) or do not, at this run's stage."""
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _offload_fix(sub: str, cfg, wants: bool) -> str:
+    """The flag that makes this run agree with the file's offload device for `sub` (offload_optimizer or
+    offload_param): a flag, not a preset (zero3-offload offloads both, which could turn the refusal onto the other
+    key); parameters offload only at stage 3."""
+    if sub == "offload_optimizer":
+        return f"pass --{'' if wants else 'no-'}deepspeed-offload-optimizer"
     if not wants:
-        return f"run --strategy zero{stage} (no offload)"
-    if stage in (2, 3):
-        return f"run --strategy zero{stage}-offload"
-    return "run --strategy zero2-offload or zero3-offload (ZeRO-1 has no offload preset)"
+        return "pass --no-deepspeed-offload-params"
+    if cfg.deepspeed.stage != 3:
+        return (f"remove the key (ZeRO-{cfg.deepspeed.stage} does not offload parameters; --strategy zero3-offload "
+                "does)")
+    return "pass --deepspeed-offload-params"
 
 
 def resolve(user: UserConfig, cfg, world: int | None = None) -> dict:
@@ -226,7 +235,7 @@ def resolve(user: UserConfig, cfg, world: int | None = None) -> dict:
         if value != AUTO and (value != "none") != ours:
             raise user.refuse(key, f"{json.dumps(value)} here, but this run's {source} "
                                    f"{'offloads' if ours else 'does not offload'}; write \"auto\", or "
-                                   f"{_offload_fix(cfg.deepspeed.stage, wants=value != 'none')}")
+                                   f"{_offload_fix(sub, cfg, wants=value != 'none')}")
         if not ours:
             zero.pop(sub)  # no offload, as the generated config says (no section)
         elif value == AUTO:
