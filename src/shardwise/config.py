@@ -517,7 +517,8 @@ def load_config(path: str | None = None, flags: dict[str, tuple[Any, str]] | Non
     flags = flags or {}
     layers: list[dict[str, tuple[Any, str]]] = []
     file_layer = _yaml_with_lines(path) if path else {}
-    if path and not file_layer and not {"model", "data"} & set(flags):
+    named = [k for k in ("model", "data") if k in flags and not str(flags[k][1]).startswith("set by")]  # by the user
+    if path and not file_layer and not named:
         # nothing but comments, blanks or {}, and no flag names a model or data: the run would be the built-in tiny
         # model on the demo data, unasked (with --model or --data it is a file of settings still to come)
         raise ShardwiseError(f"{path}: the config file is empty (no key in it) and no --model or --data is given; "
@@ -792,6 +793,21 @@ def _absolute_sources(spec: str) -> str:
     return ",".join(out)
 
 
+def absolute_paths(d: dict) -> dict:
+    """A config dict (dataclasses.asdict) with its paths made absolute, in place: what config.yaml, the workers'
+    job and so every checkpoint's meta.json record (a path as typed means nothing once the directory changes)."""
+    if d["model"] != "tiny":
+        d["model"] = os.path.abspath(d["model"])
+    d["data"] = _absolute_sources(d["data"])
+    if d["val_data"]:
+        d["val_data"] = os.path.abspath(d["val_data"])
+    if d["chat_template"] and os.path.isfile(d["chat_template"]):  # else a shipped template's name
+        d["chat_template"] = os.path.abspath(d["chat_template"])
+    if d.get("deepspeed", {}).get("config"):
+        d["deepspeed"]["config"] = os.path.abspath(d["deepspeed"]["config"])
+    return d
+
+
 def to_yaml(cfg: Config, where: str = "") -> str:
     """The resolved config as YAML; run-control keys are left out so the file repeats the run."""
     d = dataclasses.asdict(cfg)
@@ -804,16 +820,7 @@ def to_yaml(cfg: Config, where: str = "") -> str:
             d.pop(spec.section)
     if cfg.tuner == "full":
         d.pop("lora")
-    # paths as typed are relative to where this run started; the file is run from anywhere
-    if d["model"] != "tiny":
-        d["model"] = os.path.abspath(d["model"])
-    d["data"] = _absolute_sources(d["data"])
-    if d["val_data"]:
-        d["val_data"] = os.path.abspath(d["val_data"])
-    if d["chat_template"] and os.path.isfile(d["chat_template"]):  # else a shipped template's name
-        d["chat_template"] = os.path.abspath(d["chat_template"])
-    if d.get("deepspeed", {}).get("config"):
-        d["deepspeed"]["config"] = os.path.abspath(d["deepspeed"]["config"])
+    absolute_paths(d)  # paths as typed are relative to where this run started; the file is run from anywhere
     head = "# shardwise resolved config; `shardwise train THIS_FILE` repeats the run into a new output_dir.\n"
     if where:
         head += f"# written by the run in {where}\n"

@@ -23,7 +23,7 @@ import time
 import uuid
 
 from shardwise import phases, presets, rundir
-from shardwise.config import Config, Resolved, split_source, to_yaml
+from shardwise.config import Config, Resolved, absolute_paths, split_source, to_yaml
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import use_compile_cache
 from shardwise.rundir import quiet_libraries
@@ -107,7 +107,7 @@ def check_output_dir(cfg: Config, res: Resolved, lock: rundir.RunLock | None = N
         raise ShardwiseError(f"{where}: {out} is {why}; a run needs a directory of its own: choose another --output-dir")
     if lock is not None and lock.fd is None and os.path.exists(lock.path):
         lock.acquire(where)  # a live run there is refused now, naming its PID
-    if cfg.resume != "none" and not _replaces_without_checkpoint(cfg):
+    if cfg.resume != "none" and not _replaces_without_checkpoint(cfg, res):
         return False
     ours = rundir.own_entries_present(out)
     marked = rundir.run_id(out) is not None
@@ -131,14 +131,25 @@ def check_output_dir(cfg: Config, res: Resolved, lock: rundir.RunLock | None = N
     return True
 
 
-def _replaces_without_checkpoint(cfg: Config) -> bool:
-    """--resume auto --overwrite where no complete checkpoint is left: the run is replaced, as --overwrite alone
-    replaces it (it trained from the start over the old run's files, its profile/, tensorboard/ and run id kept)."""
+def _replaces_without_checkpoint(cfg: Config, res: Resolved) -> bool:
+    """--resume auto --overwrite where the run has no checkpoint: the run is replaced, as --overwrite alone replaces
+    it (it trained from the start over the old run's files, its profile/, tensorboard/ and run id kept). Where it
+    has checkpoints and none can be resumed (each damaged), nothing is replaced: refused, naming them (a half-copied
+    run, or one whose RNG file alone is damaged and whose weights still export, would be deleted without a word)."""
     if cfg.resume != "auto" or not cfg.overwrite:
         return False
     from shardwise.train import checkpoint as ckpt
 
-    return ckpt.latest(cfg.output_dir) is None
+    if ckpt.latest(cfg.output_dir) is not None:
+        return False
+    damaged = ckpt.skipped_newer(cfg.output_dir)
+    if damaged:
+        raise ShardwiseError(
+            f"{res.where('overwrite')}: --resume auto finds no checkpoint it can resume in {cfg.output_dir} ("
+            + "; ".join(f"{os.path.basename(p)}: {why}" for p, why in damaged) + "), and --overwrite would delete "
+            "them; move them away (shardwise export reads a checkpoint whose RNG files are damaged) and run again, "
+            "or pass --overwrite without --resume to replace the run")
+    return True
 
 
 def _check_outside_data_dirs(cfg: Config, res: Resolved, out: str, fix: str) -> None:
@@ -353,10 +364,11 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
             # the run's config.yaml stays as it was written; each resume is recorded beside it (resumes.jsonl), by
             # rank 0 once the checkpoint has loaded (train/loop.py): a checkpoint that fails to load records nothing
             resume_record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "notes": resume_notes,
-                             "config": dataclasses.asdict(cfg)}
+                             "config": absolute_paths(dataclasses.asdict(cfg))}
         else:
             rundir.atomic_write(os.path.join(out, "config.yaml"), to_yaml(cfg, out))
-    job = {"config": dataclasses.asdict(cfg), "model_dir": model_dir, "data_file": data_file,
+    # the workers' config holds absolute paths, so a checkpoint's meta.json names the data wherever it is resumed from
+    job = {"config": absolute_paths(dataclasses.asdict(cfg)), "model_dir": model_dir, "data_file": data_file,
            "output_dir": out, "resume": cfg.resume, "val_file": val_file, "resume_record": resume_record,
            "timeline": {"process_start": phases.process_start(), "prepare_start": t0 or time.time(),
                         **(marks or {}), "prepared": time.time()}}
@@ -462,14 +474,16 @@ def _path_key(path: str) -> str:
     return path if path in ("", "demo") else os.path.realpath(path)
 
 
-def _sources_key(spec: str) -> list[tuple[str, str]]:
-    """A data spec ('a.jsonl:0.7,demo:0.3') as (real path, count or weight) pairs, for comparing two specs."""
+def _sources_key(spec: str) -> list[tuple[str, float | int | None]]:
+    """A data spec ('a.jsonl:0.7,demo:0.3') as (real path, count or weight) pairs, for comparing two specs (a weight
+    written .5 is 0.5). A relative path of an older checkpoint's meta.json is taken from here (meta.json records
+    absolute paths since 2026-12-06)."""
     from shardwise.config import split_source
 
     out = []
     for item in spec.split(","):
         path, num = split_source(item.strip())
-        out.append((_path_key(path), num))
+        out.append((_path_key(path), None if not num else int(num) if num.isdigit() else float(num)))
     return out
 
 

@@ -193,3 +193,18 @@ def test_a_tensor_item_asking_for_a_global_is_refused_as_code_not_as_corrupt(tmp
     msg = str(e.value)
     assert f"refused to load {info.relative_path}: it asks for 'posix.mkdir'" in msg and "could run code" in msg, msg
     assert "weights_only" not in msg and not marker.exists()
+
+
+def test_a_checkpoint_records_its_data_as_an_absolute_path(tmp_path):
+    """Typed relative in one directory and resumed from another with the same file named absolutely: no 'other
+    data' note (meta.json recorded 'chat.jsonl', read against the resume's directory)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    write_jsonl(str(first / "chat.jsonl"), chat_records(16))
+    run = tmp_path / "run"
+    run_cli(*train_args(run, "chat.jsonl", "--max-steps", "2"), cwd=str(first))
+    meta = json.loads((ck(run, 2) / "meta.json").read_text())
+    assert meta["config"]["data"] == str(first / "chat.jsonl")
+    p = run_cli(*train_args(run, first / "chat.jsonl", "--max-steps", "4", "--resume", "auto"), cwd=str(second))
+    assert "resumed from" in p.stdout and "other data" not in p.stdout, p.stdout

@@ -151,3 +151,23 @@ def test_resume_auto_with_overwrite_and_no_checkpoint_replaces_the_run(finished,
     assert not (out / "resumes.jsonl").exists() and not (out / "profile").exists()
     assert (out / "my-notes.txt").read_text() == "the user's"
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+def test_resume_auto_with_overwrite_never_deletes_checkpoints_it_cannot_resume(finished, tmp_path):
+    """Every checkpoint damaged (here their RNG files, the weights intact and exportable): --resume auto finds none,
+    and --overwrite replaced the run, deleting them without a word. Refused now, naming them; nothing written."""
+    out = copy(finished, tmp_path)
+    ckpts = sorted((out / "checkpoints").glob("step_*"))
+    assert ckpts
+    for c in ckpts:
+        f = c / "rng" / "rank0.pt"
+        f.write_bytes(b"\0" * f.stat().st_size)  # the size meta.json records: only the read finds it
+    before = snapshot(out)
+    p = run_cli("train", *JOB[:-4], "--max-steps", "6", "--output-dir", str(out), "--resume", "auto", "--overwrite",
+                check=False, timeout=300)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("shardwise: error")]
+    assert p.returncode == 2 and len(errors) == 1, p.stderr[-3000:]
+    assert errors[0].startswith(f"shardwise: error: flag --overwrite: --resume auto finds no checkpoint it can resume "
+                                f"in {out} ({ckpts[-1].name}: rng/rank0.pt is corrupt"), errors[0]
+    assert "--overwrite would delete them" in errors[0]
+    assert snapshot(out) == before

@@ -567,6 +567,12 @@ def test_an_empty_config_file_is_refused_not_the_demo(tmp_path, text):
         config.load_config(str(f), {})
     assert one_line(e) == (f"{f}: the config file is empty (no key in it) and no --model or --data is given; give "
                            "the run's keys (docs/config.md), or leave the file out and use flags")
+    from shardwise.cli import main
+
+    # bench names the demo data itself where none is given: not the user's naming of a run
+    assert main(["bench", str(f), "--strategies", "single", "--steps", "1", "--warmup", "0",
+                 "--nproc-per-node", "1", "--runs-dir", str(tmp_path / "bench")]) == 2
+    assert not (tmp_path / "bench").exists()
     from tests.helpers import write_jsonl
 
     data = write_jsonl(str(tmp_path / "d.jsonl"), [{"text": "hello"}])

@@ -72,3 +72,28 @@ def test_a_checkpoint_past_an_epochs_run_says_to_raise_the_epochs(ckpt):
     res = load_config(None, {"max_steps": (3, "flag --max-steps"), "data": ("a.jsonl", "flag --data")})
     with pytest.raises(Exception, match=r"^flag --max-steps: .* raise --max-steps above 4 to train on"):
         check_steps_left(res.cfg, res, path, 3)
+
+
+def test_a_resume_from_another_directory_compares_the_files(ckpt, tmp_path, monkeypatch):
+    """meta.json records the data as absolute paths (it recorded them as typed, which meant another file once the
+    resume ran elsewhere); a weight written .5 is 0.5."""
+    path = ckpt(data=f"{tmp_path}/a.jsonl:0.5,demo:.5")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "a.jsonl").write_text("{}\n")
+    monkeypatch.chdir(elsewhere)
+    assert notes(path, data=f"{tmp_path}/a.jsonl:.5,demo:0.50") == []
+    (line,) = notes(path, data="a.jsonl:0.5,demo:0.5")  # another a.jsonl, in this directory
+    assert "on other data" in line
+
+
+def test_the_workers_config_records_absolute_paths(tmp_path, monkeypatch):
+    """What the launcher hands the workers (and so every checkpoint's meta.json): paths made absolute."""
+    from shardwise.config import absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    import dataclasses
+
+    d = absolute_paths(dataclasses.asdict(Config(data="a.jsonl:0.7,demo:0.3", val_data="v.jsonl")))
+    assert d["data"] == f"{tmp_path}/a.jsonl:0.7,demo:0.3" and d["val_data"] == f"{tmp_path}/v.jsonl"
+    assert d["model"] == "tiny"
