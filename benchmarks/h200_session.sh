@@ -39,6 +39,7 @@
 #                                                    gputests19 ttfs19 (nineteenth session; ttfs19 carries .whl/base_src = aadd66e's src)
 #                                                    gputests20 ttfs20 (twentieth session; ttfs20 carries .whl/base_src = 1d73dd3's src)
 #                                                    z3hf21 gputests21 (twenty-first session; carries .whl/opt/accelerate)
+#                                                    vshf22 gputests22 ttfs22 (twenty-second session)
 #                                                    prof17 z3mod17 norm17 gputests17 (seventeenth session; prof17 after
 #                                                    fold16 or norm17; norm17 carries .whl/base_src = 3d31060's src)
 #                                                    z3one z3prof z3acc z3two z3prof2 z3acc2 z3acc3 cudatests z3eager (twelfth session, one GPU: ZeRO-3 fetching whole blocks;
@@ -512,6 +513,20 @@ z3hf21() {
     --variants hf-trainer-zero3,sw-zero3,sw-zero3-hfjson,hf-trainer-zero3
 }
 gputests21() { timeout -k 10 500 python3 -m pytest -n 0 -v -rs -p no:cacheprovider tests/gpu/test_cuda.py; }
+# twenty-second session (issue 17 item 4, no regression): the anchor job on one GPU on this tree, the HF Trainer
+# first and last, shardwise single and fsdp between; then every CUDA test on this tree
+vshf22() {
+  timeout -k 10 450 python3 benchmarks/vs_hf_trainer.py --out "$OUT/vshf22" --steps 24 --warmup 8 \
+    --variants hf-trainer,sw-single,sw-fsdp,hf-trainer
+}
+gputests22() { timeout -k 10 480 python3 -m pytest -n 0 -v -rs -p no:cacheprovider tests/gpu/test_cuda.py; }
+# time to first step on this tree (single, ddp) beside the Trainer, bytecode cached as on a user's machine (no A/B)
+ttfs22() {
+  export PYTHONPYCACHEPREFIX=/tmp/pycache22
+  env -u PYTHONDONTWRITEBYTECODE python3 -c "import torch, transformers.trainer, torch._inductor.compile_fx, shardwise.train.loop"
+  env -u PYTHONDONTWRITEBYTECODE timeout -k 10 400 python3 benchmarks/ttfs_h200.py --out "$OUT" --steps 6 --runs 3 \
+    --shardwise single,ddp
+}
 # issue 20: the Llama-3.1-8B shape, TP 2 against fsdp on 2 GPUs, same global batch (TP 2 is one replica: grad-accum 2)
 tp2() {
   python3 benchmarks/long_context.py --lengths 8192 --sp 1 --steps 4 --timeout 260 --tag tp2 --out "$OUT" -- \
