@@ -219,13 +219,8 @@ class DeepSpeedStrategy(Strategy):
         filled = ds_json.fill_hidden(self.config, hidden_size(getattr(model, "config", None)),
                                      self.cfg.deepspeed.config)
         if self.cfg.deepspeed.config:  # the run's header says what DeepSpeed got from the user's file
-            dropped = ds_json.auto_sections(ds_json.UserConfig.read(self.cfg.deepspeed.config).obj)
             said = [f"\"auto\" filled from hidden size: {filled}"] if filled else []
-            if dropped:
-                said.append(f"its {' and '.join(dropped)} section{'s' if len(dropped) > 1 else ''}, every parameter "
-                            "\"auto\", dropped: shardwise's AdamW and schedule run with --lr, --weight-decay, "
-                            f"--warmup-steps, then a cosine decay to --min-lr-ratio {self.cfg.min_lr_ratio:g} "
-                            "(1 holds the rate, as WarmupLR does)")
+            said += ds_json.dropped_notes(ds_json.UserConfig.read(self.cfg.deepspeed.config).obj)
             self.applied.append(f"DeepSpeed config: {self.cfg.deepspeed.config} over the generated one"
                                 + (f" ({'; '.join(said)})" if said else ""))
         opt = self.build_optimizer(model)

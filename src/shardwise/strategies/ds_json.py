@@ -15,7 +15,8 @@ clipping, precision and three bucket sizes all "auto"). The Trainer's rule, whic
 An `optimizer` or `scheduler` section is the one thing read otherwise: shardwise trains every strategy with its own
 AdamW and schedule, so ddp, fsdp and zero* stay comparable (`--lr`, `--weight-decay`, `--warmup-steps`). A section
 that asks for nothing of its own (the HF examples': an Adam/AdamW or Warmup* type, every parameter "auto") is dropped
-and the run's header says so; one with a value or another type is refused. `"auto"` anywhere else is refused too
+and the run's header says so; one with a value or another type is refused. So is `zero_force_ds_cpu_optimizer: true`
+dropped (it would make DeepSpeed refuse our AdamW under offload). `"auto"` anywhere else is refused too
 (there is nothing to fill it with).
 
 Pure Python (no torch, no deepspeed): the launcher checks the file before anything is written, and the worker
@@ -59,6 +60,26 @@ REFUSED_SECTIONS = {
 # the types a section with every parameter "auto" may name and still be dropped for ours (DeepSpeed's names,
 # compared without case): an AdamW, and a warm-up schedule (ours decays by a cosine, theirs linearly or not at all)
 AUTO_SECTION_TYPES = {"optimizer": ("adam", "adamw"), "scheduler": ("warmuplr", "warmupdecaylr", "warmupcosinelr")}
+
+
+# true makes DeepSpeed refuse any optimizer but its DeepSpeedCPUAdam under offload (a ZeRORuntimeException in every
+# rank: LLaMA-Factory's ds_z3_partial_offload_config.json sets it); shardwise's AdamW runs the offloaded step as
+# torch's fused CPU kernel, and DeepSpeedCPUAdam needs a C++ build at run time: the key is dropped, with a word
+FORCE_DS_CPU = "zero_force_ds_cpu_optimizer"
+
+
+def dropped_notes(obj: dict) -> list[str]:
+    """What `resolve` drops from the user's file, in words for the run's header."""
+    out = []
+    dropped = auto_sections(obj)
+    if dropped:
+        out.append(f"its {' and '.join(dropped)} section{'s' if len(dropped) > 1 else ''}, every parameter \"auto\", "
+                   "dropped: shardwise's AdamW and schedule run with --lr, --weight-decay, --warmup-steps, then a "
+                   "cosine decay to --min-lr-ratio (1 holds the rate, as WarmupLR does)")
+    if obj.get(FORCE_DS_CPU) is True:
+        out.append(f"{FORCE_DS_CPU} true dropped: shardwise's AdamW runs the offloaded step (torch's fused CPU "
+                   "kernel), where DeepSpeed would refuse any optimizer but its DeepSpeedCPUAdam")
+    return out
 
 
 def auto_sections(obj: dict) -> list[str]:
@@ -209,6 +230,8 @@ def resolve(user: UserConfig, cfg, world: int | None = None) -> dict:
                                        f"{json.dumps(obj[section])[:60]}; fix that key")
     for section in auto_sections(obj):
         obj.pop(section)  # ours in its place (the run's header says so)
+    if obj.get(FORCE_DS_CPU) is True:
+        obj.pop(FORCE_DS_CPU)  # it would refuse our AdamW under offload (the header says so)
     for section, why in REFUSED_SECTIONS.items():
         if section in obj:
             raise user.refuse(section, why)
