@@ -225,6 +225,9 @@ def test_an_optimizer_and_scheduler_asking_for_nothing_of_their_own_give_way_to_
     assert ds_json.auto_sections({"optimizer": {"type": "adam"}, "scheduler": {"type": "WarmupLR", "params": {}}}) \
         == ["optimizer", "scheduler"]
     assert ds_json.auto_sections({"optimizer": dict(HF_OPTIMIZER, torch_adam=True)}) == []  # a key beside params
+    off = ds_config(cfg_of(strategy="zero3", **{"deepspeed.config": _hf_style(tmp_path, fp8={"enabled": False})}),
+                    world=2, cuda=False)
+    assert off["fp8"] == {"enabled": False}  # switched off: nothing asked for, passed on (DeepSpeed ignores it)
 
 
 @pytest.mark.parametrize("change, says", [
@@ -256,6 +259,9 @@ def test_an_optimizer_and_scheduler_asking_for_nothing_of_their_own_give_way_to_
                                    r"\.\.\.\}\), got \"yes\"; fix that key"),
     ({"zero_optimization__offload_param": "cpu"}, r": zero_optimization.offload_param: DeepSpeed reads this as a JSON "
                                                   r"object"),
+    ({"sequence_parallel": {"enabled": True, "size": 4, "mode": "ulysses"}},
+     r": sequence_parallel: LLaMA-Factory's own sequence-parallel settings .* pass --sequence-parallel N"),
+    ({"fp8": {"enabled": True}}, r": fp8: LLaMA-Factory's own FP8 switch, which DeepSpeed does not read; .* --float8"),
     ({"zero_optimisation": {"stage": 3}}, r": zero_optimisation: not a DeepSpeed key \(DeepSpeed would ignore it\); "
                                           r"did you mean 'zero_optimization'\?"),
 ])

@@ -62,6 +62,16 @@ REFUSED_SECTIONS = {
 AUTO_SECTION_TYPES = {"optimizer": ("adam", "adamw"), "scheduler": ("warmuplr", "warmupdecaylr", "warmupcosinelr")}
 
 
+# sections of LLaMA-Factory's DeepSpeed files that LLaMA-Factory reads itself (DeepSpeed ignores them): left in, the
+# run would silently go without what they ask for; asked for (not "enabled": false), they are refused with
+# shardwise's way to the same thing
+FOREIGN_SECTIONS = {
+    "sequence_parallel": "LLaMA-Factory's own sequence-parallel settings (ALST/Ulysses), which DeepSpeed does not "
+                         "read; shardwise splits sequences itself: remove the section and pass --sequence-parallel N "
+                         "(docs/long-context.md)",
+    "fp8": "LLaMA-Factory's own FP8 switch, which DeepSpeed does not read; shardwise's float8 matmuls are --float8 "
+           "(torchao, on Hopper GPUs): remove the section, or set its \"enabled\" false",
+}
 # true makes DeepSpeed refuse any optimizer but its DeepSpeedCPUAdam under offload (a ZeRORuntimeException in every
 # rank: LLaMA-Factory's ds_z3_partial_offload_config.json sets it); shardwise's AdamW runs the offloaded step as
 # torch's fused CPU kernel, and DeepSpeedCPUAdam needs a C++ build at run time: the key is dropped, with a word
@@ -220,8 +230,13 @@ def resolve(user: UserConfig, cfg, world: int | None = None) -> dict:
     line and key."""
     obj = json.loads(json.dumps(user.obj))  # a copy
     known = OBJECT_SECTIONS + SCALAR_KEYS
+    for key, why in FOREIGN_SECTIONS.items():
+        sec = obj.get(key)
+        if isinstance(sec, dict) and sec.get("enabled", True) not in (False, "false"):
+            raise user.refuse(key, why)
     for key in obj:
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.85) if key not in known else []
+        close = (difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+                 if key not in known and key not in FOREIGN_SECTIONS else [])
         if close:
             raise user.refuse(key, f"not a DeepSpeed key (DeepSpeed would ignore it); did you mean '{close[0]}'?")
     for section in OBJECT_SECTIONS:
