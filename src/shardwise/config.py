@@ -801,8 +801,12 @@ def absolute_paths(d: dict) -> dict:
     d["data"] = _absolute_sources(d["data"])
     if d["val_data"]:
         d["val_data"] = os.path.abspath(d["val_data"])
-    if d["chat_template"] and os.path.isfile(d["chat_template"]):  # else a shipped template's name
-        d["chat_template"] = os.path.abspath(d["chat_template"])
+    ct = d["chat_template"]
+    # a shipped template's name stays a name (data/templates.template_text reads the name first, even where a file of
+    # that name lies in the working directory): made a path, the workers and a repeat run would read the file
+    if ct and os.path.isfile(ct) and not resources.files("shardwise").joinpath("data", "templates",
+                                                                               f"{ct}.jinja").is_file():
+        d["chat_template"] = os.path.abspath(ct)
     if d.get("deepspeed", {}).get("config"):
         d["deepspeed"]["config"] = os.path.abspath(d["deepspeed"]["config"])
     return d

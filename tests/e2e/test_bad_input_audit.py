@@ -209,7 +209,7 @@ def test_an_ms_swift_deepspeed_json_trains_under_zero3(tmp_path):
     assert (f'shardwise: DeepSpeed config: {ds} over the generated one ("auto" filled from hidden size: '
             "reduce_bucket_size 16384, stage3_prefetch_bucket_size 14745, stage3_param_persistence_threshold 1280; "
             'its optimizer and scheduler sections, every parameter "auto", dropped: shardwise\'s AdamW and schedule '
-            "run with --lr, --weight-decay, --warmup-steps, then a cosine decay to --min-lr-ratio (1 holds the "
+            "run with --lr, --weight-decay, --warmup-steps, then a cosine decay to --min-lr-ratio 0.1 (1 holds the "
             "rate, as WarmupLR does))") in p.stdout, p.stdout[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
 
@@ -225,7 +225,7 @@ def test_a_partial_offload_json_forcing_deepspeeds_cpu_adam_trains_with_ours(tmp
     from tests.unit.test_strategies import HF_STYLE
 
     obj = json.loads(json.dumps(HF_STYLE))
-    obj["zero_force_ds_cpu_optimizer"] = True
+    obj["zero_force_ds_cpu_optimizer"] = 1  # any truthy value: DeepSpeed asks only `if ...` (1 got past `is True`)
     obj["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     del obj["zero_optimization"]["offload_param"]
     ds = tmp_path / "partial_offload.json"
@@ -234,7 +234,7 @@ def test_a_partial_offload_json_forcing_deepspeeds_cpu_adam_trains_with_ours(tmp
                 "--nproc-per-node", "2", "--max-steps", "2", "--deepspeed-config", str(ds),
                 "--output-dir", str(tmp_path / "run"), check=False, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "zero_force_ds_cpu_optimizer true dropped: shardwise's AdamW runs the offloaded step" in p.stdout, \
+    assert "zero_force_ds_cpu_optimizer 1 dropped: shardwise's AdamW runs the offloaded step" in p.stdout, \
         p.stdout[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
 

@@ -97,3 +97,8 @@ def test_the_workers_config_records_absolute_paths(tmp_path, monkeypatch):
     d = absolute_paths(dataclasses.asdict(Config(data="a.jsonl:0.7,demo:0.3", val_data="v.jsonl")))
     assert d["data"] == f"{tmp_path}/a.jsonl:0.7,demo:0.3" and d["val_data"] == f"{tmp_path}/v.jsonl"
     assert d["model"] == "tiny"
+    (tmp_path / "chatml").write_text("{{ messages }}")  # a file named as a shipped template: the name is read first
+    (tmp_path / "mine.jinja").write_text("{{ messages }}")
+    assert absolute_paths(dataclasses.asdict(Config(chat_template="chatml")))["chat_template"] == "chatml"
+    assert absolute_paths(dataclasses.asdict(Config(chat_template="mine.jinja")))["chat_template"] == \
+        f"{tmp_path}/mine.jinja"

@@ -228,6 +228,15 @@ def test_an_optimizer_and_scheduler_asking_for_nothing_of_their_own_give_way_to_
     off = ds_config(cfg_of(strategy="zero3", **{"deepspeed.config": _hf_style(tmp_path, fp8={"enabled": False})}),
                     world=2, cuda=False)
     assert off["fp8"] == {"enabled": False}  # switched off: nothing asked for, passed on (DeepSpeed ignores it)
+    for value in (None, "False", 0):
+        path = _hf_style(tmp_path, sequence_parallel={"enabled": value, "size": 4})
+        assert ds_config(cfg_of(strategy="zero3", **{"deepspeed.config": path}), world=2, cuda=False)[
+            "sequence_parallel"]["size"] == 4
+    forced = _hf_style(tmp_path, zero_force_ds_cpu_optimizer="false")  # a string: truthy to DeepSpeed
+    assert ds_config(cfg_of(strategy="zero3", **{"deepspeed.config": forced}), world=2,
+                     cuda=False)["zero_force_ds_cpu_optimizer"] is False  # dropped: the generated config's false
+    assert ds_config(cfg_of(strategy="zero3", **{"deepspeed.config": _hf_style(
+        tmp_path, zero_force_ds_cpu_optimizer=False)}), world=2, cuda=False)["zero_force_ds_cpu_optimizer"] is False
 
 
 @pytest.mark.parametrize("change, says", [
@@ -262,6 +271,9 @@ def test_an_optimizer_and_scheduler_asking_for_nothing_of_their_own_give_way_to_
     ({"sequence_parallel": {"enabled": True, "size": 4, "mode": "ulysses"}},
      r": sequence_parallel: LLaMA-Factory's own sequence-parallel settings .* pass --sequence-parallel N"),
     ({"fp8": {"enabled": True}}, r": fp8: LLaMA-Factory's own FP8 switch, which DeepSpeed does not read; .* --float8"),
+    ({"fp8": True}, r": fp8: LLaMA-Factory's own FP8 switch"),
+    ({"fp8": {"enabled": "auto"}}, r": fp8: LLaMA-Factory's own FP8 switch"),
+    ({"sequence_parallel": 4}, r": sequence_parallel: not a DeepSpeed key .*did you mean 'sequence_parallel_size'\?"),
     ({"zero_optimisation": {"stage": 3}}, r": zero_optimisation: not a DeepSpeed key \(DeepSpeed would ignore it\); "
                                           r"did you mean 'zero_optimization'\?"),
 ])

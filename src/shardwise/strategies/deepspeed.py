@@ -220,7 +220,8 @@ class DeepSpeedStrategy(Strategy):
                                      self.cfg.deepspeed.config)
         if self.cfg.deepspeed.config:  # the run's header says what DeepSpeed got from the user's file
             said = [f"\"auto\" filled from hidden size: {filled}"] if filled else []
-            said += ds_json.dropped_notes(ds_json.UserConfig.read(self.cfg.deepspeed.config).obj)
+            said += ds_json.dropped_notes(ds_json.UserConfig.read(self.cfg.deepspeed.config).obj,
+                                          self.cfg.min_lr_ratio)
             self.applied.append(f"DeepSpeed config: {self.cfg.deepspeed.config} over the generated one"
                                 + (f" ({'; '.join(said)})" if said else ""))
         opt = self.build_optimizer(model)

@@ -78,17 +78,24 @@ FOREIGN_SECTIONS = {
 FORCE_DS_CPU = "zero_force_ds_cpu_optimizer"
 
 
-def dropped_notes(obj: dict) -> list[str]:
+def _off(v) -> bool:
+    """An "enabled" value that switches a section off (JSON false, 0, null, or such a string)."""
+    return v is None or v is False or (isinstance(v, (int, float)) and v == 0) or \
+        (isinstance(v, str) and v.strip().lower() in ("false", "0", "off", "no", "null", "none"))
+
+
+def dropped_notes(obj: dict, min_lr_ratio: float) -> list[str]:
     """What `resolve` drops from the user's file, in words for the run's header."""
     out = []
     dropped = auto_sections(obj)
     if dropped:
         out.append(f"its {' and '.join(dropped)} section{'s' if len(dropped) > 1 else ''}, every parameter \"auto\", "
                    "dropped: shardwise's AdamW and schedule run with --lr, --weight-decay, --warmup-steps, then a "
-                   "cosine decay to --min-lr-ratio (1 holds the rate, as WarmupLR does)")
-    if obj.get(FORCE_DS_CPU) is True:
-        out.append(f"{FORCE_DS_CPU} true dropped: shardwise's AdamW runs the offloaded step (torch's fused CPU "
-                   "kernel), where DeepSpeed would refuse any optimizer but its DeepSpeedCPUAdam")
+                   f"cosine decay to --min-lr-ratio {min_lr_ratio:g} (1 holds the rate, as WarmupLR does)")
+    if FORCE_DS_CPU in obj and obj[FORCE_DS_CPU] is not False:
+        out.append(f"{FORCE_DS_CPU} {json.dumps(obj[FORCE_DS_CPU])} dropped: shardwise's AdamW runs the offloaded "
+                   "step (torch's fused CPU kernel), where DeepSpeed would refuse any optimizer but its "
+                   "DeepSpeedCPUAdam")
     return out
 
 
@@ -231,12 +238,14 @@ def resolve(user: UserConfig, cfg, world: int | None = None) -> dict:
     obj = json.loads(json.dumps(user.obj))  # a copy
     known = OBJECT_SECTIONS + SCALAR_KEYS
     for key, why in FOREIGN_SECTIONS.items():
-        sec = obj.get(key)
-        if isinstance(sec, dict) and sec.get("enabled", True) not in (False, "false"):
-            raise user.refuse(key, why)
+        if key not in obj or _off(obj[key].get("enabled", True) if isinstance(obj[key], dict) else obj[key]):
+            continue
+        if isinstance(obj[key], dict) or not difflib.get_close_matches(key, known, n=1, cutoff=0.85):
+            raise user.refuse(key, why)  # (a number for sequence_parallel: the near-miss check below names it)
     for key in obj:
+        foreign = key in FOREIGN_SECTIONS and isinstance(obj[key], dict)  # switched off, left for DeepSpeed to ignore
         close = (difflib.get_close_matches(key, known, n=1, cutoff=0.85)
-                 if key not in known and key not in FOREIGN_SECTIONS else [])
+                 if key not in known and not foreign else [])
         if close:
             raise user.refuse(key, f"not a DeepSpeed key (DeepSpeed would ignore it); did you mean '{close[0]}'?")
     for section in OBJECT_SECTIONS:
@@ -245,8 +254,8 @@ def resolve(user: UserConfig, cfg, world: int | None = None) -> dict:
                                        f"{json.dumps(obj[section])[:60]}; fix that key")
     for section in auto_sections(obj):
         obj.pop(section)  # ours in its place (the run's header says so)
-    if obj.get(FORCE_DS_CPU) is True:
-        obj.pop(FORCE_DS_CPU)  # it would refuse our AdamW under offload (the header says so)
+    if FORCE_DS_CPU in obj and obj[FORCE_DS_CPU] is not False:
+        obj.pop(FORCE_DS_CPU)  # DeepSpeed takes any truthy value ("false" too): it would refuse our AdamW (header)
     for section, why in REFUSED_SECTIONS.items():
         if section in obj:
             raise user.refuse(section, why)
