@@ -222,10 +222,23 @@ class _Given(argparse.Action):
         setattr(ns, "flag:" + self.dest[4:], option_string)
 
 
+# `--deepspeed VALUE` as ms-swift and the HF Trainer take it: ms-swift's name of a built-in config is a strategy
+# preset here; anything else is a DeepSpeed JSON file (`--deepspeed-config`), whose ZeRO stage and offload devices
+# choose the strategy when no --strategy is given (the Trainer runs the stage its file says)
+DEEPSPEED_NAMES = {"zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "zero2_offload": "zero2-offload",
+                   "zero3_offload": "zero3-offload", "default-zero2": "zero2", "default-zero3": "zero3"}
+
+
 def add_flags(parser: argparse.ArgumentParser, only: list[str] | None = None) -> None:
     """Add one flag per config key (help ends with its default), plus its hidden underscore
     spelling and FLAG_ALIASES; unset flags are absent from the namespace (SUPPRESS)."""
     taken = set(parser._option_string_actions)
+    if (only is None or {"strategy", "deepspeed.config"} <= set(only)) and "--deepspeed" not in taken:
+        parser.add_argument("--deepspeed", dest="alias:deepspeed", default=argparse.SUPPRESS, metavar="NAME|FILE",
+                            help="ms-swift / HF Trainer spelling: a built-in name (zero1, zero2, zero3, zero2_offload, "
+                                 "zero3_offload) is --strategy; a DeepSpeed JSON file is --deepspeed-config, and its "
+                                 "zero_optimization stage and offload devices pick the strategy when no --strategy "
+                                 "is given")
     for fi in FIELDS.values():
         if only is not None and fi.key not in only:
             continue
@@ -265,7 +278,44 @@ def flags_from_namespace(ns: argparse.Namespace) -> dict[str, tuple[Any, str]]:
             typed = given.get("flag:" + key) or FIELDS[key].flag
             where = f"flag {FIELDS[key].flag}" if typed == FIELDS[key].flag else f"flag {typed} (= {FIELDS[key].flag})"
             out[key] = (v, where)
+    if "alias:deepspeed" in given:
+        _deepspeed_alias(str(given["alias:deepspeed"]), out)
     return out
+
+
+def _deepspeed_alias(value: str, out: dict[str, tuple[Any, str]]) -> None:
+    """`--deepspeed NAME|FILE` into the keys it means (see DEEPSPEED_NAMES), refusing a contradiction in one line."""
+    where = f"flag --deepspeed {value}"
+    name = value.strip().lower().replace("-", "_").replace("default_", "default-")
+    if name in ("zero0", "default-zero0"):
+        raise ShardwiseError(f"{where}: ms-swift's zero0 is plain data parallelism; use --strategy ddp")
+    if name in DEEPSPEED_NAMES:
+        want = DEEPSPEED_NAMES[name]
+        if "strategy" in out and out["strategy"][0] != want:
+            raise ShardwiseError(f"{where}: it means --strategy {want}, but {out['strategy'][1]} gives "
+                                 f"{out['strategy'][0]}; give one of them")
+        out["strategy"] = (want, f"{where} (= --strategy {want})")
+        return
+    if "deepspeed.config" in out:
+        raise ShardwiseError(f"{where}: {out['deepspeed.config'][1]} gives another DeepSpeed config; give one of them")
+    out["deepspeed.config"] = (value, f"{where} (= --deepspeed-config)")
+    if "strategy" in out:
+        return
+    try:  # the stage the file asks for (a file that cannot be read is named when the config is validated)
+        with open(os.path.expanduser(value), encoding="utf-8") as fh:
+            zero = json.load(fh).get("zero_optimization", {})
+        stage = zero.get("stage")
+    except (OSError, ValueError, AttributeError):
+        return
+    if not (isinstance(stage, int) and not isinstance(stage, bool) and stage in (1, 2, 3)):
+        return  # "auto" or none: validation asks for a ZeRO strategy
+    src = f"{where} (its zero_optimization.stage {stage})"
+    out["strategy"] = (f"zero{stage}", src)
+    for sub, key in (("offload_optimizer", "deepspeed.offload_optimizer"), ("offload_param", "deepspeed.offload_params")):
+        device = zero.get(sub, {}).get("device") if isinstance(zero.get(sub), dict) else None
+        if isinstance(device, str) and device != "auto" and key not in out and (device != "none" or stage == 3
+                                                                                 or sub == "offload_optimizer"):
+            out[key] = (device != "none", f"{where} (its zero_optimization.{sub}.device {device})")
 
 
 MAX_NPROC_PER_NODE = 1024  # processes (GPUs) per node; `plan --gpus` shares the bound (plan/inputs.py)

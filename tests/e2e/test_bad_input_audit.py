@@ -202,9 +202,11 @@ def test_an_ms_swift_deepspeed_json_trains_under_zero3(tmp_path):
 
     ds = tmp_path / "zero3.json"  # with the HF examples' all-"auto" optimizer and scheduler sections (they were refused)
     ds.write_text(json.dumps(dict(HF_STYLE, optimizer=HF_OPTIMIZER, scheduler=HF_SCHEDULER), indent=4))
-    p = run_cli("train", "--model", "tiny", "--strategy", "zero3", "--nproc-per-node", "2", "--max-steps", "2",
-                "--deepspeed-config", str(ds), "--output-dir", str(tmp_path / "run"), check=False, timeout=300)
+    # as ms-swift and the HF Trainer are called: `--deepspeed FILE`, the strategy from the file's ZeRO stage
+    p = run_cli("train", "--model", "tiny", "--nproc-per-node", "2", "--max-steps", "2",
+                "--deepspeed", str(ds), "--output-dir", str(tmp_path / "run"), check=False, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["strategy"] == "zero3"
     # the tiny model's hidden size is 128: hidden^2, 0.9 hidden^2, 10 hidden
     assert (f'shardwise: DeepSpeed config: {ds} over the generated one ("auto" filled from hidden size: '
             "reduce_bucket_size 16384, stage3_prefetch_bucket_size 14745, stage3_param_persistence_threshold 1280; "

@@ -202,3 +202,51 @@ def test_an_alias_bomb_under_the_bound_still_prints_a_short_line(tmp_path):
 def test_non_finite_float_flags_are_refused(flag, value):
     with pytest.raises(ShardwiseError, match=rf"flag {flag}: '\w+' must be a finite number, got '{re.escape(value)}'"):
         config.load_config(None, flags(flag, value))
+
+
+@pytest.mark.parametrize("argv, strategy, offload, config_from", [
+    (["--deepspeed", "zero3"], "zero3", (False, False), None),
+    (["--deepspeed", "zero3_offload"], "zero3-offload", (True, True), None),
+    (["--deepspeed", "default-zero2"], "zero2", (False, False), None),
+    (["--deepspeed", "{z3_opt_offload}"], "zero3", (True, False), "z3_opt_offload"),
+    (["--deepspeed", "{z2_offload}"], "zero2", (True, False), "z2_offload"),
+    (["--deepspeed", "{z_auto}"], None, None, "z_auto"),  # stage "auto": validation asks for a ZeRO strategy
+    (["--deepspeed", "{z_auto}", "--strategy", "zero2"], "zero2", (False, False), "z_auto"),
+])
+def test_deepspeed_as_ms_swift_and_the_hf_trainer_spell_it(tmp_path, argv, strategy, offload, config_from):
+    """`--deepspeed NAME|FILE` ("ambiguous option" before): ms-swift's built-in names are the presets; a file is
+    --deepspeed-config, its ZeRO stage and offload devices the strategy where no --strategy is given."""
+    import json
+
+    from shardwise import cli
+
+    files = {"z3_opt_offload": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+             "z2_offload": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                                  "offload_param": {"device": "none"}}},
+             "z_auto": {"zero_optimization": {"stage": "auto"}}}
+    for name, obj in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(obj))
+    argv = [a.format(**{n: str(tmp_path / f"{n}.json") for n in files}) for a in argv]
+    flags = config.flags_from_namespace(cli.build_parser().parse_args(["train", "--model", "tiny", *argv]))
+    if strategy is None:
+        with pytest.raises(ShardwiseError, match="'deepspeed.config' applies to DeepSpeed but the strategy is 'ddp'"):
+            config.load_config(None, flags)
+        return
+    c = config.load_config(None, flags).cfg
+    assert c.strategy == strategy and (c.deepspeed.offload_optimizer, c.deepspeed.offload_params) == offload
+    assert c.deepspeed.config == (str(tmp_path / f"{config_from}.json") if config_from else "")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--deepspeed", "zero0"], "flag --deepspeed zero0: ms-swift's zero0 is plain data parallelism; use --strategy ddp"),
+    (["--deepspeed", "zero3", "--strategy", "zero2"],
+     "flag --deepspeed zero3: it means --strategy zero3, but flag --strategy gives zero2; give one of them"),
+    (["--deepspeed", "a.json", "--deepspeed-config", "b.json"],
+     "flag --deepspeed a.json: flag --deepspeed-config gives another DeepSpeed config; give one of them"),
+])
+def test_deepspeed_alias_contradictions_are_one_line(argv, says):
+    from shardwise import cli
+
+    with pytest.raises(ShardwiseError) as e:
+        config.flags_from_namespace(cli.build_parser().parse_args(["train", "--model", "tiny", *argv]))
+    assert str(e.value) == says
