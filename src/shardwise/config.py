@@ -313,8 +313,7 @@ def _deepspeed_alias(value: str, out: dict[str, tuple[Any, str]]) -> None:
     out["strategy"] = (f"zero{stage}", src)
     for sub, key in (("offload_optimizer", "deepspeed.offload_optimizer"), ("offload_param", "deepspeed.offload_params")):
         device = zero.get(sub, {}).get("device") if isinstance(zero.get(sub), dict) else None
-        if isinstance(device, str) and device != "auto" and key not in out and (device != "none" or stage == 3
-                                                                                 or sub == "offload_optimizer"):
+        if isinstance(device, str) and device != "auto" and key not in out:
             out[key] = (device != "none", f"{where} (its zero_optimization.{sub}.device {device})")
 
 

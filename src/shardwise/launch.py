@@ -478,8 +478,6 @@ def _sources_key(spec: str) -> list[tuple[str, float | int | None]]:
     """A data spec ('a.jsonl:0.7,demo:0.3') as (real path, count or weight) pairs, for comparing two specs (a weight
     written .5 is 0.5). A relative path of an older checkpoint's meta.json is taken from here (meta.json records
     absolute paths since 2026-12-06)."""
-    from shardwise.config import split_source
-
     out = []
     for item in spec.split(","):
         path, num = split_source(item.strip())

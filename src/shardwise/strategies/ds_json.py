@@ -78,6 +78,11 @@ FOREIGN_SECTIONS = {
 FORCE_DS_CPU = "zero_force_ds_cpu_optimizer"
 
 
+def _forces_ds_cpu(obj: dict) -> bool:
+    """The file sets FORCE_DS_CPU to anything but false (DeepSpeed takes any truthy value, "false" too, as true)."""
+    return FORCE_DS_CPU in obj and obj[FORCE_DS_CPU] is not False
+
+
 def _off(v) -> bool:
     """An "enabled" value that switches a section off (JSON false, 0, null, or such a string)."""
     return v is None or v is False or (isinstance(v, (int, float)) and v == 0) or \
@@ -92,7 +97,7 @@ def dropped_notes(obj: dict, min_lr_ratio: float) -> list[str]:
         out.append(f"its {' and '.join(dropped)} section{'s' if len(dropped) > 1 else ''}, every parameter \"auto\", "
                    "dropped: shardwise's AdamW and schedule run with --lr, --weight-decay, --warmup-steps, then a "
                    f"cosine decay to --min-lr-ratio {min_lr_ratio:g} (1 holds the rate, as WarmupLR does)")
-    if FORCE_DS_CPU in obj and obj[FORCE_DS_CPU] is not False:
+    if _forces_ds_cpu(obj):
         out.append(f"{FORCE_DS_CPU} {json.dumps(obj[FORCE_DS_CPU])} dropped: shardwise's AdamW runs the offloaded "
                    "step (torch's fused CPU kernel), where DeepSpeed would refuse any optimizer but its "
                    "DeepSpeedCPUAdam")
@@ -254,8 +259,8 @@ def resolve(user: UserConfig, cfg, world: int | None = None) -> dict:
                                        f"{json.dumps(obj[section])[:60]}; fix that key")
     for section in auto_sections(obj):
         obj.pop(section)  # ours in its place (the run's header says so)
-    if FORCE_DS_CPU in obj and obj[FORCE_DS_CPU] is not False:
-        obj.pop(FORCE_DS_CPU)  # DeepSpeed takes any truthy value ("false" too): it would refuse our AdamW (header)
+    if _forces_ds_cpu(obj):
+        obj.pop(FORCE_DS_CPU)  # it would refuse our AdamW (the header says so)
     for section, why in REFUSED_SECTIONS.items():
         if section in obj:
             raise user.refuse(section, why)
