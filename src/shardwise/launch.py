@@ -764,6 +764,13 @@ def _agent(cfg: Config, worker_args: list[str]) -> None:
     from shardwise.train import zygote
 
     forked = zygote.enabled() and zygote.start(*(early_preload(cfg) if worker_args[0] == "--wait" else ("", False)))
+    trouble = zygote.cuda_trouble() if forked else ""
+    if trouble:  # the run goes on, its workers started as their own interpreters
+        zygote.stop()
+        forked = False
+        say(f"note: the workers' fork server cannot be used ({trouble}); each worker starts as its own interpreter "
+            "instead, a slower start (SHARDWISE_FORKSERVER_HIDE=torchao,PACKAGE hides a package that initialises "
+            "CUDA as it is imported; SHARDWISE_FORKSERVER=0 skips the server)")
     lc = LaunchConfig(
         min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
         run_id=f"shardwise-{cfg.rdzv_endpoint}" if multi else f"shardwise-{uuid.uuid4().hex[:8]}",

@@ -216,3 +216,82 @@ def test_a_forked_workers_exception_is_in_its_output_and_the_line_names_it(tmp_p
     assert "Traceback (most recent call last)" in p.stderr and "injected out-of-memory at step 2" in p.stderr, p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("shardwise: error: out of memory on rank 1"), p.stderr[-2000:]
     assert not list(tmp.rglob("*.pickle"))
+
+
+def _stand_in_torchao(root) -> None:
+    """A package installed as torchao 0.17.0 (its metadata included, so transformers takes it for torchao, as it
+    imports it whenever it is installed) whose import leaves a mark naming the importing process: what the real
+    one does at that moment (initialise CUDA on a GPU machine) would leave every child of the server unable to use
+    CUDA."""
+    pkg = root / "torchao"
+    (pkg / "prototype" / "safetensors").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "import os\n__version__ = '0.17.0'\n"
+        "with open(os.path.join(os.environ['SW_TORCHAO_MARKS'], str(os.getpid())), 'w'):\n    pass\n")
+    (pkg / "prototype" / "__init__.py").write_text("")
+    (pkg / "prototype" / "safetensors" / "__init__.py").write_text("")
+    (pkg / "prototype" / "safetensors" / "safetensors_support.py").write_text(
+        "def flatten_tensor_state_dict(*a, **k):\n    raise NotImplementedError\n")
+    info = root / "torchao-0.17.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchao\nVersion: 0.17.0\n")
+
+
+def _fork_child_imports(queue) -> None:
+    """In a fork of the server: whether the server had imported torchao, then torchao imported here, as a worker
+    that runs --float8 imports it (models/float8.py)."""
+    before = "torchao" in sys.modules
+    import torchao
+
+    queue.put({"server_had_it": before, "imported_here": torchao.__version__, "pid": os.getpid()})
+
+
+def test_the_server_imports_no_package_that_may_initialise_cuda_and_its_workers_still_can(tmp_path, monkeypatch):
+    """The preload (torch, transformers, the engine, the tiny model's family) with torchao installed: transformers
+    would import torchao, whose import initialises CUDA on a GPU machine (every launched run then failed there);
+    the server hides it, a forked worker imports it itself, and the probe finds the server usable."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    _stand_in_torchao(tmp_path / "site")
+    site = str(tmp_path / "site")
+    monkeypatch.syspath_prepend(site)  # a forked child's sys.path is this process's
+    # the server's is its own interpreter's, from the environment
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("SW_TORCHAO_MARKS", str(marks))
+    monkeypatch.delenv(zygote.HIDE_ENV, raising=False)
+    try:
+        assert zygote.start("tiny", False)
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver._forkserver_pid
+        assert zygote.cuda_trouble() == ""  # waits for the server's imports
+        ctx = multiprocessing.get_context("forkserver")
+        queue = ctx.SimpleQueue()
+        proc = ctx.Process(target=_fork_child_imports, args=(queue,))
+        proc.start()
+        got = queue.get()
+        proc.join(60)
+    finally:
+        zygote.stop()
+    assert str(server) not in os.listdir(marks), "the fork server imported torchao"
+    assert got == {"server_had_it": False, "imported_here": "0.17.0", "pid": got["pid"]}
+    assert os.listdir(marks) == [str(got["pid"])]
+
+
+def test_hidden_packages_look_not_installed_within_and_come_back_after(tmp_path, monkeypatch):
+    import importlib.util
+
+    _stand_in_torchao(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SW_TORCHAO_MARKS", str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torchao", raising=False)
+    monkeypatch.setenv(zygote.HIDE_ENV, " torchao, other ,")
+    assert zygote.hidden_from_server() == ("torchao", "other")
+    with zygote.hidden(zygote.hidden_from_server()):
+        assert importlib.util.find_spec("torchao") is None
+        with pytest.raises(ImportError):
+            import torchao  # noqa: F401
+    assert importlib.util.find_spec("torchao") is not None and "torchao" not in sys.modules
+    monkeypatch.setenv(zygote.HIDE_ENV, "")
+    assert zygote.hidden_from_server() == ()
+

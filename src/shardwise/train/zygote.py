@@ -1,11 +1,11 @@
-"""Workers forked from one process that has already imported what a worker needs (issue 17.3: time to first step).
+"""Workers forked from one process that has already imported what a worker needs, for a short time to first step.
 
-A worker used to be a fresh interpreter (`python -m shardwise.train.worker`) that imported torch, transformers and
-the model family's module itself: 2.3-2.6 CPU-s each on the tiny CPU job, for every rank, on the cores the launcher
-tokenizes on. Now torchrun's elastic agent starts the workers with multiprocessing's `forkserver` start method: one
-server process, started as the agent starts, imports all of that once (this module is its preload: `preload`),
-and every worker is a fork of it that begins with the imports done. The agent itself is unchanged (the same
-LocalElasticAgent, rendezvous, restarts, signals); only how its processes come to exist differs.
+A worker started as a fresh interpreter (`python -m shardwise.train.worker`) imports torch, transformers and the
+model family's module itself, several CPU-seconds for every rank on the cores the launcher tokenizes on. Instead,
+torchrun's elastic agent starts the workers with multiprocessing's `forkserver` start method: one server process,
+started as the agent starts, imports all of that once (this module is its preload: `preload`), and every worker is
+a fork of it that begins with the imports done. The agent itself is unchanged (the same LocalElasticAgent,
+rendezvous, restarts, signals); only how its processes come to exist differs.
 
 What a forked worker keeps from the plain start:
 - its own session (os.setsid, as torch's subprocess start gives it): a terminal's Ctrl-C reaches the launcher,
@@ -17,13 +17,20 @@ What a forked worker keeps from the plain start:
 
 CUDA: the server never initialises CUDA (a forked child could not use it then). torch.cuda.is_available() would
 count devices through the CUDA runtime and mark the process as one no child may use CUDA from, so the server asks
-NVML instead (PYTORCH_NVML_BASED_CUDA_CHECK=1, torch's own switch for this) and a worker checks it was not marked.
+NVML instead (PYTORCH_NVML_BASED_CUDA_CHECK=1, torch's own switch for this). Packages that may initialise CUDA as
+they are imported are hidden from the server's imports (hidden_from_server; SHARDWISE_FORKSERVER_HIDE names
+them, torchao by default): transformers imports torchao whenever
+it is installed, and torchao's import initialises CUDA on a GPU machine; a worker that needs one (--float8) imports
+it itself after the fork. Whatever else might initialise CUDA in the server, a probe forked from it as it starts
+(`start`, `cuda_trouble`) tells the launcher before any worker is forked, and the launcher then starts each worker
+as its own interpreter with one note instead (launch._agent); a worker still checks it was not marked.
 
-On by default on Linux (`enabled`); SHARDWISE_FORKSERVER=0 starts each worker as its own interpreter, as before.
+On by default on Linux (`enabled`); SHARDWISE_FORKSERVER=0 starts each worker as its own interpreter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -33,8 +40,7 @@ PRELOAD_ENV = "SHARDWISE_ZYGOTE_PRELOAD"  # what the server imports: {"model": D
 
 def enabled() -> bool:
     """Whether the agent forks its workers from a preloaded server: on Linux, unless SHARDWISE_FORKSERVER=0 (then
-    each worker is its own interpreter). The default since the twentieth session, once the review's defects of the
-    nineteenth were fixed (docs/speed.md, "Workers forked from one preloaded server")."""
+    each worker is its own interpreter; docs/speed.md, "Workers forked from one preloaded server")."""
     import multiprocessing
 
     return (os.environ.get("SHARDWISE_FORKSERVER", "1") != "0" and sys.platform.startswith("linux")
@@ -84,7 +90,68 @@ def start(model: str = "", compile_blocks: bool = False) -> bool:
             else:
                 os.environ[k] = v
     _folders[fs._forkserver_pid] = folder
+    _start_probe()
     return True
+
+
+HIDE_ENV = "SHARDWISE_FORKSERVER_HIDE"  # the packages hidden from the server's imports, comma-separated
+HIDDEN_FROM_SERVER = "torchao"  # its default: packages whose import can initialise CUDA
+
+
+def hidden_from_server() -> tuple[str, ...]:
+    return tuple(n.strip() for n in os.environ.get(HIDE_ENV, HIDDEN_FROM_SERVER).split(",") if n.strip())
+
+
+_probe: dict = {}  # the running server's probe: its thread, and once it is back, the probe's answer
+PROBE_CUDA_MARKED = 3  # the probe's exit code where the server's imports initialised CUDA
+
+
+def _start_probe() -> None:
+    """Fork one short-lived child from the server, on a thread (the fork waits for the server's imports, which
+    overlap the launcher's own work), to learn whether children of this server can use CUDA (cuda_trouble)."""
+    import threading
+
+    _probe.clear()
+
+    def probe() -> None:
+        import multiprocessing
+
+        try:
+            child = multiprocessing.get_context("forkserver").Process(target=_probe_child, daemon=True)
+            child.start()
+            child.join(PROBE_TIMEOUT_S)
+            _probe["code"] = child.exitcode
+        except Exception as e:  # noqa: BLE001 - a server that cannot fork is reported as such (cuda_trouble)
+            _probe["code"], _probe["error"] = None, f"{type(e).__name__}: {e}"
+
+    _probe["thread"] = threading.Thread(target=probe, name="shardwise-zygote-probe", daemon=True)
+    _probe["thread"].start()
+
+
+PROBE_TIMEOUT_S = 300.0  # the server's imports, on a slow shared filesystem
+
+
+def _probe_child() -> None:
+    """In the probe, a fork of the server: exit PROBE_CUDA_MARKED where the server had initialised CUDA (no child
+    of it can use CUDA then), 0 otherwise, at once and without the interpreter's teardown."""
+    torch = sys.modules.get("torch")
+    marked = torch is not None and torch.cuda._is_in_bad_fork()
+    os._exit(PROBE_CUDA_MARKED if marked else 0)
+
+
+def cuda_trouble() -> str:
+    """Why the workers should not be forked from the running server ("" where they can): its imports initialised
+    CUDA, or it could not fork a child. Waits for the probe `start` began (the server's imports, at most)."""
+    thread = _probe.get("thread")
+    if thread is None:
+        return ""
+    thread.join(PROBE_TIMEOUT_S)
+    code = _probe.get("code")
+    if code == PROBE_CUDA_MARKED:
+        return "its imports initialised CUDA, which no process forked from it could use"
+    if code != 0:
+        return f"it could not fork a process ({_probe.get('error') or f'exit code {code}'})"
+    return ""
 
 
 _folders: dict[int, str] = {}  # server pid: its socket's folder, removed when it is stopped (and by the server)
@@ -217,9 +284,27 @@ def preload() -> None:
     before = dict(os.environ)
     from shardwise.train import worker
 
-    worker.preload(settings.get("model", ""), bool(settings.get("compile")))
+    with hidden(hidden_from_server()):
+        worker.preload(settings.get("model", ""), bool(settings.get("compile")))
     restore_environment(before)
     phases.release_full_gc()
+
+
+@contextlib.contextmanager
+def hidden(names: tuple[str, ...]):
+    """Within: the packages `names` look not installed (importlib.util.find_spec answers None and an import raises
+    ImportError, as for a package that is not there), unless already imported; visible again after. What the
+    server imports then checks for them and goes on without them: transformers keeps its torchao support off in
+    the workers (shardwise's float8 imports torchao itself)."""
+    hid = [name for name in names if name not in sys.modules]
+    for name in hid:
+        sys.modules[name] = None
+    try:
+        yield
+    finally:
+        for name in hid:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
 
 
 def restore_environment(before: dict) -> None:
