@@ -248,7 +248,7 @@ def _fork_child_imports(queue) -> None:
 
 def test_the_server_imports_no_package_that_may_initialise_cuda_and_its_workers_still_can(tmp_path, monkeypatch):
     """The preload (torch, transformers, the engine, the tiny model's family) with torchao installed: transformers
-    would import torchao, whose import initialises CUDA on a GPU machine (every launched run then failed there);
+    would import its torchao support, which initialises CUDA on a GPU machine (every launched run failed there);
     the server hides it, a forked worker imports it itself, and the probe finds the server usable."""
     marks = tmp_path / "marks"
     marks.mkdir()

@@ -19,9 +19,9 @@ CUDA: the server never initialises CUDA (a forked child could not use it then). 
 count devices through the CUDA runtime and mark the process as one no child may use CUDA from, so the server asks
 NVML instead (PYTORCH_NVML_BASED_CUDA_CHECK=1, torch's own switch for this). Packages that may initialise CUDA as
 they are imported are hidden from the server's imports (hidden_from_server; SHARDWISE_FORKSERVER_HIDE names
-them, torchao by default): transformers imports torchao whenever
-it is installed, and torchao's import initialises CUDA on a GPU machine; a worker that needs one (--float8) imports
-it itself after the fork. Whatever else might initialise CUDA in the server, a probe forked from it as it starts
+them, torchao by default): where torchao is installed, transformers' model code
+imports its torchao support, and that initialises CUDA on a GPU machine (torch.cuda.current_device()); a worker
+that needs torchao (--float8) imports it itself after the fork. Whatever else might initialise CUDA in the server, a probe forked from it as it starts
 (`start`, `cuda_trouble`) tells the launcher before any worker is forked, and the launcher then starts each worker
 as its own interpreter with one note instead (launch._agent); a worker still checks it was not marked.
 
@@ -95,7 +95,7 @@ def start(model: str = "", compile_blocks: bool = False) -> bool:
 
 
 HIDE_ENV = "SHARDWISE_FORKSERVER_HIDE"  # the packages hidden from the server's imports, comma-separated
-HIDDEN_FROM_SERVER = "torchao"  # its default: packages whose import can initialise CUDA
+HIDDEN_FROM_SERVER = "torchao"  # its default: packages whose import (or what imports them) initialises CUDA
 
 
 def hidden_from_server() -> tuple[str, ...]:
