@@ -735,10 +735,11 @@ def validate(res: Resolved) -> None:
          "set one of them")
 
     base = presets.base_strategy(c.strategy) if c.strategy in presets.PRESETS else c.strategy
+    # what does not compose with the strategy, as its registration declares (presets.check_composition)
+    clash = dict(presets.check_composition(c.strategy, {"float8": c.float8, "qlora": c.tuner == "qlora",
+                                                        "tensor_parallel": c.tensor_parallel}))
     if c.float8:
-        need(base in ("single", "ddp", "fsdp"), "float8",
-             f"float8 linears run under single, ddp or the fsdp presets, not '{c.strategy}' (DeepSpeed swaps the "
-             "linears' parameters itself; auto picks its own strategy); use --strategy single, ddp or fsdp")
+        need("float8" not in clash, "float8", clash.get("float8", ""))
         need(c.tuner == "full", "float8", f"float8 with tuner {c.tuner} is not built (peft wraps the linears that "
              "float8 converts); use --tuner full or drop --float8")
         need(c.tensor_parallel == 1, "float8", "float8 with tensor_parallel > 1 is not built (the float8 linears "
@@ -774,20 +775,16 @@ def validate(res: Resolved) -> None:
         world = c.nproc_per_node * c.nnodes
         need(world % c.fsdp.shard_group_size == 0, "fsdp.shard_group_size",
              f"fsdp.shard_group_size {c.fsdp.shard_group_size} must divide the {world} ranks (nnodes x nproc_per_node)")
-    need(c.tuner != "qlora" or base in ("single", "ddp", "auto"), "tuner",
-         f"QLoRA's 4-bit base is not sharded by '{c.strategy}'; use --strategy ddp (or single) for QLoRA, "
-         "or --tuner lora with fsdp/zero*")
+    need("tuner" not in clash, "tuner", clash.get("tuner", ""))
     need(not c.merge_lora or c.tuner == "lora", "merge_lora",
          "merge_lora needs --tuner lora (a full fine-tune is already a full model; a 4-bit QLoRA base is not merged)")
-    if base == "single":
-        need(c.nnodes == 1 and c.nproc_per_node in (0, 1, c.tensor_parallel * c.sequence_parallel), "strategy",
+    replica = presets.replica_world(c.strategy, c.tensor_parallel, c.sequence_parallel)
+    if replica is not None:
+        need(c.nnodes == 1 and c.nproc_per_node in (0, 1, replica), "strategy",
              "strategy 'single' runs one process (or --tensor-parallel N processes, one replica, times "
              "--sequence-parallel M with it); use --strategy ddp (or fsdp) for more than one")
     if c.tensor_parallel > 1:
-        need(base in ("single", "fsdp"), "tensor_parallel",
-             f"tensor_parallel {c.tensor_parallel} composes with strategy single (pure TP) or the fsdp presets "
-             f"(FSDP x TP), not '{c.strategy}' (DDP and ZeRO do not wrap DTensor weights; auto chooses its own TP "
-             "degree: leave tensor_parallel at 1 with it); use --strategy fsdp")
+        need("tensor_parallel" not in clash, "tensor_parallel", clash.get("tensor_parallel", ""))
         need(c.tuner == "full", "tensor_parallel",
              f"tensor_parallel with {c.tuner} is not built yet: PEFT wraps the attention and MLP linears that tensor "
              "parallelism splits, and the adapters would have to be split to match (lora_B by output features on "
@@ -798,7 +795,7 @@ def validate(res: Resolved) -> None:
                  f"tensor_parallel {c.tensor_parallel} must divide the {world} ranks (nnodes x nproc_per_node)")
     need(c.sequence_parallel >= 1, "sequence_parallel", f"sequence_parallel must be >= 1, got {c.sequence_parallel} (1 = off)")
     if c.sequence_parallel > 1:
-        need(base != "single" or c.tensor_parallel > 1, "sequence_parallel",
+        need(replica is None or c.tensor_parallel > 1, "sequence_parallel",
              "sequence parallelism splits sequences over several ranks; use --strategy ddp, fsdp or zero*, not single "
              "(single takes it only beside --tensor-parallel: one replica of N x M processes)")
         if c.nproc_per_node:

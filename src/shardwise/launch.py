@@ -54,8 +54,8 @@ def resolve_runtime(res: Resolved) -> Config:
     if cfg.mixed_precision == "auto":
         cfg.mixed_precision = "bf16" if bf16_supported() else "no"
     if cfg.nproc_per_node == 0:
-        cfg.nproc_per_node = cfg.tensor_parallel * cfg.sequence_parallel if cfg.strategy == "single" \
-            else (n_gpu if cuda else 2)
+        cfg.nproc_per_node = presets.replica_world(cfg.strategy, cfg.tensor_parallel, cfg.sequence_parallel) \
+            or (n_gpu if cuda else 2)
     if cuda and cfg.nproc_per_node > n_gpu:
         raise ShardwiseError(f"{res.where('nproc_per_node')}: {cfg.nproc_per_node} processes per node but this "
                              f"node has {n_gpu} GPU(s); one GPU per rank")
@@ -609,7 +609,8 @@ def _attention_heads(model_dir: str, where: str, who: str, key: str) -> tuple[di
 def check_single(cfg: Config, res: Resolved, world: int) -> None:
     """`single` runs one process, or the tp x sp ranks of one replica (its gradients averaged over the sequence
     ranks, strategies/single.py); no data-parallel ranks (the planner offers it so: plan.decide.preset_names)."""
-    if presets.base_strategy(cfg.strategy) == "single" and world > cfg.tensor_parallel * cfg.sequence_parallel:
+    replica = presets.replica_world(cfg.strategy, cfg.tensor_parallel, cfg.sequence_parallel)
+    if replica is not None and world > replica:
         raise ShardwiseError(f"{res.where('strategy')}: strategy 'single' runs one process "
                              f"(or --tensor-parallel N processes, times --sequence-parallel M with it), not {world}; "
                              "use --strategy ddp")

@@ -44,6 +44,8 @@ class StrategySpec:
     section: str | None = None  # the config section holding its options ('fsdp', 'deepspeed'), if any
     requires: tuple | None = None  # (importable module, how to install it) for an optional backend
     shards_state: bool = False  # whether parameters/gradients/optimizer states are split across ranks
+    composes: tuple = ()  # the FEATURES it composes with (check_composition refuses the others)
+    one_replica: bool = False  # its world is one replica: tp x sp ranks, no data-parallel ranks (replica_world)
 
     def shard_ranks(self, world: int, gpus_per_node: int, hybrid: bool = False, shard_group_size: int = 0) -> int:
         """How many ranks share one copy of the sharded state (1: every rank holds all of it)."""
@@ -96,17 +98,41 @@ def add_preset(preset: Preset) -> Preset:
 # Names accepted by --strategy besides the presets.
 SPECIAL = ("auto",)
 
+@dataclass(frozen=True)
+class Feature:
+    """A setting that composes with some strategy families only (StrategySpec.composes lists those)."""
+
+    key: str  # the config key that turns it on: where its refusal points
+    refusal: str  # the refusal under a family that does not compose: {strategy}, {value}, {families} filled in
+    with_auto: bool = False  # whether --strategy auto takes it (auto then picks among the families that compose)
+
+
+FEATURES: dict[str, Feature] = {
+    "float8": Feature(
+        "float8", "float8 linears run under {families}, not '{strategy}' (DeepSpeed swaps the linears' parameters "
+        "itself; auto picks its own strategy); use --strategy single, ddp or fsdp"),
+    "qlora": Feature(
+        "tuner", "QLoRA's 4-bit base is not sharded by '{strategy}'; use --strategy ddp (or single) for QLoRA, "
+        "or --tuner lora with fsdp/zero*", with_auto=True),
+    "tensor_parallel": Feature(
+        "tensor_parallel", "tensor_parallel {value} composes with strategy single (pure TP) or the fsdp presets "
+        "(FSDP x TP), not '{strategy}' (DDP and ZeRO do not wrap DTensor weights; auto chooses its own TP degree: "
+        "leave tensor_parallel at 1 with it); use --strategy fsdp"),
+}
+
 SINGLE = register(StrategySpec(
-    "single", "shardwise.strategies.single:SingleStrategy",
+    "single", "shardwise.strategies.single:SingleStrategy", composes=("float8", "qlora", "tensor_parallel"),
+    one_replica=True,
     presets=(Preset("single", "single", {}, "one process, no wrapping", 0, planned_on="one-rank"),)))
 
 DDP = register(StrategySpec(
-    "ddp", "shardwise.strategies.ddp:DDPStrategy",
+    "ddp", "shardwise.strategies.ddp:DDPStrategy", composes=("float8", "qlora"),
     presets=(Preset("ddp", "ddp", {},
                     "DistributedDataParallel: full replica per rank, one all-reduce of gradients per step", 1),)))
 
 FSDP = register(FSDPSpec(
     "fsdp", "shardwise.strategies.fsdp:FSDPStrategy", section="fsdp", shards_state=True,
+    composes=("float8", "tensor_parallel"),
     presets=(
         Preset("fsdp", "fsdp", {"fsdp.reshard_after_forward": True},
                "FSDP2 fully_shard, full shard (ZeRO-3-like): params, grads and optimizer states sharded", 2),
@@ -159,3 +185,43 @@ def trains_in_process(name: str, world_size: int) -> bool:
 
 def known_names() -> list[str]:
     return list(PRESETS) + list(SPECIAL)
+
+
+def composes(strategy: str, feature: str) -> bool:
+    """Whether a --strategy name (a preset or auto) runs with a FEATURES setting on."""
+    if strategy in SPECIAL:
+        return FEATURES[feature].with_auto
+    return feature in spec_of(strategy).composes
+
+
+def family_names(feature: str) -> str:
+    """The families a feature composes with, as a refusal names them: 'single, ddp or the fsdp presets'."""
+    names = [s.name if [p.name for p in s.presets] == [s.name] else f"the {s.name} presets"
+             for s in SPECS.values() if feature in s.composes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def check_composition(strategy: str, settings: dict) -> list[tuple[str, str]]:
+    """(config key, one-line refusal) for each FEATURES setting that is on in `settings` (feature name -> its
+    value; falsy or 1 is off) and that `strategy` does not compose with. The config, the planner's preset list and
+    the UI all ask this one question."""
+    out = []
+    for name, value in settings.items():
+        on = value not in (None, False, 0, 1, "") if name == "tensor_parallel" else bool(value)
+        if on and not composes(strategy, name):
+            f = FEATURES[name]
+            out.append((f.key, f.refusal.format(strategy=strategy, value=value, families=family_names(name))))
+    return out
+
+
+def replica_world(strategy: str, tp: int, sp: int) -> int | None:
+    """The world size a one-replica family (single) runs: its tp x sp ranks; None for the families whose other
+    ranks are data-parallel."""
+    if strategy in PRESETS and spec_of(strategy).one_replica:
+        return tp * sp
+    return None
+
+
+def data_parallel_degree(world: int, tp: int, sp: int) -> int:
+    """The data-parallel ranks of a world: what is left once every rank of a tp x sp group reads the same rows."""
+    return world // (tp * sp)

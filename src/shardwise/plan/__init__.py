@@ -23,6 +23,7 @@ def plan_run(cfg, hw=None, world_size: int | None = None) -> Plan:
     hw None -> detect without torch (nvidia-smi); on a CPU-only machine the per-rank "GPU memory" is host RAM
     divided by the ranks of the node. world_size None -> nproc_per_node (0: one per GPU, 2 on CPU) x nnodes.
     """
+    from shardwise import presets
     from shardwise.errors import ShardwiseError
     from shardwise.plan.inputs import job_from_config, make_setup
 
@@ -36,8 +37,10 @@ def plan_run(cfg, hw=None, world_size: int | None = None) -> Plan:
         per_node = world_size // nodes
     elif cfg.nproc_per_node:
         per_node = cfg.nproc_per_node
-    if cfg.strategy == "single":  # one process, or the tp x sp ranks of one replica (launch.resolve_runtime)
-        per_node, nodes = getattr(cfg, "tensor_parallel", 1) * getattr(cfg, "sequence_parallel", 1), 1
+    replica = presets.replica_world(cfg.strategy, getattr(cfg, "tensor_parallel", 1),
+                                    getattr(cfg, "sequence_parallel", 1))
+    if replica is not None:  # one process, or the tp x sp ranks of one replica (launch.resolve_runtime)
+        per_node, nodes = replica, 1
     setup = make_setup(hw, nodes=nodes, ranks_per_node=per_node)
     spec = resolve_model(cfg.model)
     job = job_from_config(cfg, setup)

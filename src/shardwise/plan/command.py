@@ -62,7 +62,7 @@ def _num(value, flag: str, kind=int):
 
 def build(args):
     """(plan, resolved config) for parsed arguments."""
-    from shardwise import config
+    from shardwise import config, presets
     from shardwise.plan.decide import plan_model
     from shardwise.plan.inputs import check_counts, job_from_config, make_setup
     from shardwise.plan.lint import lint
@@ -76,8 +76,8 @@ def build(args):
     check_counts(gpus, nodes)  # before they are compared with the config below (make_setup checks them too)
     nodes = nodes or cfg.nnodes
     per_node = cfg.nproc_per_node or None
-    if cfg.strategy == "single":  # one process, or the tp x sp ranks of one replica (as launch.py runs it)
-        one = cfg.tensor_parallel * cfg.sequence_parallel
+    one = presets.replica_world(cfg.strategy, cfg.tensor_parallel, cfg.sequence_parallel)
+    if one is not None:  # one process, or the tp x sp ranks of one replica (as launch.py runs it)
         if (gpus or one) * nodes != one:
             raise ShardwiseError("strategy 'single' runs one process" + (
                 f" per rank of one tensor_parallel {cfg.tensor_parallel} x sequence_parallel "

@@ -204,11 +204,13 @@ def preset_names(setup: Setup, tp: int = 1, sp: int = 1, float8: bool = False) -
     """The presets `plan` lists; under tensor parallelism only those TP composes with (the fsdp presets, and
     single when tp x sp is the whole world: pure TP, or TP x SP with the gradients averaged over the sequence
     ranks, as launch.py allows single); with float8 not the DeepSpeed ones (the config refuses them)."""
+    settings = {"float8": float8, "tensor_parallel": tp}
     names = [name for name, p in presets.PRESETS.items() if p.planned_for(setup.world, setup.nodes)
-             and not (float8 and presets.base_strategy(name) == "deepspeed")]
-    if tp > 1:
-        names = [n for n in names if presets.base_strategy(n) == "fsdp"] + (["single"] if setup.world == tp * sp
-                                                                            else [])
+             and not presets.check_composition(name, settings)]
+    if tp > 1:  # a one-replica family (single) where its tp x sp ranks are the whole world, listed last
+        names = [n for n in names if presets.replica_world(n, tp, sp) is None]
+        names += [n for n in presets.PRESETS if presets.replica_world(n, tp, sp) == setup.world
+                  and not presets.check_composition(n, settings)]
     return names
 
 
