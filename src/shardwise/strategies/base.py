@@ -34,8 +34,10 @@ from shardwise.strategies.gradnorm import host_grad_norm, scale_grads_
 from shardwise.strategies.parallel import ParallelDims, replicate_all
 from shardwise.strategies.parallelize import (
     apply_activation_checkpointing,
+    apply_attention,
     apply_compile,
     apply_float8,
+    apply_loss_head,
     apply_tensor_parallel,
 )
 
@@ -92,11 +94,14 @@ class Strategy:
     def parallelize(self, model: torch.nn.Module):
         """What happens to the model, in order; the mesh is read from self.dims, never built here."""
         cfg = self.cfg
-        done = [apply_float8(model, cfg, self.env.device),
-                apply_tensor_parallel(model, self.dims),
-                apply_activation_checkpointing(model, cfg),
-                apply_compile(model, cfg, self.dims, hooks_eager=self.compile_hooks_eager)]
+        apply_loss_head(model, cfg)
+        done = [apply_float8(model, cfg, self.env.device)]
+        apply_attention(model, cfg, self.dims)
+        done += [apply_tensor_parallel(model, self.dims),
+                 apply_activation_checkpointing(model, cfg),
+                 apply_compile(model, cfg, self.dims, hooks_eager=self.compile_hooks_eager)]
         # what is on, for the run's header (the loop prints it): "compile: 16 blocks", "activation checkpointing: ..."
+        # (the loss head and the attention are the run's header's own words: the loop's strategy line says them)
         self.applied = [d for d in done if not d.endswith(": off")]
         model, optimizer = self.apply_data_parallel(model)
         return model, optimizer

@@ -2,9 +2,13 @@
 small function that does one thing to the module tree and says what it did. The strategy
 composes them in a fixed order (`Strategy.parallelize`):
 
-    float8 -> tensor parallel -> activation checkpointing -> compile -> data-parallel wrapping
+    loss head -> float8 -> attention -> tensor parallel -> activation checkpointing -> compile
+    -> data-parallel wrapping
 
-Float8 swaps module classes (keeping parameters and names), so it goes before anything wraps or splits them.
+The loss head (the fused linear + cross-entropy, models/speed.py) changes what the head returns, not its module
+or parameters, so every later step sees the model as loaded. Float8 swaps module classes (keeping parameters and
+names), so it goes before anything wraps or splits them. The attention step routes attention through the sequence
+group (Ulysses / ring) or a document mask; it replaces the attention function only.
 Tensor parallelism comes next because it replaces weights by DTensors over the `tp` mesh
 dimension, and the later steps must see those; checkpointing wraps the (parallel) blocks;
 compile traces each block with its checkpointing inside; the data-parallel wrapper (FSDP, DDP,
@@ -156,6 +160,30 @@ def apply_float8(model: nn.Module, cfg, device: torch.device) -> str:
         raise ShardwiseError(f"--float8: {why}")
     names = float8.convert(model)
     return f"float8: {len(names)} linears ({', '.join(sorted({n.rsplit('.', 1)[-1] for n in names}))})"
+
+
+def apply_loss_head(model: nn.Module, cfg) -> str:
+    """--fused-loss: the output head returns the summed token loss when the loop sets its targets, computed in
+    chunks that never hold the full logits (models/speed.py; a head whose logits the model post-processes keeps
+    its plain forward)."""
+    from shardwise.models.speed import install_fused_loss
+
+    if not cfg.fused_loss:
+        return "fused loss: off"
+    return "fused loss head" if install_fused_loss(model) else "fused loss: off (the model post-processes its logits)"
+
+
+def apply_attention(model: nn.Module, cfg, dims: ParallelDims) -> str:
+    """Sequence parallelism's attention over the run's sequence group (models/sequence_parallel.py); on one rank,
+    long packed sequences on CUDA get a block mask instead of transformers' dense (B, 1, S, S) one. On the loaded
+    model under any adapters (its attention function and its training flag are the model's own)."""
+    from shardwise.models.sequence_parallel import DENSE_MASK_LIMIT, apply_sequence_parallel
+
+    if not (cfg.sequence_parallel > 1 or (cfg.packing and cfg.seq_len ** 2 > DENSE_MASK_LIMIT
+                                          and torch.cuda.is_available())):
+        return "attention: off"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return apply_sequence_parallel(base, dims if cfg.sequence_parallel > 1 else None, cfg.sp_mode)
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg) -> str:

@@ -27,8 +27,8 @@ from shardwise.hardware import peak_flops
 from shardwise.models.load import load_model, load_tokenizer, model_family
 from shardwise.models.moe import aux_loss_weight
 from shardwise.models.save import save_pretrained
-from shardwise.models.sequence_parallel import DENSE_MASK_LIMIT, apply_sequence_parallel, model_heads
-from shardwise.models.speed import install_fused_loss, token_loss_sum
+from shardwise.models.sequence_parallel import model_heads
+from shardwise.models.speed import token_loss_sum
 from shardwise.rundir import atomic_write_json, record_interrupted
 from shardwise.strategies.base import DTYPES
 from shardwise.train import checkpoint as ckpt
@@ -70,22 +70,15 @@ def lr_at(cfg: Config, step: int, total: int) -> float:
 loss_sum = token_loss_sum  # summed token cross-entropy in fp32 (models/speed.py; vocabulary-sharded logits too)
 
 
-def build_model(cfg: Config, model_dir: str, dims=None):
-    """The HF model on the CPU, before any strategy touches it: storage dtype, the attention
-    function (Ulysses / ring over the sequence group of `dims`, the run's ParallelDims, with
-    sequence parallelism), adapters and the fused loss
-    head (it changes what the head returns, not how the model is parallelised). Checkpointing
-    and compile are the strategy's parallelize steps (Strategy.parallelize)."""
+def build_model(cfg: Config, model_dir: str):
+    """The HF model on the CPU, before any strategy touches it: loaded in its storage dtype, with the run's
+    adapters. Everything else that happens to it (the loss head, float8, the attention, tensor parallelism,
+    checkpointing, compile, the data-parallel wrap) is the strategy's parallelize pipeline (Strategy.parallelize)."""
     model = load_model(model_dir, DTYPES[cfg.param_dtype], cfg.trust_remote_code)
-    # long packed sequences on one rank too: a block mask instead of transformers' dense (B, 1, S, S) one
-    if cfg.sequence_parallel > 1 or (cfg.packing and cfg.seq_len ** 2 > DENSE_MASK_LIMIT and torch.cuda.is_available()):
-        apply_sequence_parallel(model, dims if cfg.sequence_parallel > 1 else None, cfg.sp_mode)
     if cfg.tuner != "full":
         from shardwise.models.lora import apply_lora
 
         model = apply_lora(model, cfg)
-    if cfg.fused_loss:
-        install_fused_loss(model)
     return model
 
 
@@ -144,10 +137,8 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(job.model_dir, cfg.trust_remote_code)
         use_chat_template(self.tokenizer, cfg.chat_template)  # final/ carries the template the run trained with
-        model = build_model(cfg, job.model_dir, self.dims)
+        model = build_model(cfg, job.model_dir)
         self.hf_config = model.config
-        head = model.get_output_embeddings()
-        self.fused_head = head if getattr(head, "loss_targets", "absent") is None else None
         self.aux_weight = aux_loss_weight(model)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -155,6 +146,8 @@ class Trainer:
         marks["model_loaded"] = time.time()
         self.strategy = strategy_cls(cfg, env)
         self.model, self.optimizer = self.strategy.setup(model)  # the strategy's parallelize pipeline
+        head = model.get_output_embeddings()  # the module the loss head step made fused, where it could
+        self.fused_head = head if getattr(head, "loss_targets", "absent") is None else None
         marks["wrapped"] = time.time()
 
         from safetensors.torch import load_file
