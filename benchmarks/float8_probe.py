@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 # name: (family, hidden, intermediate, heads, kv heads, head_dim); the published configs' block shapes
 SHAPES = {
     "llama-0.3B": ("llama", 1024, 4096, 16, 8, 64),
-    "llama-1.1B": ("llama", 2048, 8192, 16, 8, 128),  # the anchor (MEASUREMENTS.md)
+    "llama-1.1B": ("llama", 2048, 8192, 16, 8, 128),  # the anchor (docs/measurements.md)
     "llama-3B": ("llama", 3072, 8192, 24, 8, 128),  # Llama-3.2-3B's blocks
     "llama-8B": ("llama", 4096, 14336, 32, 8, 128),  # Llama-3.1-8B's blocks
     "qwen2.5-1.5B": ("qwen2", 1536, 8960, 12, 2, 128),  # Qwen2.5-1.5B's blocks (q/k/v biases)

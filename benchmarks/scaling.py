@@ -7,7 +7,7 @@ the same strategy ran at (1 GPU where it fits; the 8B shape does not fit one H20
 so its baseline is the smallest count that ran, and the report says which).
 
 Jobs:
-- anchor: the 1.14B Llama shape of MEASUREMENTS.md (vocab 32000, hidden 2048, 16 layers), 8 x 2048
+- anchor: the 1.14B Llama shape of docs/measurements.md (vocab 32000, hidden 2048, 16 layers), 8 x 2048
   tokens per GPU, bf16 compute over fp32 weights, no checkpointing;
 - llama8b: Llama-3.1-8B's shape (random init), full fine-tune, gradient checkpointing, 2 x 4096 per GPU;
 - tiny (for the CPU check): a 4-layer 64-wide Llama on gloo ranks.

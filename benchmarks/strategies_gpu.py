@@ -1,7 +1,7 @@
 """Strategy throughput and memory on one GPU, through the real `shardwise train` CLI.
 
 Each strategy that can run here trains a random-init ~1.14B Llama-style model (the shape of
-/work/shared/MEASUREMENTS.md: vocab 32000, hidden 2048, intermediate 8192, 16 layers, 16
+docs/measurements.md: vocab 32000, hidden 2048, intermediate 8192, 16 layers, 16
 heads, 8 KV heads) for --steps steps, micro-batch 8 x 2048 tokens, bf16 compute with fp32
 master weights, AdamW, SDPA, with shardwise's CUDA defaults (torch.compile per decoder
 block, chunked loss head; extra train flags after -- change them). Reported per strategy:

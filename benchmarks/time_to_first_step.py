@@ -12,7 +12,7 @@ records; then runs
 external tool, e.g. `/usr/bin/time -v`, or pairs of commands A/B).
 
     python benchmarks/time_to_first_step.py --runs 3
-    python benchmarks/time_to_first_step.py --runs 4 --base-src /work/wt/base/src --swift benchmarks/swift_tiny_job.sh
+    python benchmarks/time_to_first_step.py --runs 4 --base-src ../base/src --swift benchmarks/swift_tiny_job.sh
 
 Each round runs the variants one after another, in this order: `base` (--base-src: shardwise from another source
 tree, e.g. a worktree of an older commit, by PYTHONPATH), `shardwise` (this tree), `swift` (--swift: ms-swift's

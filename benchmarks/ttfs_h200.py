@@ -1,7 +1,7 @@
 """Time to first step on one GPU (issue 17 item 3, the H200 half): the anchor job under `shardwise train --strategy
 single` beside the Hugging Face Trainer on the same job, each a fresh process, in one call.
 
-Job (../shared/MEASUREMENTS.md's anchor): random-init Llama-style 1.14B (vocab 32000, hidden 2048, intermediate
+Job (docs/measurements.md's anchor): random-init Llama-style 1.14B (vocab 32000, hidden 2048, intermediate
 8192, 16 layers, 16 heads, 8 KV heads), stored as fp32 safetensors with a word-level tokenizer
 (benchmarks/common.py), micro-batch 8 x 2048, bf16 autocast over fp32 weights, --steps optimizer steps.
 

@@ -1,7 +1,7 @@
 """shardwise vs the Hugging Face Trainer (the engine under ms-swift, LLaMA-Factory, Axolotl)
 on one GPU, on the identical job, in the same run.
 
-Job (issue 6 / ../shared/MEASUREMENTS.md): random-init Llama-style model, vocab 32000,
+Job (the anchor of docs/measurements.md): random-init Llama-style model, vocab 32000,
 hidden 2048, intermediate 8192, 16 layers, 16 heads, 8 KV heads (1.14B params),
 micro-batch 8 x 2048 tokens, bf16 autocast over fp32 master weights, fused AdamW, SDPA.
 

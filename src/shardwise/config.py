@@ -747,8 +747,7 @@ def validate(res: Resolved) -> None:
         need(c.mixed_precision != "fp16", "float8", "float8 runs beside bf16 compute, not fp16 (its scaling and "
              "fp16's loss scaling do not compose here); use --mixed-precision bf16")
         need(c.compile != "off", "float8", "float8 without torch.compile runs torchao's scaling and casts unfused: "
-             "44% slower than bf16 on the anchor job (one H200, benchmarks/results/float8_plan_h200_2026-12-01.md); "
-             "drop --compile off or --float8")
+             "slower than bf16 without float8; drop --compile off (compiled blocks fuse them) or drop --float8")
     # Options that belong to another strategy, set explicitly, are a mistake worth a line.
     if base != "auto":
         for key in res.origins:

@@ -133,8 +133,8 @@ def folder_problem(path: str, tighten: bool = False) -> str | None:
 def use_compile_cache() -> str | None:
     """Keep torch.compile's caches (inductor's FX graph and AOTAutograd caches, its generated kernels) under
     $SHARDWISE_CACHE_DIR/compile/<host>, where they outlive a reboot that empties torch's default
-    ($TMPDIR/torchinductor_$USER): a re-run then loads its compiled blocks instead of compiling them again (issue
-    17.3; 9.8 s of the anchor job's first step on an H200). Sets TORCHINDUCTOR_CACHE_DIR in this process's
+    ($TMPDIR/torchinductor_$USER): a re-run then loads its compiled blocks instead of compiling them again (9.8 s
+    of the anchor job's first step on an H200). Sets TORCHINDUCTOR_CACHE_DIR in this process's
     environment, which torch reads when it first compiles and the workers inherit; a user's own
     TORCHINDUCTOR_CACHE_DIR is kept.
 

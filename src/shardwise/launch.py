@@ -476,8 +476,8 @@ def _path_key(path: str) -> str:
 
 def _sources_key(spec: str) -> list[tuple[str, float | int | None]]:
     """A data spec ('a.jsonl:0.7,demo:0.3') as (real path, count or weight) pairs, for comparing two specs (a weight
-    written .5 is 0.5). A relative path of an older checkpoint's meta.json is taken from here (meta.json records
-    absolute paths since 2026-12-06)."""
+    written .5 is 0.5). A relative path in a checkpoint's meta.json is taken from here: meta.json records absolute
+    paths, but a checkpoint written by an older shardwise may hold relative ones."""
     out = []
     for item in spec.split(","):
         path, num = split_source(item.strip())
@@ -840,7 +840,7 @@ def early_workers(cfg: Config) -> bool:
 
 
 class _Early:
-    """`_prepare` on a thread while the agent starts the workers (issue 17.3: time to first step): each worker
+    """`_prepare` on a thread while the agent starts the workers, to shorten the time to first step: each worker
     imports torch, transformers and the model's classes while this process checks the model and the data. The
     workers wait for `pointer`, a file in a directory of this launcher's own, which names the job once the run
     directory is written, or holds null when the checks failed (they leave; this process reports the one line;

@@ -1,4 +1,4 @@
-"""Where a run's time goes before and around training (issue 17 item 3: time to first step).
+"""Where a run's time goes before and around training: the phases that make up its time to first step.
 
 Timestamps are wall-clock epoch seconds so the launcher's and the workers' marks (one
 machine) line up: the launcher passes its own in the job (`timeline`), rank 0 adds the
@@ -34,7 +34,7 @@ PHASES = (
 # Full garbage collections while a process starts. CPython runs a full pass (every tracked object) whenever the
 # oldest generation has grown by a quarter since the last one, and importing torch, transformers and inductor grows
 # it many times over: on the tiny CPU job's launcher 7 full passes, 0.74-0.98 s together, which found 142 objects
-# to free (benchmarks/results/time_to_first_step_cpu_2026-12-01-lean.md). `hold_full_gc` stops the full passes
+# to free (docs/speed.md, "Time to first step"). `hold_full_gc` stops the full passes
 # until `release_full_gc`; the young generations are still collected, so cyclic garbage made and dropped while
 # starting is freed as before. The release freezes what is alive then (gc.freeze: the imported modules' objects
 # move to a permanent generation that later full passes skip) and puts the thresholds back.
@@ -113,7 +113,7 @@ def exit_without_teardown(rc: int) -> None:
     and weakref finalizers such as temporary directories), logging and the standard streams
     are flushed, then os._exit. Tearing down the modules and collecting a torch process's
     objects took 1.5-1.8 s per rank on the tiny CPU job, all of it after the run was
-    complete (issue 17.3). Everything shardwise writes went through closed files or
+    complete. Everything shardwise writes went through closed files or
     os-level writes, which a process exit keeps."""
     import atexit
     import logging
@@ -134,12 +134,12 @@ def exit_without_teardown(rc: int) -> None:
 def exit_deadline(seconds: float, what: str, backstop_s: float = 15.0) -> None:
     """A worker whose run is complete (final model, summary and metrics written) leaves with 0 at the latest
     `seconds` from now, whatever its teardown (the closing barrier, destroying the process group, the libraries'
-    atexit handlers) is waiting for: a finished run must not hold its launcher. On 2026-12-01 a CPU CI run had a
-    finished 2-rank run still alive three minutes after its `done` line.
+    atexit handlers) is waiting for: a finished run must not hold its launcher, and a teardown can hang (a CPU CI
+    run has had a finished 2-rank run still alive three minutes after its `done` line).
 
     That timer is a Python thread: it cannot run while the teardown holds the GIL inside a C++ call (a destructor
-    joining a stuck thread holds it). On 2026-12-01 (thirteenth session) a finished 2-rank run under heavy load
-    outlived the timer by a minute, with no line from it. So faulthandler's watchdog, a C thread that needs no GIL,
+    joining a stuck thread holds it): a finished 2-rank run under heavy load can outlive the timer by a minute,
+    with no line from it. So faulthandler's watchdog, a C thread that needs no GIL,
     backs it up `backstop_s` later: it prints every thread's stack (where the teardown hangs) and ends the
     process with 1. The run's outputs are complete either way."""
     import faulthandler
@@ -171,7 +171,7 @@ def stop_compile_workers() -> None:
     """Kill inductor's compile workers, if this process started them (torch.compile starts a sidecar process,
     torch/_inductor/compile_worker, at its first compile). torch's atexit handler shuts them down by asking and
     waiting; after a short run whose workers were still starting that wait was 6-10 s on the H200 with 16 of them,
-    against 0.3 s with compile_threads 1 (benchmarks/results/time_to_first_step_h200_2026-12-01.md). Only for a
+    against 0.3 s with compile_threads 1 (docs/speed.md, "Time to first step"). Only for a
     process whose run is complete: nothing is waiting on a compile."""
     try:
         import psutil

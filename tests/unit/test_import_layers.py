@@ -1,4 +1,4 @@
-"""The package's imports follow its layers (DESIGN.md, "The layers"; docs/architecture.md): no circle, nothing
+"""The package's imports follow its layers (docs/design.md, "The layers"; docs/architecture.md): no circle, nothing
 imported from a floor above, and the planner (and what it stands on) imports no torch.distributed.
 
 The rule, as this test reads the source (ast, nothing is imported):

@@ -1,7 +1,7 @@
 """The planner against the rows measured on H200s with the landed `shardwise train` CLI.
 
-Source: /work/shared/MEASUREMENTS.md, section "Landed main, measured from the outside (2026-11-30,
-`shardwise train` CLI, torch 2.11, DeepSpeed 0.19.8)": models built from published configs with random
+Source: docs/measurements.md, section "`shardwise train` measured from the outside, H200 (2026-11-30)" (the
+`shardwise train` CLI, torch 2.11, DeepSpeed 0.19.8): models built from published configs with random
 weights, tokens/s the median after step 10, peak memory `max_memory_allocated` (metrics.jsonl), the plan
 `shardwise plan --json`'s `peak_tensors` for the same flags. Each row below copies one line of that table
 (its tokens/s, peak GiB and the flags of the job); the planner must predict the step time within 20% and
@@ -26,7 +26,7 @@ from shardwise.plan import command as plan_cmd
 from shardwise.plan.decide import plan_model
 from tests.helpers import benchmark_module
 
-# the 1.14B Llama shape of MEASUREMENTS.md: vocab 32000, hidden 2048, intermediate 8192, 16 layers,
+# the 1.14B Llama shape of docs/measurements.md: vocab 32000, hidden 2048, intermediate 8192, 16 layers,
 # 16 heads, 8 KV heads, untied
 LLAMA_1B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 2048,
             "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16,

@@ -45,7 +45,7 @@ PADDING_FREE_FAMILIES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
 PADDING_FREE_WHERE = "--padding-free on (key padding_free)"
 
 # Under --padding-free auto a micro-batch is flattened only where that was measured to pay on the CPU
-# (benchmarks/results/padding_free_step_cpu_2026-12-02.md, one thread, the 3.9M Qwen2 shape): the flattened row's
+# (benchmarks/padding_free_step.py, one thread, the 3.9M Qwen2 shape; docs/data.md): the flattened row's
 # dense mask costs (sum of lengths)^2 where the padded batch's causal kernel costs rows x width^2, so flattening
 # won at up to ~1,000 tokens (0.74-0.80 of the padded step) and lost from ~1,500 (up to 2.8x, long rows with little
 # padding). So: at most AUTO_FLAT_MAX tokens, and only when it drops at least AUTO_FLAT_SAVING of the token slots.

@@ -22,7 +22,7 @@ Entries are written atomically (a reader sees a whole entry or none); an entry t
 be read or does not match its key is ignored and rewritten. The newest KEEP entries are
 kept, older ones removed (a hit refreshes an entry's time).
 
-A repeat launch finds its entry without loading the tokenizer (issue 17.3): AutoTokenizer
+A repeat launch finds its entry without loading the tokenizer (time to first step): AutoTokenizer
 imports transformers and the model's configuration module, about 2 s of the launcher's
 CPU on the tiny job, for files the launcher read the same way in an earlier run. Beside
 each entry an index file, $SHARDWISE_CACHE_DIR/data/by-source/<source key>.json, names the
@@ -46,7 +46,7 @@ from shardwise.data.formats import Record
 from shardwise.errors import ShardwiseError
 from shardwise.rundir import prune_keyed
 
-FORMAT = 2  # 2: encode checks token ids against the model's vocab_size (2026-12-02); data cached before never was
+FORMAT = 2  # 2: encode checks token ids against the model's vocab_size; format-1 entries were never checked
 KEEP = 8
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
 TENSORS = ("input_ids", "targets", "position_ids", "lengths")

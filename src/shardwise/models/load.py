@@ -46,7 +46,8 @@ def lean_transformers() -> None:
     """Keep scikit-learn and SciPy out of a training process. transformers imports them, where installed, when
     modules every model class and AutoTokenizer import are imported (LEAN_SKIPS): scikit-learn with the generation
     module in some releases (5.17, on the H200 machine: 1.8-1.9 s there, SciPy's stats and pandas with it), SciPy's
-    optimiser with the loss module (5.17 and 5.24: 0.4 s on this CPU box). Training never runs the code they serve.
+    optimiser with the loss module (5.17 and 5.24: 0.4 s on a 2-core CPU host). Training never runs the code they
+    serve.
     Called before shardwise's first import of transformers' model or tokenizer classes: for each package whose
     importing module is not imported yet, transformers' availability check reports it unavailable in this process.
     A model's own code can still import either package itself."""
@@ -244,7 +245,7 @@ def config_problem(model_dir: str, e: Exception, what: str) -> str:
             f"{fix}")
 
 
-# What passed the checks above is remembered (issue 17.3: time to first step). Building the model on the meta
+# What passed the checks above is remembered: a repeat launch reaches its first step sooner. Building on the meta
 # device imports transformers' modelling stack, 1.9 s of the launcher's CPU on the tiny job, for a directory whose
 # config and weight headers the launcher has already checked in an earlier run. An entry is an empty-named marker,
 # $SHARDWISE_CACHE_DIR/checks/<key>.json: its key covers everything the checks read, and the checks' own code, so a

@@ -10,7 +10,7 @@ import sys
 def _no_deepspeed_import():
     """transformers' `save_pretrained` unwraps the model through accelerate's `extract_model_from_parallel`, which
     imports DeepSpeed whenever it is installed, to test `isinstance(model, DeepSpeedEngine)`: 1.3 s of CPU on every
-    save of a ddp, fsdp or single run (measured: benchmarks/results/time_to_first_step_cpu_2026-12-01.md). A model can
+    save of a ddp, fsdp or single run (docs/speed.md, "Time to first step"). A model can
     be a DeepSpeedEngine only once deepspeed is imported, so while it is not, accelerate is told it is not available
     for the duration of the call; with deepspeed imported (a zero run), nothing changes."""
     other = None

@@ -66,8 +66,8 @@ def ds_config(cfg, world: int, cuda: bool) -> dict:
         # for backward, so a released weight's gathered buffer is freed (torch's eager linear saves a view of it,
         # which keeps every released weight alive to backward: eager blocks keep it). A compiled block saves the
         # parameter itself too, and DeepSpeed's linear traced into it guards on each weight's ds_id: every block
-        # recompiled until dynamo's limit (8) left the others eager (one H200, 2026-12-01: 8 of 16 anchor blocks
-        # compiled). So compiled blocks run torch's.
+        # recompiled until dynamo's limit (8) left the others eager (8 of the anchor's 16 blocks compiled;
+        # docs/speed.md, "ZeRO-3"). So compiled blocks run torch's.
         zero["memory_efficient_linear"] = False
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
@@ -117,7 +117,7 @@ MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
 def import_deepspeed():
     """`import deepspeed` without the mlflow its autotuner imports at package import (a guarded import there:
     DeepSpeed's autotuning, which shardwise never runs, then goes without mlflow). mlflow costs 2.6 of the
-    4.7 CPU-s of importing deepspeed on the CPU box (2026-12-01), in every ZeRO process. Where mlflow is already
+    4.7 CPU-s of importing deepspeed on a 2-core CPU host, in every ZeRO process. Where mlflow is already
     imported (a run reporting to it) nothing is hidden; afterwards `import mlflow` works as usual."""
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]

@@ -6,8 +6,8 @@ job it can fail:
 
 - torch's CPU 2-norm of one tensor runs on one thread (torch 2.11 and 2.13): on the anchor job's fsdp-offload step
   the norm over the 1.14B host gradients took 455 ms of a 1.2 s step, longer than the fused AdamW that reads and
-  writes four times as much (315 ms; the profiled step's operator table,
-  benchmarks/results/offload_profile_h200_2026-12-02.md). The norms of a 2-D view's rows of 4,096 are spread over
+  writes four times as much (315 ms; the profiled step's operator table, docs/speed.md, "The levers"). The norms
+  of a 2-D view's rows of 4,096 are spread over
   the threads, and each row is a short sum, so the result is also closer to a float64 reference: 7.6M values of
   mean 0.5, 8e-8 relative error of the square sum, against 5e-4 for torch's single reduction. Tensors under 1M
   values keep torch's foreach norm (SMALL, below).

@@ -93,7 +93,7 @@ def run(job: Job) -> dict:
 
     A worker of the agent ends with os._exit once its run is complete (worker.py, zygote.py), so its Trainer is kept
     rather than freed on the way out: freeing it runs C++ destructors (the DDP reducer, the process group's
-    threads), and one of them hung holding the GIL after a finished 2-rank run in CI (2026-12-02), where
+    threads), and one of them can hang holding the GIL after a finished 2-rank run (seen in CI), where
     exit_deadline's timer cannot run and only its backstop ended the process, with exit code 1."""
     trainer = Trainer(job)
     if os.environ.get("SHARDWISE_LAUNCHER_PID", str(os.getpid())) != str(os.getpid()):
