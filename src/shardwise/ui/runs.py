@@ -213,22 +213,52 @@ def metrics(path: str, offset: int = 0) -> tuple[list[dict], int]:
     return out, offset + end
 
 
-def config_of(path: str) -> dict:
-    """config.yaml of a run, flattened to dotted keys."""
+MAX_CONFIG_BYTES = 1 << 20  # a run's config.yaml is a few hundred bytes; a larger one is not read
+
+
+def read_config(path: str) -> tuple[dict, str | None]:
+    """config.yaml of a run, flattened to dotted keys, and why it could not be read (None when it was, or when
+    there is none). Read as `shardwise train` reads a config: the safe loader, merge keys refused, and no more than
+    config.MAX_YAML_VALUES values however its aliases expand (a few hundred bytes of aliases would otherwise expand
+    to millions of values in every listing)."""
+    from shardwise import config
+
+    name = os.path.join(path, "config.yaml")
     try:
-        with _open(os.path.join(path, "config.yaml")) as fh:
-            d = yaml.safe_load(fh) or {}
-    except (OSError, yaml.YAMLError, RecursionError):
-        return {}
+        with _open(name, "rb") as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        return {}, None
+    except OSError as e:
+        return {}, f"config.yaml: cannot read it ({e.strerror or e})"
+    if len(raw) > MAX_CONFIG_BYTES:
+        return {}, f"config.yaml: larger than {MAX_CONFIG_BYTES:,} bytes; not read"
+    try:
+        text = raw.decode("utf-8")
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None:
+            config._check_yaml_nodes(node, "config.yaml")  # the CLI's bound, before anything is built from it
+        d = yaml.safe_load(text) or {}
+    except ShardwiseError as e:
+        return {}, str(e)
+    except UnicodeDecodeError:
+        return {}, "config.yaml: not UTF-8 text"
+    except (yaml.YAMLError, RecursionError) as e:
+        return {}, f"config.yaml: invalid YAML ({type(e).__name__})"
     if not isinstance(d, dict):
-        return {}
+        return {}, "config.yaml: not a mapping of keys to values"
     flat = {}
     for k, v in d.items():
         if isinstance(v, dict):
             flat.update({f"{k}.{sk}": sv for sk, sv in v.items()})
         else:
             flat[k] = v
-    return flat
+    return flat, None
+
+
+def config_of(path: str) -> dict:
+    """config.yaml of a run, flattened to dotted keys ({} when it cannot be read: read_config says why)."""
+    return read_config(path)[0]
 
 
 def diff(a: str, b: str) -> list[dict]:
@@ -271,7 +301,7 @@ def info(runs_dir: str, path: str, detail: bool = False) -> dict:
     d = {"name": os.path.relpath(os.path.realpath(path), os.path.realpath(runs_dir)), "path": path, "state": st, "why": why,
          "summary": _read_json(os.path.join(path, "summary.json")),
          "mtime": _mtime(path)}
-    cfg = config_of(path)
+    cfg, d["config_error"] = read_config(path)  # an unreadable config is listed as one, without its values
     d["strategy"] = cfg.get("strategy")
     nproc, nnodes = cfg.get("nproc_per_node"), cfg.get("nnodes", 1)
     d["world"] = (nproc * (nnodes or 1) or None) if all(type(x) is int for x in (nproc, nnodes or 1)) else None

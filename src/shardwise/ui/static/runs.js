@@ -33,7 +33,7 @@ function renderList(runs) {
   document.querySelector("#runs tbody").innerHTML = runs.map(r => `<tr class="clickable${r.name === selected ? " sel" : ""}" data-run="${sw.esc(r.name)}">
     <td><input type="checkbox" class="tick" value="${sw.esc(r.name)}" ${ticked.includes(r.name) ? "checked" : ""}></td>
     <td>${sw.esc(r.name)}</td><td><span class="state ${r.state}">${r.state}</span></td><td class="muted">${sw.esc(r.why)}</td>
-    <td>${sw.esc(r.strategy)}</td><td class="num">${sw.esc(r.world ?? "—")}</td><td class="num">${sw.fmt(r.summary && r.summary.final_loss, 4)}</td></tr>`).join("");
+    <td${r.config_error ? ` class="muted" title="${sw.esc(r.config_error)}"` : ""}>${sw.esc(r.config_error ? "config unreadable" : r.strategy)}</td><td class="num">${sw.esc(r.world ?? "—")}</td><td class="num">${sw.fmt(r.summary && r.summary.final_loss, 4)}</td></tr>`).join("");
   const cur = runs.find(r => r.name === selected);
   if (cur) { setState(cur); }
 }
