@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from shardwise.ui import runs
 from tests.ui.conftest import UIServer
 from tests.ui.test_server_hostile import _call
 
@@ -59,3 +60,53 @@ def test_an_alias_bomb_config_is_listed_as_unreadable(tmp_path):
         assert status == 200 and {x["key"] for x in r["diff"]} == {"strategy", "nproc_per_node"}, r
     finally:
         srv.stop()
+
+
+def test_a_summary_over_the_cap_is_not_read_and_says_so(tmp_path):
+    """A summary.json of megabytes (a copied or planted run) was read and parsed whole at every listing; now one over
+    MAX_JSON_BYTES is not read, and the listing says why there is no summary. The run is still finished."""
+    run = tmp_path / "big"
+    _write(f"{run}/config.yaml", "strategy: ddp\n")
+    _write(f"{run}/summary.json", json.dumps({"final_loss": 1.5, "pad": "x" * (runs.MAX_JSON_BYTES + 1)}))
+    _write(f"{tmp_path}/small/summary.json", json.dumps({"final_loss": 2.5}))
+    d = runs.info(str(tmp_path), str(run))
+    assert d["summary"] is None and d["state"] == "finished"
+    assert d["summary_error"] == f"summary.json: larger than {runs.MAX_JSON_BYTES:,} bytes; not read"
+    d = runs.info(str(tmp_path), str(tmp_path / "small"))
+    assert d["summary"] == {"final_loss": 2.5} and d["summary_error"] is None
+
+
+@pytest.mark.parametrize("n,pad", [(50_000, 0), (60_000, 150)], ids=["read-whole", "sampled"])
+def test_metrics_are_decimated_to_first_last_and_an_even_sample(tmp_path, n, pad):
+    """A long run's metrics.jsonl went whole into each detail view (and the event stream's first answer). Now at most
+    METRICS_POINTS records: the first, the last, and the rest spread evenly over the run; a file past METRICS_WHOLE
+    bytes is read only where it is sampled. The next offset is the file's end, from which new records come whole."""
+    _metrics(str(tmp_path), n, pad)
+    assert (os.path.getsize(tmp_path / "metrics.jsonl") > runs.METRICS_WHOLE) == (pad > 0)
+    recs, offset = runs.metrics(str(tmp_path))
+    steps = [r["step"] for r in recs]
+    assert runs.METRICS_POINTS - 5 <= len(steps) <= runs.METRICS_POINTS
+    assert steps[0] == 1 and steps[-1] == n and steps == sorted(set(steps))
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    mean = (n - 1) / (len(steps) - 1)
+    assert max(gaps) <= 1.5 * mean and min(gaps) >= 0.5 * mean, (min(gaps), max(gaps), mean)
+    assert offset == os.path.getsize(tmp_path / "metrics.jsonl")
+    with open(tmp_path / "metrics.jsonl", "a") as fh:  # the run goes on: two records and half of a third
+        fh.write(json.dumps({"step": n + 1}) + "\n" + json.dumps({"step": n + 2}) + "\n" + '{"step": ')
+    recs, offset2 = runs.metrics(str(tmp_path), offset)
+    assert [r["step"] for r in recs] == [n + 1, n + 2]
+    assert runs.metrics(str(tmp_path), offset2) == ([], offset2)
+
+
+def test_the_detail_view_gets_the_decimated_metrics(tmp_path):
+    run = tmp_path / "long"
+    _write(f"{run}/config.yaml", "strategy: ddp\n")
+    _metrics(str(run), 30_000)
+    srv = UIServer(str(tmp_path)).start()
+    try:
+        status, d = _call(srv.base + "/api/run?run=long", timeout=60)
+    finally:
+        srv.stop()
+    assert status == 200, d
+    steps = [r["step"] for r in d["metrics"]]
+    assert len(steps) == runs.METRICS_POINTS and steps[0] == 1 and steps[-1] == 30_000

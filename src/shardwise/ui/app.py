@@ -91,135 +91,169 @@ async def _body(request: Request) -> dict:
     return d
 
 
+# Every handler reads the file system in a worker thread, never on the event loop: a slow disk, or a run's large
+# files, must not stall the other requests (the page's event stream among them).
+def _runs_dir(request: Request) -> str:
+    return request.app.state.runs_dir
+
+
+def _page(name: str):
+    async def handler(request):
+        return FileResponse(os.path.join(STATIC, name))
+    return handler
+
+
+async def _form_fields(request):
+    return JSONResponse({"fields": [f.__dict__ for f in forms.fields()], "runs_dir": _runs_dir(request)})
+
+
+async def _plan(request):
+    try:
+        values = await _body(request)
+        p = await asyncio.to_thread(forms.plan, values)
+        t = await asyncio.to_thread(forms.train, values)
+    except ShardwiseError as e:
+        return _error(e)
+    return JSONResponse({"plan": p, "train": t})
+
+
+async def _launch(request):
+    runs_dir = _runs_dir(request)
+    try:
+        values = await _body(request)
+        t = await asyncio.to_thread(forms.train, values, runs_dir, True)
+        started = await asyncio.to_thread(runs.launch, runs_dir, t)
+    except ShardwiseError as e:
+        return _error(e)
+    return JSONResponse({**started, "command": t["command"]})
+
+
+def _listing(runs_dir: str) -> list[dict]:
+    return [runs.info(runs_dir, p) for p in runs.find(runs_dir)]
+
+
+async def _run_list(request):
+    runs_dir = _runs_dir(request)
+    return JSONResponse({"runs": await asyncio.to_thread(_listing, runs_dir), "runs_dir": runs_dir})
+
+
+def _detail(runs_dir: str, name: str) -> dict:
+    path = runs.resolve(runs_dir, name)
+    d = runs.info(runs_dir, path, True)
+    d["metrics"], _ = runs.metrics(path)  # the first, the last and an even sample (runs.METRICS_POINTS at most)
+    return d
+
+
+async def _run_detail(request):
+    try:
+        d = await asyncio.to_thread(_detail, _runs_dir(request), request.query_params.get("run", ""))
+    except ShardwiseError as e:
+        return _error(e, 404)
+    return JSONResponse(d)
+
+
+def _act(runs_dir: str, action: str, body: dict) -> dict:
+    path = runs.resolve(runs_dir, str(body.get("run", "")))
+    if action == "stop":
+        return runs.stop(path)
+    # remote code, or listening beyond loopback, only when this request says so (JSON true)
+    return runs.resume(path, body.get("trust_remote_code") is True, body.get("listen_beyond_loopback") is True)
+
+
+async def _run_action(request):
+    action = request.path_params["action"]
+    if action not in ("stop", "resume"):
+        return JSONResponse({"error": f"/api/run/{action}: no such action (stop, resume)", "field": None}, 404)
+    try:
+        body = await _body(request)
+        result = await asyncio.to_thread(_act, _runs_dir(request), action, body)
+    except ShardwiseError as e:
+        return _error(e)
+    return JSONResponse(result)
+
+
+def _diff(runs_dir: str, a: str, b: str) -> list[dict]:
+    return runs.diff(runs.resolve(runs_dir, a), runs.resolve(runs_dir, b))
+
+
+async def _run_diff(request):
+    q = request.query_params
+    try:
+        d = await asyncio.to_thread(_diff, _runs_dir(request), q.get("a", ""), q.get("b", ""))
+    except ShardwiseError as e:
+        return _error(e, 404)
+    return JSONResponse({"diff": d})
+
+
+def _new_metrics(runs_dir: str, name: str, offset: int) -> tuple[list[dict], int]:
+    try:
+        return runs.metrics(runs.resolve(runs_dir, name), offset)
+    except ShardwiseError:
+        return [], offset
+
+
+async def _events(request):
+    """Server-sent events: the run list when it changes; new metrics records of ?run= (the first answer: the
+    first, the last and an even sample of the records so far)."""
+    from sse_starlette.sse import EventSourceResponse
+
+    runs_dir, name = _runs_dir(request), request.query_params.get("run")
+
+    async def gen():
+        last, offset = None, 0
+        while not await request.is_disconnected():
+            found = await asyncio.to_thread(_listing, runs_dir)
+            key = json.dumps([(r["name"], r["state"], r["why"]) for r in found])
+            if key != last:
+                last = key
+                yield {"event": "runs", "data": json.dumps(found)}
+            if name:
+                recs, offset = await asyncio.to_thread(_new_metrics, runs_dir, name, offset)
+                if recs:
+                    yield {"event": "metrics", "data": json.dumps(recs)}
+            await asyncio.sleep(1.0)
+
+    return EventSourceResponse(gen(), ping=15)
+
+
+async def _bench_list(request):
+    return JSONResponse({"reports": await asyncio.to_thread(runs.bench_reports, _runs_dir(request))})
+
+
+async def _bench_one(request):
+    try:
+        return JSONResponse(await asyncio.to_thread(runs.bench_report, _runs_dir(request),
+                                                    request.query_params.get("report", "")))
+    except ShardwiseError as e:
+        return _error(e, 404)
+
+
+ROUTES = [
+    Route("/", _page("plan.html")),
+    Route("/runs", _page("runs.html")),
+    Route("/bench", _page("bench.html")),
+    Route("/api/fields", _form_fields),
+    Route("/api/plan", _plan, methods=["POST"]),
+    Route("/api/launch", _launch, methods=["POST"]),
+    Route("/api/runs", _run_list),
+    Route("/api/run", _run_detail),
+    Route("/api/run/{action:str}", _run_action, methods=["POST"]),
+    Route("/api/diff", _run_diff),
+    Route("/api/events", _events),
+    Route("/api/bench", _bench_list),
+    Route("/api/bench/report", _bench_one),
+    Mount("/static", StaticFiles(directory=STATIC), name="static"),
+]
+
+
 def create_app(runs_dir: str, token: str | None = None, allowed_hosts: list[str] | None = None) -> Starlette:
     runs_dir = os.path.abspath(runs_dir)
     os.makedirs(runs_dir, exist_ok=True)
-
-    def page(name):
-        async def handler(request):
-            return FileResponse(os.path.join(STATIC, name))
-        return handler
-
-    async def form_fields(request):
-        return JSONResponse({"fields": [f.__dict__ for f in forms.fields()], "runs_dir": runs_dir})
-
-    async def plan(request):
-        try:
-            values = await _body(request)
-            p = await asyncio.to_thread(forms.plan, values)
-            t = await asyncio.to_thread(forms.train, values)
-        except ShardwiseError as e:
-            return _error(e)
-        return JSONResponse({"plan": p, "train": t})
-
-    async def launch(request):
-        try:
-            values = await _body(request)
-            t = await asyncio.to_thread(forms.train, values, runs_dir, True)
-            started = runs.launch(runs_dir, t)
-        except ShardwiseError as e:
-            return _error(e)
-        return JSONResponse({**started, "command": t["command"]})
-
-    def listing() -> list[dict]:
-        return [runs.info(runs_dir, p) for p in runs.find(runs_dir)]
-
-    # the file system is read in a worker thread, never on the event loop (a slow disk must not stall other requests)
-    async def run_list(request):
-        return JSONResponse({"runs": await asyncio.to_thread(listing), "runs_dir": runs_dir})
-
-    def _run(request) -> str:
-        return runs.resolve(runs_dir, request.query_params.get("run", ""))
-
-    async def run_detail(request):
-        try:
-            path = _run(request)
-            d = await asyncio.to_thread(runs.info, runs_dir, path, True)
-        except ShardwiseError as e:
-            return _error(e, 404)
-        d["metrics"], _ = await asyncio.to_thread(runs.metrics, path)
-        return JSONResponse(d)
-
-    async def run_action(request):
-        action = request.path_params["action"]
-        if action not in ("stop", "resume"):
-            return JSONResponse({"error": f"/api/run/{action}: no such action (stop, resume)", "field": None}, 404)
-        try:
-            body = await _body(request)
-            path = runs.resolve(runs_dir, str(body.get("run", "")))
-            if action == "stop":
-                result = await asyncio.to_thread(runs.stop, path)
-            else:  # remote code, or listening beyond loopback, only when this request says so (JSON true)
-                result = await asyncio.to_thread(runs.resume, path, body.get("trust_remote_code") is True,
-                                                 body.get("listen_beyond_loopback") is True)
-        except ShardwiseError as e:
-            return _error(e)
-        return JSONResponse(result)
-
-    async def run_diff(request):
-        try:
-            a = runs.resolve(runs_dir, request.query_params.get("a", ""))
-            b = runs.resolve(runs_dir, request.query_params.get("b", ""))
-        except ShardwiseError as e:
-            return _error(e, 404)
-        return JSONResponse({"diff": await asyncio.to_thread(runs.diff, a, b)})
-
-    async def events(request):
-        """Server-sent events: the run list when it changes; new metrics records of ?run=."""
-        from sse_starlette.sse import EventSourceResponse
-
-        name = request.query_params.get("run")
-
-        async def gen():
-            last, offset = None, 0
-            while not await request.is_disconnected():
-                found = await asyncio.to_thread(listing)
-                key = json.dumps([(r["name"], r["state"], r["why"]) for r in found])
-                if key != last:
-                    last = key
-                    yield {"event": "runs", "data": json.dumps(found)}
-                if name:
-                    try:
-                        recs, offset = await asyncio.to_thread(runs.metrics, runs.resolve(runs_dir, name), offset)
-                    except ShardwiseError:
-                        recs = []
-                    if recs:
-                        yield {"event": "metrics", "data": json.dumps(recs)}
-                await asyncio.sleep(1.0)
-
-        return EventSourceResponse(gen(), ping=15)
-
-    async def bench_list(request):
-        return JSONResponse({"reports": await asyncio.to_thread(runs.bench_reports, runs_dir)})
-
-    async def bench_one(request):
-        try:
-            return JSONResponse(await asyncio.to_thread(runs.bench_report, runs_dir,
-                                                        request.query_params.get("report", "")))
-        except ShardwiseError as e:
-            return _error(e, 404)
-
-    routes = [
-        Route("/", page("plan.html")),
-        Route("/runs", page("runs.html")),
-        Route("/bench", page("bench.html")),
-        Route("/api/fields", form_fields),
-        Route("/api/plan", plan, methods=["POST"]),
-        Route("/api/launch", launch, methods=["POST"]),
-        Route("/api/runs", run_list),
-        Route("/api/run", run_detail),
-        Route("/api/run/{action:str}", run_action, methods=["POST"]),
-        Route("/api/diff", run_diff),
-        Route("/api/events", events),
-        Route("/api/bench", bench_list),
-        Route("/api/bench/report", bench_one),
-        Mount("/static", StaticFiles(directory=STATIC), name="static"),
-    ]
     middleware = []
     if allowed_hosts:  # loopback: refuse other Host headers (DNS rebinding)
         middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts))
     if token:
         middleware.append(Middleware(TokenMiddleware, token=token))
-    app = Starlette(routes=routes, middleware=middleware)
+    app = Starlette(routes=ROUTES, middleware=middleware)
     app.state.runs_dir = runs_dir
     return app

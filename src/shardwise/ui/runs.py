@@ -45,14 +45,31 @@ def _open(path: str, mode: str = "r"):
         raise
 
 
-def _read_json(path: str) -> dict | None:
-    """A JSON object the run wrote; None for anything else (missing, unreadable, not an object)."""
+MAX_JSON_BYTES = 1 << 20  # summary.json and the small records a run writes are a few KiB; a larger one is not read
+
+
+def _read_json(path: str, cap: int = MAX_JSON_BYTES) -> dict | None:
+    """A JSON object the run wrote; None for anything else (missing, unreadable, not an object, over `cap` bytes)."""
+    return _read_json_why(path, cap)[0]
+
+
+def _read_json_why(path: str, cap: int = MAX_JSON_BYTES) -> tuple[dict | None, str | None]:
+    """(the JSON object, None), or (None, why not) for a file that is there but not shown: one over `cap` bytes
+    is not read whole (the server reads it at every listing), nor parsed."""
     try:
-        with _open(path) as fh:
-            d = json.load(fh)
-    except (OSError, ValueError, RecursionError):
-        return None
-    return d if isinstance(d, dict) else None
+        with _open(path, "rb") as fh:
+            data = fh.read(cap + 1)
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"{os.path.basename(path)}: cannot read it ({e.strerror or e})"
+    if len(data) > cap:
+        return None, f"{os.path.basename(path)}: larger than {cap:,} bytes; not read"
+    try:
+        d = json.loads(data)
+    except (ValueError, RecursionError):
+        return None, f"{os.path.basename(path)}: not valid JSON"
+    return (d, None) if isinstance(d, dict) else (None, f"{os.path.basename(path)}: not a JSON object")
 
 
 def _mtime(path: str) -> float:
@@ -194,23 +211,85 @@ def state(path: str) -> tuple[str, str]:
     return "unknown", "no summary.json and no record of how it ended (started outside the page)"
 
 
-def metrics(path: str, offset: int = 0) -> tuple[list[dict], int]:
-    """metrics.jsonl records from byte offset on (whole lines only) and the next offset."""
+METRICS_POINTS = 2000  # records one answer holds at most: a chart is a few hundred pixels wide
+METRICS_WHOLE = 8 << 20  # bytes read whole; past this, records are read at evenly spaced places
+METRICS_LINE = 64 << 10  # a record is a few hundred bytes; a longer line is skipped
+
+
+def _even(n: int, points: int) -> list[int]:
+    """Indices of `points` items spread evenly over n, the first and the last included."""
+    if n <= points:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (points - 1)) for i in range(points)})
+
+
+def _records(lines: list[bytes]) -> list[dict]:
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def _sampled_lines(fh, offset: int, end: int, points: int) -> list[bytes]:
+    """Up to `points` whole lines of fh between byte offset (a line's start) and end (just past a newline):
+    the first, the last, and lines at evenly spaced byte positions between, each read on its own."""
+    starts, seen = [], set()
+    for i in range(points - 1):
+        pos = offset + (end - offset) * i // (points - 1)
+        if pos > offset:  # inside a line: the next one starts after its newline
+            fh.seek(pos - 1)
+            while True:  # to the next newline, a bounded read at a time (a long line is skipped)
+                chunk = fh.readline(METRICS_LINE)
+                if not chunk or chunk.endswith(b"\n"):
+                    break
+            pos = fh.tell()
+        if pos < end and pos not in seen:
+            seen.add(pos)
+            starts.append(pos)
+    fh.seek(max(offset, end - METRICS_LINE))
+    tail = fh.read(end - fh.tell())
+    last = tail.rfind(b"\n", 0, len(tail) - 1) + 1  # the last whole line's start in the tail
+    if last or end - offset <= METRICS_LINE:
+        starts.append(end - len(tail) + last)
+    lines = []
+    for pos in sorted(set(starts)):
+        fh.seek(pos)
+        line = fh.readline(METRICS_LINE)
+        if line.endswith(b"\n"):
+            lines.append(line)
+    return lines
+
+
+def metrics(path: str, offset: int = 0, points: int = METRICS_POINTS) -> tuple[list[dict], int]:
+    """metrics.jsonl records from byte offset on (whole lines only) and the next offset. At most `points` records:
+    where there are more, the first, the last and an even sample between (a long run's file is hundreds of MB:
+    past METRICS_WHOLE bytes it is not read whole, only a line at each sampled place)."""
     p = os.path.join(path, "metrics.jsonl")
     try:
         with _open(p, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size <= offset:
+                return [], offset
+            fh.seek(max(offset, size - METRICS_LINE))
+            tail = fh.read(size - fh.tell())
+            if b"\n" not in tail:  # no whole line yet (or one longer than METRICS_LINE being written)
+                return [], offset
+            end = size - len(tail) + tail.rfind(b"\n") + 1  # past the last whole line
+            if end <= offset:
+                return [], offset
+            if end - offset > METRICS_WHOLE:
+                return _records(_sampled_lines(fh, offset, end, points)), end
             fh.seek(offset)
-            data = fh.read()
+            data = fh.read(end - offset)
     except OSError:
         return [], offset
-    end = data.rfind(b"\n") + 1
-    out = []
-    for line in data[:end].splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out, offset + end
+    lines = [line for line in data.splitlines() if line.strip()]
+    return _records([lines[i] for i in _even(len(lines), points)]), end
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a run's config.yaml is a few hundred bytes; a larger one is not read
@@ -298,9 +377,9 @@ def commands(path: str) -> dict:
 
 def info(runs_dir: str, path: str, detail: bool = False) -> dict:
     st, why = state(path)
+    summary, summary_error = _read_json_why(os.path.join(path, "summary.json"))
     d = {"name": os.path.relpath(os.path.realpath(path), os.path.realpath(runs_dir)), "path": path, "state": st, "why": why,
-         "summary": _read_json(os.path.join(path, "summary.json")),
-         "mtime": _mtime(path)}
+         "summary": summary, "summary_error": summary_error, "mtime": _mtime(path)}
     cfg, d["config_error"] = read_config(path)  # an unreadable config is listed as one, without its values
     d["strategy"] = cfg.get("strategy")
     nproc, nnodes = cfg.get("nproc_per_node"), cfg.get("nnodes", 1)
