@@ -58,7 +58,9 @@ def _adapter_base(cfg) -> str:
     return path if os.path.isfile(os.path.join(path, "config.json")) else cfg.model
 
 
-def export(checkpoint: str, out: str, merge_lora: bool = False, trust_remote_code: bool = False) -> str:
+def check_out(out: str) -> str:
+    """--out as an absolute path, refused in one line before anything is loaded: empty, a file, a non-empty
+    directory, inside a run directory's own entries, or not creatable."""
     if not out.strip():
         raise ShardwiseError("--out: empty; give the directory to write, e.g. --out exported/")
     out = os.path.abspath(os.path.expanduser(out))
@@ -70,13 +72,14 @@ def export(checkpoint: str, out: str, merge_lora: bool = False, trust_remote_cod
                              "deletes whole when it is overwritten (or rotates its checkpoints); choose a directory "
                              "outside it")
     rundir.check_creatable(out, "--out", "--out")
-    path = resolve_checkpoint(os.path.expanduser(checkpoint))
+    return out
 
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+def _read_checkpoint(path: str, merge_lora: bool, trust_remote_code: bool) -> tuple[dict, object, str]:
+    """(meta.json, the run's Config, hf/) of a verified checkpoint, refused in one line where it cannot export."""
     from shardwise.config import from_dict
     from shardwise.train import checkpoint as ckpt
+
     ckpt.verify(path, rng=False)  # before anything of it is read: complete, and nothing in it can run code
     meta = ckpt.read_meta(path)
     try:
@@ -99,6 +102,16 @@ def export(checkpoint: str, out: str, merge_lora: bool = False, trust_remote_cod
     if custom and not trust_remote_code:
         raise ShardwiseError(f"{path}: its hf/config.json names custom code (auto_map), which export runs only "
                              "with --trust-remote-code; pass it if you trust this checkpoint")
+    return meta, cfg, hf_dir
+
+
+def _load_model(path: str, cfg, hf_dir: str, merge_lora: bool, trust_remote_code: bool):
+    """The model built from hf/config.json with the checkpoint's weights, and its tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from shardwise.train import checkpoint as ckpt
+
     try:
         config = AutoConfig.from_pretrained(hf_dir, local_files_only=True, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
@@ -119,18 +132,22 @@ def export(checkpoint: str, out: str, merge_lora: bool = False, trust_remote_cod
     except Exception as e:  # transformers raises many types here
         msg = str(e).splitlines()[0][:200] if str(e) else ""
         raise ShardwiseError(f"{path}: cannot load the tokenizer in hf/ ({type(e).__name__}: {msg})") from None
+    return model, tok
+
+
+def _write(model, tok, out: str, record: dict) -> None:
+    """The model, its tokenizer and shardwise_export.json into a fresh temporary directory beside `out`, renamed
+    to `out` once whole (an empty `out` is replaced; nothing else is)."""
+    from shardwise.train import checkpoint as ckpt
+
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)  # ours alone
     try:
-        if cfg.tuner != "full" and merge_lora:
-            model = model.merge_and_unload()
         save_pretrained(model, tmp)
         tok.save_pretrained(tmp)
         with open(os.path.join(tmp, "shardwise_export.json"), "w") as fh:
-            json.dump({"checkpoint": os.path.abspath(path), "step": meta["step"], "strategy": meta.get("strategy"),
-                       "world_size": meta.get("world_size"), "merged_lora": bool(merge_lora and cfg.tuner != "full")},
-                      fh, indent=1)
+            json.dump(record, fh, indent=1)
         ckpt.apply_umask(tmp)
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked above); fails rather than delete anything that appeared since
@@ -138,6 +155,19 @@ def export(checkpoint: str, out: str, merge_lora: bool = False, trust_remote_cod
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def export(checkpoint: str, out: str, merge_lora: bool = False, trust_remote_code: bool = False) -> str:
+    out = check_out(out)
+    path = resolve_checkpoint(os.path.expanduser(checkpoint))
+    meta, cfg, hf_dir = _read_checkpoint(path, merge_lora, trust_remote_code)
+    model, tok = _load_model(path, cfg, hf_dir, merge_lora, trust_remote_code)
+    merged = bool(merge_lora and cfg.tuner != "full")
+    if merged:
+        model = model.merge_and_unload()
+    _write(model, tok, out, {"checkpoint": os.path.abspath(path), "step": meta["step"],
+                             "strategy": meta.get("strategy"), "world_size": meta.get("world_size"),
+                             "merged_lora": merged})
     return out
 
 
