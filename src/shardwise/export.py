@@ -59,11 +59,14 @@ def _adapter_base(cfg) -> str:
 
 
 def check_out(out: str) -> str:
-    """--out as an absolute path, refused in one line before anything is loaded: empty, a file, a non-empty
-    directory, inside a run directory's own entries, or not creatable."""
+    """--out as an absolute path, refused in one line before anything is loaded: empty, a symbolic link, a file, a
+    non-empty directory, inside a run directory's own entries, or not creatable."""
     if not out.strip():
         raise ShardwiseError("--out: empty; give the directory to write, e.g. --out exported/")
     out = os.path.abspath(os.path.expanduser(out))
+    if os.path.islink(out):  # export replaces --out with a directory of its own: never written through a link
+        raise ShardwiseError(f"--out {out}: a symbolic link (to {os.readlink(out)}), which export does not write "
+                             "through; give the directory itself or a new path")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):  # before the heavy imports
         raise ShardwiseError(f"--out {out}: exists and is not empty; choose a new directory")
     inside = rundir.enclosing_run(out)
