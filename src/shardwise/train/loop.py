@@ -33,6 +33,7 @@ from shardwise.rundir import atomic_write_json, record_interrupted
 from shardwise.strategies.base import DTYPES
 from shardwise.train import checkpoint as ckpt
 from shardwise.train import dist as sdist
+from shardwise.train import peers
 from shardwise.train.control import Control
 from shardwise.train.evaluate import Evaluator
 from shardwise.train.faults import Faults
@@ -351,16 +352,22 @@ class Trainer:
                 self.save()
         except (RuntimeError, dist.DistBackendError) as e:
             if is_collective_timeout(e):
-                timed_out = any(k in str(e).lower() for k in ("timed out", "timeout", "watchdog"))
-                raise ShardwiseError(
-                    f"rank {env.rank}: a collective " + (f"did not complete within --collective-timeout "
-                    f"{cfg.collective_timeout:g}s" if timed_out else "lost its peer") + f" during {self.phase}: "
-                    "another rank is hung or dead "
-                    f"({str(e).strip().splitlines()[0][:160]})") from e
+                raise ShardwiseError(self.collective_failure(e)) from e
             raise
         finally:
             self.control.close()
         return self.finish()
+
+    def collective_failure(self, e: BaseException) -> str:
+        """The line for a collective that timed out or lost its peer: the phase, the ranks that never reached it
+        (train/peers.py), and the newest checkpoint with the command that resumes from it."""
+        cfg, env = self.cfg, self.env
+        timed_out = any(k in str(e).lower() for k in ("timed out", "timeout", "watchdog"))
+        missing = peers.not_arrived(self.out, env.rank, env.world_size, self.phase) if env.world_size > 1 else []
+        return (f"rank {env.rank}: a collective " + (f"did not complete within --collective-timeout "
+                f"{cfg.collective_timeout:g}s" if timed_out else "lost its peer") + f" during {self.phase}: "
+                f"another rank is hung or dead{peers.named(missing)} ({str(e).strip().splitlines()[0][:160]})"
+                + peers.resume_hint(self.out, ckpt.latest(self.out)))
 
     def finish(self) -> dict:
         """The final model, summary.json, the last line; the process group is closed."""

@@ -185,7 +185,7 @@ def life_marker(output_dir: str, rank: str):
     path = os.path.join(error_dir(output_dir), f"rank{rank}.alive")
     try:
         os.makedirs(error_dir(output_dir), exist_ok=True)
-        for stale in (f"rank{rank}.txt", f"rank{rank}.exc"):  # an earlier attempt's (--max-restarts)
+        for stale in (f"rank{rank}.txt", f"rank{rank}.exc", f"rank{rank}.waiting"):  # an earlier attempt's (--max-restarts)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(error_dir(output_dir), stale))
         atomic_write(path, str(os.getpid()))
