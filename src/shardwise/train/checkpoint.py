@@ -343,6 +343,15 @@ def meta_problem(meta, path: str, required: tuple[str, ...] = ("step",)) -> str 
     return None
 
 
+def weights_only_load(f):
+    """torch.load(f, weights_only=True) without torch's warning about a pickle protocol other than its own (two lines
+    printed before shardwise's one line refusing a tampered file: torch.save never writes such a file, so the warning
+    only ever comes before a refusal)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected pickle protocol", category=UserWarning)
+        return torch.load(f, weights_only=True)
+
+
 def _rng_problem(f: str) -> str | None:
     try:
         _read_rng(f)
@@ -355,8 +364,12 @@ def _read_rng(f: str) -> dict:
     """An rng/rankR.pt file's states, read as weights only and tried on a spare generator (never the process's
     own); ValueError saying what is wrong with it."""
     try:
-        st = torch.load(f, weights_only=True)
+        st = weights_only_load(f)
     except Exception as e:  # noqa: BLE001 - a damaged file raises almost anything
+        glob = _UNSUPPORTED_GLOBAL.search(str(e))
+        if glob:
+            raise ValueError(f"it asks for '{glob.group(1)}', which a checkpoint never needs (a tampered or foreign "
+                             "file; loading it could run code); nothing from it was used") from None
         raise ValueError(_load_error_text(e)) from None
     if not isinstance(st, dict) or not isinstance(st.get("cpu"), torch.Tensor) or st["cpu"].dtype != torch.uint8:
         raise ValueError("no CPU generator state in it")
@@ -518,7 +531,7 @@ def _safe_io() -> tuple[type, type]:
 
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
             try:
-                torch.load(value, weights_only=True)
+                weights_only_load(value)
             except Exception as e:  # noqa: BLE001
                 glob = _UNSUPPORTED_GLOBAL.search(str(e))
                 if glob is None:  # damaged, not tampered: SafeReader names the file
