@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
 
 import pytest
 
@@ -72,3 +73,64 @@ def test_a_tampered_rng_file_is_refused_in_shardwises_line_alone(chat_data, tmp_
     assert f"checkpoint {ck}" in lines[0] and "rng/rank0.pt is corrupt" in lines[0], lines[0]
     assert not marker.exists()
     shutil.rmtree(out)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of a given size (MiB), unmounted afterwards; skipped where mounting is not allowed (needs root), as
+    tests/dist/test_reliability.py's checkpoint case."""
+    mounted = []
+
+    def mount(mib: int):
+        mnt = tmp_path / f"disk{len(mounted)}"
+        mnt.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(mnt)],
+                          capture_output=True).returncode:
+            pytest.skip("cannot mount a small tmpfs here (needs root); the disk-full path is not exercised")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", str(mnt)])
+
+
+@pytest.mark.parametrize("ranks", [ONE, DDP], ids=["one-process", "ddp-2-ranks"])
+def test_a_full_disk_while_writing_final_keeps_the_trained_state_in_a_checkpoint(chat_data, tmp_path, small_disk,
+                                                                                  ranks):
+    """The step-4 checkpoint (11 MiB) fits a 13 MiB disk, final/ (3.4 MiB more) does not. final/ used to end in a
+    traceback (on two ranks, rank 1 then waited in a barrier for rank 0); now every rank learns that rank 0 could
+    not write it, and one line names the checkpoint holding the trained state and the commands that get the model
+    back; the resume it gives writes final/ without training again."""
+    out = small_disk(13) / "run"
+    p = train(out, chat_data, *ranks, "--max-steps", "4", "--save-every", "4", "--keep-checkpoints", "1", check=False)
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = shardwise_lines(p.stderr)
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    ck = out / "checkpoints" / "step_00000004"
+    assert lines[0].startswith(f"shardwise: error: disk full while writing the final model to {out}/final ("), lines
+    assert lines[0].endswith(f"; the trained state (step 4) is kept in checkpoint {ck}: free space, then `shardwise "
+                             f"train {out}/config.yaml --output-dir {out} --resume auto` writes final/ without training "
+                             f"again (or `shardwise export {ck} --out DIR` writes the model elsewhere)"), lines[0]
+    assert not (out / "final").exists() and not [n for n in os.listdir(out) if n.startswith(".final-")]
+    moved = tmp_path / "moved"  # "free space": the run moves to a disk with room, and resumes there
+    shutil.copytree(out, moved, symlinks=True)
+    p = train(moved, chat_data, *ranks, "--max-steps", "4", "--save-every", "4", "--resume", "auto")
+    assert (moved / "final" / "model.safetensors").is_file() and "step 5" not in p.stdout
+
+
+def test_a_full_disk_while_writing_final_without_checkpoints_says_what_is_lost(chat_data, small_disk):
+    """No --save-every and no room for final/ nor for a checkpoint: one line saying both could not be written and
+    what to do, not a traceback; nothing half-written is left."""
+    out = small_disk(2) / "run"
+    p = train(out, chat_data, *ONE, "--max-steps", "2", check=False)
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = shardwise_lines(p.stderr)
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert lines[0].startswith(f"shardwise: error: disk full while writing the final model to {out}/final ("), lines
+    assert ("; no checkpoint of the trained state could be written either (disk full while saving checkpoint "
+            f"{out}/checkpoints/step_00000002 (") in lines[0], lines[0]
+    assert lines[0].endswith(": the steps trained since the start are lost; free space, then train again (--save-every "
+                             "N keeps checkpoints along the way)"), lines[0]
+    assert not (out / "final").exists() and not [n for n in os.listdir(out) if n.startswith(".final-")]
+    assert not (out / "checkpoints").exists() or os.listdir(out / "checkpoints") == []

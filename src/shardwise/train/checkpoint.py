@@ -131,7 +131,7 @@ def save(output_dir: str, step: int, state: dict, meta: dict, rank: int, keep: i
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's exception is a BaseException
         if rank == 0:
             _remove_own_tmp(tmp)
-        full = _is_disk_full(e) or _free_bytes(root) < 64 * 2**20
+        full = disk_full(e, root)
         prev = latest(output_dir) or "none"
         raise ShardwiseError(
             f"{'disk full' if full else 'failed'} while saving checkpoint {final} ({_first_line(e)}); "
@@ -585,6 +585,15 @@ def _is_disk_full(e: BaseException) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
+
+
+def disk_full(e: BaseException, path: str) -> bool:
+    """Whether a failed write under `path` is a full disk (or quota): the error says so, or little space is left."""
+    return _is_disk_full(e) or _free_bytes(path) < 64 * 2**20
+
+
+def first_line(e: BaseException) -> str:
+    return _first_line(e)
 
 
 def _free_bytes(path: str) -> int:

@@ -369,10 +369,45 @@ class Trainer:
                 f"another rank is hung or dead{peers.named(missing)} ({str(e).strip().splitlines()[0][:160]})"
                 + peers.resume_hint(self.out, ckpt.latest(self.out)))
 
+    def keep_trained_state(self, why: str) -> str:
+        """final/ was not written: the line saying where the trained state is kept. A checkpoint of this step is
+        written where none is (a full disk may still hold one: final/'s temporary files are gone), so that a resume
+        writes final/ without training again."""
+        newest = ckpt.latest(self.out)
+        if not (newest or "").endswith(f"step_{self.step:08d}"):
+            try:
+                self.phase = "checkpoint save of the trained state"
+                newest = self.save()
+            except ShardwiseError as e:
+                return (f"{why}; no checkpoint of the trained state could be written either ({e.args[0].split(';')[0]})"
+                        f": the steps trained since {newest or 'the start'} are lost; free space, then "
+                        + (f"resume from {newest}: `{peers.resume_command(self.out)}`" if newest else
+                           "train again (--save-every N keeps checkpoints along the way)"))
+        return (f"{why}; the trained state (step {self.step}) is kept in checkpoint {newest}: free space, then "
+                f"`{peers.resume_command(self.out)}` writes final/ without training again (or "
+                f"`shardwise export {newest} --out DIR` writes the model elsewhere)")
+
+    def write_summary(self, summary: dict) -> None:
+        """summary.json and the timeline (rank 0); a full disk here is one line: the model is already written."""
+        out = self.out
+        for path, obj in ((os.path.join(out, ".prep", "timeline.json"), self.marks),  # the launcher adds the exit
+                          (os.path.join(out, "summary.json"), summary)):
+            try:
+                _write_json(path, obj)
+            except OSError as e:
+                final = summary["final_model"]
+                raise ShardwiseError(f"{'disk full' if ckpt.disk_full(e, out) else 'failed'} while writing {path} "
+                                     f"({e.strerror or e}); " + (f"the final model is written ({final})" if final
+                                     else "no final model was asked for (--no-save-final)")
+                                     + "; the run's metrics are in metrics.jsonl") from None
+
     def finish(self) -> dict:
         """The final model, summary.json, the last line; the process group is closed."""
         cfg, env, out = self.cfg, self.env, self.out
-        final_dir = save_final(cfg, env, self.strategy, self.model, self.tokenizer, out) if cfg.save_final else None
+        try:
+            final_dir = save_final(cfg, env, self.strategy, self.model, self.tokenizer, out) if cfg.save_final else None
+        except FinalNotWritten as e:
+            raise ShardwiseError(self.keep_trained_state(str(e))) from None
         wall = time.time() - self.t_start
         self.marks["saved"] = time.time()
         first_loss, step = self.first_loss, self.step
@@ -390,8 +425,7 @@ class Trainer:
                    "padding_free": self.padding_free,
                    "final_model": final_dir, **self.evaluator.summary(), "phases_s": phases.durations(self.marks)}
         if env.is_main:
-            _write_json(os.path.join(out, ".prep", "timeline.json"), self.marks)  # the launcher adds the exit
-            _write_json(os.path.join(out, "summary.json"), summary)
+            self.write_summary(summary)
         last = summary["final_loss"]
         self.rep.say(f"shardwise: done: {step} steps, loss {first_loss:.4f} (first logged) -> {last:.4f} (last)"
                      if first_loss is not None and last is not None else f"shardwise: done: {step} steps")
@@ -524,31 +558,58 @@ def save_checkpoint(cfg, env, strategy, model, optimizer, out, step, pos, tokens
                      chat_template=(tokenizer.chat_template or "") if cfg.chat_template and tokenizer else "")
 
 
+class FinalNotWritten(ShardwiseError):
+    """final/ could not be written (a full disk, ...); every rank raises it, so that they can keep the trained state."""
+
+
 def save_final(cfg, env, strategy, model, tokenizer, out) -> str:
-    """A Hugging Face directory (safetensors + config + tokenizer), written atomically."""
+    """A Hugging Face directory (safetensors + config + tokenizer), written atomically. Collective: where rank 0
+    cannot write it, every rank raises FinalNotWritten (and the previous final/, if any, is left as it was)."""
     full = strategy.full_model_state_dict(model)
     final = os.path.join(out, "final")
+    why = ""
     if env.is_main:
-        import tempfile
-
-        tmp = tempfile.mkdtemp(prefix=".final-", dir=out)  # a fresh name: never a directory we did not make
         try:
-            hf = strategy.unwrap(model)
-            if cfg.tuner != "full":  # a PEFT adapter directory (+ final/merged with merge_lora)
-                from shardwise.models.lora import save_final as save_adapter
-
-                save_adapter(hf, full, tokenizer, tmp, cfg)
-            else:
-                save_pretrained(hf, tmp, state_dict=full)
-            tokenizer.save_pretrained(tmp)
-            ckpt.apply_umask(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        shutil.rmtree(final, ignore_errors=True)  # the run directory's own final/ (the run dir is marked and locked)
-        os.rename(tmp, final)
-    sdist.barrier()
+            _write_final(cfg, strategy, model, full, tokenizer, out, final)
+        except Exception as e:  # noqa: BLE001 - a full disk raises OSError or safetensors' own error
+            why = _final_failure(e, out, final)
+    failed = torch.tensor([1.0 if why else 0.0], device=env.device)
+    sdist.all_reduce(failed, dist.ReduceOp.MAX)  # every rank learns whether rank 0 wrote it (and waits for it)
+    if failed.item():
+        raise FinalNotWritten(why or f"rank 0 could not write the final model to {final}")
     return final
+
+
+def _write_final(cfg, strategy, model, full: dict, tokenizer, out: str, final: str) -> None:
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix=".final-", dir=out)  # a fresh name: never a directory we did not make
+    try:
+        hf = strategy.unwrap(model)
+        if cfg.tuner != "full":  # a PEFT adapter directory (+ final/merged with merge_lora)
+            from shardwise.models.lora import save_final as save_adapter
+
+            save_adapter(hf, full, tokenizer, tmp, cfg)
+        else:
+            save_pretrained(hf, tmp, state_dict=full)
+        tokenizer.save_pretrained(tmp)
+        ckpt.apply_umask(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)  # the run directory's own final/ (the run dir is marked and locked)
+    os.rename(tmp, final)
+
+
+def _final_failure(e: BaseException, out: str, final: str) -> str:
+    """Why final/ was not written, in a few words; an unexpected failure's traceback goes to the output first."""
+    full = ckpt.disk_full(e, out)
+    if not full:
+        import traceback
+
+        traceback.print_exc()
+    return (f"{'disk full' if full else 'failed'} while writing the final model to {final} "
+            f"({ckpt.first_line(e)})")
 
 
 _write_json = atomic_write_json

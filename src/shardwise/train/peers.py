@@ -60,10 +60,14 @@ def named(ranks: list[int]) -> str:
     return f"; {who} never reached it (hung, or dead; {'its' if len(ranks) == 1 else 'their'} output says more)"
 
 
+def resume_command(output_dir: str) -> str:
+    """The command that resumes the run in output_dir from its newest complete checkpoint."""
+    return (f"shardwise train {shlex.quote(os.path.join(output_dir, 'config.yaml'))} --output-dir "
+            f"{shlex.quote(output_dir)} --resume auto")
+
+
 def resume_hint(output_dir: str, newest: str | None) -> str:
     """Where to pick the run up: the newest complete checkpoint and the command that resumes from it."""
     if not newest:
         return "; no checkpoint was saved yet (--save-every N keeps one)"
-    return (f"; newest checkpoint: {newest}; resume with: shardwise train "
-            f"{shlex.quote(os.path.join(output_dir, 'config.yaml'))} --output-dir {shlex.quote(output_dir)} "
-            "--resume auto")
+    return f"; newest checkpoint: {newest}; resume with: {resume_command(output_dir)}"
