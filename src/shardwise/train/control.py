@@ -46,11 +46,18 @@ class Control:
                 self.store.set(k, "0")
         sdist.barrier()
         self.proposed_stop = False
+        from shardwise.train.signals import Further
+
+        self.further = Further(f"rank {self.rank}: " if env.world_size > 1 else "")
+        self.before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        self.signal = signum
+        if self.signal is None:
+            self.signal = signum
+        else:  # already stopping: the checkpoint is being written or is about to be (train/signals.py)
+            self.further(signum, frame)
 
     def _sign(self, key: str, step: int) -> str:
         if self.secret is None:
@@ -114,5 +121,8 @@ class Control:
         self.last_save = time.monotonic()
 
     def close(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL)
+        """The handlers the process had before; once stopping on a signal, further ones stay ignored (with their
+        line) while the process leaves: the checkpoint is written, and what follows says how to resume."""
+        for sig, before in self.before.items():
+            signal.signal(sig, self.further if self.signal is not None else
+                          (before if before is not None else signal.SIG_DFL))

@@ -56,7 +56,12 @@ class Job:
 
 
 class Preempted(Exception):
-    """SIGTERM/SIGINT arrived; a checkpoint was written (the launcher says how to resume)."""
+    """SIGTERM/SIGINT arrived; a checkpoint was written (the launcher says how to resume). `signum`: the first
+    signal's number, for the exit code 128 + signum."""
+
+    def __init__(self, path: str, signum: int | None = None):
+        super().__init__(path)
+        self.signum = signum
 
 
 def lr_at(cfg: Config, step: int, total: int) -> float:
@@ -340,7 +345,7 @@ class Trainer:
                     self.rep.say(f"shardwise: stopped by a signal after step {step}; checkpoint written to {path}")
                     if env.is_main:
                         record_interrupted(out, step, path)
-                    raise Preempted(path)
+                    raise Preempted(path, self.control.signal)
                 if save_due:
                     self.phase = f"step {step}: checkpoint save"
                     self.save()
