@@ -110,3 +110,19 @@ def test_the_detail_view_gets_the_decimated_metrics(tmp_path):
     assert status == 200, d
     steps = [r["step"] for r in d["metrics"]]
     assert len(steps) == runs.METRICS_POINTS and steps[0] == 1 and steps[-1] == 30_000
+
+
+def test_a_failed_run_shows_a_ranks_error_not_its_life_mark_or_waiting_report(tmp_path):
+    """A run whose rank 0 hung leaves rank0.alive (its PID: killed without a word), and rank 1 leaves rank1.waiting
+    (the phase it waited in) beside its one-line error rank1.txt: the page shows the error."""
+    errs = tmp_path / "hung" / ".prep" / "errors"
+    errs.mkdir(parents=True)
+    (tmp_path / "hung" / "metrics.jsonl").write_text("")
+    (errs / "rank0.alive").write_text("12345")
+    (errs / "rank1.waiting").write_text("step 5: forward/backward (gradient reduction)")
+    (errs / "rank1.txt").write_text("rank 1: a collective did not complete within --collective-timeout 4s\n")
+    assert runs.state(str(tmp_path / "hung")) == ("failed", "rank 1: a collective did not complete within "
+                                                           "--collective-timeout 4s")
+    (errs / "rank1.txt").unlink()
+    (errs / "rank2.exc").write_text("RuntimeError: boom")
+    assert runs.state(str(tmp_path / "hung")) == ("failed", "RuntimeError: boom")

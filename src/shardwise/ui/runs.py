@@ -195,7 +195,10 @@ def state(path: str) -> tuple[str, str]:
     if marker:
         return "interrupted", f"stopped by a signal after step {marker.get('step')}; checkpoint {marker.get('checkpoint')}"
     if not linked and os.path.isdir(errors):
-        for f in sorted(os.listdir(errors)):
+        # a rank's one-line error (rankN.txt), else its exception's first line (rankN.exc); not its life mark
+        # (.alive: a PID) nor its report of a collective it waited in (.waiting: a phase)
+        names = os.listdir(errors)
+        for f in sorted(n for n in names if n.endswith(".txt")) + sorted(n for n in names if n.endswith(".exc")):
             try:
                 with _open(os.path.join(errors, f)) as fh:
                     text = fh.read(4096).strip()
