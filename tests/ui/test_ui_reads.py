@@ -126,3 +126,12 @@ def test_a_failed_run_shows_a_ranks_error_not_its_life_mark_or_waiting_report(tm
     (errs / "rank1.txt").unlink()
     (errs / "rank2.exc").write_text("RuntimeError: boom")
     assert runs.state(str(tmp_path / "hung")) == ("failed", "RuntimeError: boom")
+
+
+def test_a_bench_report_larger_than_a_summary_is_still_listed(tmp_path):
+    """Bench reports hold every strategy's per-step records: they keep their own 20 MB bound, not a summary's."""
+    rep = {"schema": "shardwise-bench/1", "created": "2026-01-01T00:00:00", "command": "shardwise bench",
+           "results": [{"steps": "x" * (2 * runs.MAX_JSON_BYTES)}]}
+    _write(f"{tmp_path}/bench/r.json", json.dumps(rep))
+    assert [r["name"] for r in runs.bench_reports(str(tmp_path))] == ["bench/r.json"]
+    assert runs.bench_report(str(tmp_path), "bench/r.json")["command"] == "shardwise bench"

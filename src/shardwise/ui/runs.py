@@ -511,6 +511,7 @@ def resume(path: str, trust_remote_code: bool = False, listen_beyond_loopback: b
 
 
 BENCH_SCHEMA_MARK = b'"shardwise-bench/'  # bench/report.py writes {"schema": "shardwise-bench/N", ...}
+MAX_BENCH_BYTES = 20_000_000  # a report holds every strategy's per-step records: larger than a run's summary
 
 
 def bench_reports(runs_dir: str) -> list[dict]:
@@ -523,14 +524,14 @@ def bench_reports(runs_dir: str) -> list[dict]:
             if f.endswith(".json") and f not in ("summary.json", RECORD, "config.json"):
                 p = os.path.join(dirpath, f)
                 try:
-                    if os.path.islink(p) or os.path.getsize(p) > 20_000_000:
+                    if os.path.islink(p) or os.path.getsize(p) > MAX_BENCH_BYTES:
                         continue  # a link (perhaps dangling, perhaps out of the runs directory) is not listed
                     with _open(p, "rb") as fh:  # a report names its schema first: other JSON is not parsed
                         if BENCH_SCHEMA_MARK not in fh.read(4096):
                             continue
                 except OSError:
                     continue
-                d = _read_json(p)
+                d = _read_json(p, MAX_BENCH_BYTES)
                 if isinstance(d, dict) and str(d.get("schema", "")).startswith("shardwise-bench/"):
                     out.append({"name": os.path.relpath(p, root), "created": d.get("created"),
                                 "command": d.get("command")})
@@ -545,7 +546,7 @@ def bench_report(runs_dir: str, name: str) -> dict:
         p = root
     if os.path.commonpath([root, p]) != root or not p.endswith(".json"):
         raise ShardwiseError(f"bench report {name!r}: not a report in {root}")
-    d = _read_json(p)
+    d = _read_json(p, MAX_BENCH_BYTES)
     if d is None or not str(d.get("schema", "")).startswith("shardwise-bench/"):
         raise ShardwiseError(f"bench report '{name}': not a shardwise bench report")
     return d
