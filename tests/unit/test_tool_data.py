@@ -7,7 +7,8 @@ import json
 import pytest
 
 from shardwise.data.cache import records_digest
-from shardwise.data.encode import IGNORE, encode
+from shardwise.data.encode import CHARS_PER_TOKEN_BOUND, IGNORE, encode
+from shardwise.data.formats import Record
 from shardwise.data.sources import read_records
 from shardwise.data.templates import use_chat_template
 from shardwise.errors import ShardwiseError
@@ -133,6 +134,38 @@ def test_templates_that_would_drop_tools_are_refused_in_one_line(tok, files):
         f"{files[0]}:row 2: this record has tool calls, but the chat template 'gemma' cannot render them (gemma has "
         "no tool-call format); pass --chat-template chatml, qwen, llama3 or mistral (they render tools and tool "
         "calls), or a template of your own that renders `tools` and `tool_calls`")
+
+
+class Spy:
+    """The tokenizer, recording the longest text it was asked to tokenize (alone or in a batch)."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def __call__(self, text, **kw):
+        self.longest = max([self.longest] + [len(t) for t in ([text] if isinstance(text, str) else text)])
+        return self.tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_memory_per_record_stays_bounded_with_huge_schemas_and_calls(tok):
+    use_chat_template(tok, "chatml")
+    seq = 64
+    budget = (seq + 1) * CHARS_PER_TOKEN_BOUND
+    big = {"type": "function", "function": {**WEATHER, "description": "stone " * 200_000}}
+    call = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo " * 200_000}}}]
+    recs = [Record("chat", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "t:1",
+                   [{"type": "function", "function": WEATHER}, big]),
+            Record("chat", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": call},
+                            {"role": "tool", "content": "3"}, {"role": "assistant", "content": "done"}], "t:2",
+                   [{"type": "function", "function": WEATHER}]),
+            Record("chat", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "t:3")]
+    spy = Spy(tok)
+    enc = encode(recs, spy, seq, packing=False)
+    assert spy.longest < budget + 600  # the budget plus the template's own words and markers
+    assert enc.stats["truncated"] == 2
 
 
 @pytest.mark.parametrize("record, line", [

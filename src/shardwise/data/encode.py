@@ -8,14 +8,15 @@ the conversation, so any template that renders a prefix of a conversation as a p
 the whole works, with no special template markers. Targets are shifted here, so packing
 can concatenate examples without a label leaking across an example boundary.
 
-Memory per record is bounded before tokenizing: a record's text beyond
-(seq_len + 1) * CHARS_PER_TOKEN_BOUND characters is cut (and the record counted as
-truncated), since it could not fit in seq_len tokens anyway: no tokenizer we know averages
+Memory per record is bounded before tokenizing: a record's text (its tool schemas and
+tool calls as JSON included) beyond (seq_len + 1) * CHARS_PER_TOKEN_BOUND characters is
+cut (and the record counted as truncated), since it could not fit in seq_len tokens anyway: no tokenizer we know averages
 more than about 10 characters per token over a span, and 32 leaves room to spare.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from bisect import bisect_right
 from collections.abc import Iterator
@@ -102,9 +103,18 @@ def assistant_spans(tokenizer, messages: list[dict], source: str, turns: list[in
     return full, spans
 
 
-def bound_chat(messages: list[dict], opts: ChatOptions, budget: int | None) -> tuple[list[dict], list[int], bool]:
-    """(messages, the assistant turns that carry loss, whether text was cut): the default
-    system prompt added, then the contents cut to `budget` characters in order."""
+def _size(x) -> int:
+    """Characters of a tool call list or schema as JSON, as templates print them (0 for none)."""
+    return len(json.dumps(x, ensure_ascii=False)) if x else 0
+
+
+def bound_chat(messages: list[dict], opts: ChatOptions, budget: int | None, tools: list | None = None
+               ) -> tuple[list[dict], list[int], bool, list | None]:
+    """(messages, the assistant turns that carry loss, whether text was cut, the tools): the default
+    system prompt added, then the tool schemas, the contents and the tool calls cut to `budget`
+    characters in order. The schemas come first, as templates render them before the turns; a
+    schema or a call that does not fit whole is left out with all that follows it (half a call
+    is not one), and the record counts as cut."""
     msgs = list(messages)
     if opts.system and msgs[0]["role"] != "system":
         msgs.insert(0, {"role": "system", "content": opts.system})
@@ -112,17 +122,25 @@ def bound_chat(messages: list[dict], opts: ChatOptions, budget: int | None) -> t
     if opts.last_turn_only:
         turns = turns[-1:]
     cut = False
-    if budget is not None and sum(len(m["content"]) for m in msgs) > budget:
-        kept, used = [], 0
-        for m in msgs:
-            if used >= budget:
+    if budget is not None and _size(tools) + sum(len(m["content"]) + _size(m.get("tool_calls")) for m in msgs) > budget:
+        kept_tools, used = [], 0
+        for t in tools or []:
+            if used + _size(t) > budget:
                 break
-            c = m["content"][: budget - used]
+            kept_tools.append(t)
+            used += _size(t)
+        tools = kept_tools or None
+        kept = []
+        for m in msgs:
+            calls = _size(m.get("tool_calls"))
+            if used >= budget or used + calls > budget:
+                break
+            c = m["content"][: budget - used - calls]
             kept.append({**m, "content": c})  # a tool call or a tool result's id stays with its turn
-            used += len(c)
+            used += len(c) + calls
         msgs, cut = kept, True
         turns = [i for i in turns if i < len(msgs)]
-    return msgs, turns, cut
+    return msgs, turns, cut, tools
 
 
 def render_record(tokenizer, rec: Record, opts: ChatOptions | None = None, budget: int | None = None
@@ -135,10 +153,10 @@ def render_record(tokenizer, rec: Record, opts: ChatOptions | None = None, budge
         if budget is not None and len(text) > budget:
             text, cut = text[:budget], True
         return text, None, cut
-    msgs, turns, cut = bound_chat(rec.payload, opts, budget)
+    msgs, turns, cut, tools = bound_chat(rec.payload, opts, budget, rec.tools)
     if opts.train_on_prompt:
-        return _render(tokenizer, msgs, False, rec.source, rec.tools), None, cut
-    text, spans = assistant_spans(tokenizer, msgs, rec.source, turns, rec.tools)
+        return _render(tokenizer, msgs, False, rec.source, tools), None, cut
+    text, spans = assistant_spans(tokenizer, msgs, rec.source, turns, tools)
     return text, spans, cut
 
 
