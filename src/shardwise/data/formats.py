@@ -149,7 +149,8 @@ def _content(m: dict, ck: str, i: int) -> str:
                             f"'{kind or next(iter(set(part) & set(MEDIA_PARTS)))}' part: this is text-only "
                             "fine-tuning (no image, audio or video inputs); drop the record or keep only its "
                             "text parts")
-        text = part.get("text", part.get("value")) if kind == "text" else None
+        # a Parquet or JSON-array file read by `datasets` gives every part every key, the absent ones None
+        text = (part.get("text") if part.get("text") is not None else part.get("value")) if kind == "text" else None
         if not isinstance(text, str):
             raise BadRecord(f"message {i}: a part of '{ck}' is not {{\"type\": \"text\", \"text\": \"...\"}}")
         out.append(_text(text, f"message {i}"))
@@ -165,7 +166,9 @@ def _call(f, i: int, what: str) -> dict:
         call_id = None
     if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
         raise BadRecord(f"message {i}: {what} is not a function call {{\"name\": ..., \"arguments\": {{...}}}}")
-    args = f.get("arguments", f.get("parameters", {}))
+    args = f.get("arguments") if f.get("arguments") is not None else f.get("parameters")
+    if args is None:
+        args = {}
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
