@@ -1,6 +1,7 @@
 """Tool-call data through the real CLI: a glaive-style ShareGPT JSON array (LLaMA-Factory's shape) and an OpenAI
-tool-calling JSONL file, mixed, trained for 2 steps on the tiny model with a shipped template; and a template with no
-tool format refused in one line. The files are written here in those projects' shapes."""
+tool-calling JSONL file (its questions as multi-part content), mixed, trained for 2 steps on the tiny model with a
+shipped template; and, each in one line, a template with no tool format, an image part and a file of preference pairs
+refused. The files are written here in those projects' shapes."""
 
 import json
 
@@ -23,7 +24,8 @@ def setup(tmp_path_factory, tiny_dir):
                                  {"from": "gpt", "value": f"It is {a + b}."}],
                "tools": json.dumps([ADD])} for a, b in [(1, 2), (3, 4), (5, 6), (7, 1)]]
     (d / "glaive.json").write_text(json.dumps(glaive, indent=1))
-    openai = [{"messages": [{"role": "user", "content": f"{a}+{b}?"},
+    openai = [{"messages": [{"role": "user", "content": [{"type": "text", "text": f"{a}+"},
+                                                         {"type": "text", "text": f"{b}?"}]},
                             {"role": "assistant", "content": None, "tool_calls": [
                                 {"id": f"c{a}", "type": "function",
                                  "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}]},
@@ -37,6 +39,16 @@ def setup(tmp_path_factory, tiny_dir):
     runs = ConcurrentRuns()
     runs.add("qwen", *common, "--chat-template", "qwen", "--output-dir", str(d / "qwen"))
     runs.add("gemma", *common, "--chat-template", "gemma", "--output-dir", str(d / "gemma"), check=False)
+    write_jsonl(str(d / "image.jsonl"), [{"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                     {"type": "image_url", "image_url": {"url": "cat.png"}}]},
+        {"role": "assistant", "content": "A cat."}]}])
+    (d / "dpo.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": "Pick one."}],
+                                             "chosen": {"from": "gpt", "value": "7"},
+                                             "rejected": {"from": "gpt", "value": "no"}}]))
+    rest = [a for a in common if a not in ("--data", data)]
+    runs.add("image", *rest, "--data", str(d / "image.jsonl"), "--output-dir", str(d / "image"), check=False)
+    runs.add("dpo", *rest, "--data", str(d / "dpo.json"), "--output-dir", str(d / "dpo"), check=False)
     return runs, d
 
 
@@ -64,3 +76,13 @@ def test_a_template_without_a_tool_format_is_refused(setup):
                                       r"'gemma' cannot render them \(gemma has no tool-call format\); pass "
                                       r"--chat-template chatml, qwen, llama3 or mistral")
     assert not (d / "gemma").exists()
+
+
+def test_image_parts_and_preference_pairs_are_refused(setup):
+    runs, d = setup
+    one_line_error(runs.get("image"), r"image\.jsonl:1: message 1 has an 'image_url' part: this is text-only "
+                                      r"fine-tuning \(no image, audio or video inputs\)")
+    one_line_error(runs.get("dpo"), r"dpo\.json:row 1: this is a preference pair \('chosen' and 'rejected' answers\), "
+                                    r"data for DPO-style training, which `train` \(supervised fine-tuning\) does not "
+                                    r"take; preference training is not supported yet")
+    assert not (d / "image").exists() and not (d / "dpo").exists()
