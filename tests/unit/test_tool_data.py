@@ -231,3 +231,21 @@ def test_preference_pairs_are_named_with_what_to_do(tmp_path):
     # and what it says works
     (rec,), _ = read_records(str(pairs), columns={"prompt": "instruction", "chosen": "output"})
     assert rec.payload == [{"role": "user", "content": "Pick a number."}, {"role": "assistant", "content": "7"}]
+
+
+def test_a_template_file_of_ones_own_that_renders_tools_is_taken_and_one_that_does_not_is_named(tok, files, tmp_path):
+    own = tmp_path / "own.jinja"
+    own.write_text("{% if tools %}[tools]{{ tools | tojson }}\n{% endif %}{% for m in messages %}[{{ m['role'] }}]"
+                   "{{ m['content'] }}{% for c in m.get('tool_calls', []) %}{{ c['function'] | tojson }}{% endfor %}\n"
+                   "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+    use_chat_template(tok, str(own))
+    (glaive, _), _ = read_records(files[0])
+    enc = encode([glaive], tok, 4096, packing=False)
+    # (transformers renders with trim_blocks: the newline after a block tag goes)
+    assert loss_pieces(tok, enc) == ['{"name": "get_weather", "arguments": {"city": "Oslo"}}', "It is 3 degrees."]
+    plain = tmp_path / "plain.jinja"
+    plain.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}")
+    use_chat_template(tok, str(plain))
+    with pytest.raises(ShardwiseError, match=rf"row 1: this record has tool calls, but the chat template {plain} "
+                                             r"drops tools, tool calls, their arguments; pass --chat-template"):
+        encode([glaive], tok, 4096, packing=False)

@@ -272,13 +272,15 @@ def check_options(tokenizer, options: ChatOptions | None, chat: bool) -> None:
                              "assistant turn) contradict each other; pass one of them")
 
 
-# A conversation with every tool part, each named so that its name shows whether the template rendered it.
+# A conversation with every tool part, each named so that its name shows whether the template rendered it; the call's
+# id is 9 letters and digits, the form Mistral's own templates insist on.
 PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_tool_schema", "description": "d",
                                                  "parameters": {"type": "object", "properties": {}}}}]
 PROBE = [{"role": "user", "content": "u"},
          {"role": "assistant", "content": "", "tool_calls": [
-             {"type": "function", "function": {"name": "probe_tool_call", "arguments": {"probe_argument": 1}}}]},
-         {"role": "tool", "content": "probe_tool_result"},
+             {"type": "function", "id": "probe0001",
+              "function": {"name": "probe_tool_call", "arguments": {"probe_argument": 1}}}]},
+         {"role": "tool", "tool_call_id": "probe0001", "content": "probe_tool_result"},
          {"role": "assistant", "content": "a"}]
 
 
