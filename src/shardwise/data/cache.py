@@ -109,7 +109,9 @@ def _hash_model_files(h, model_dir: str) -> None:
 def records_digest(records: list[Record]) -> str:
     h = hashlib.sha256(str(len(records)).encode())
     for r in records:
-        h.update(json.dumps([r.kind, r.payload, r.source], ensure_ascii=False, default=repr).encode("utf-8", "surrogatepass"))
+        # a record's tools only where it has some, so the keys of records without them stay as they were
+        rec = [r.kind, r.payload, r.source] + ([r.tools] if r.tools else [])
+        h.update(json.dumps(rec, ensure_ascii=False, default=repr).encode("utf-8", "surrogatepass"))
         h.update(b"\n")
     return h.hexdigest()
 

@@ -8,14 +8,15 @@ the conversation, so any template that renders a prefix of a conversation as a p
 the whole works, with no special template markers. Targets are shifted here, so packing
 can concatenate examples without a label leaking across an example boundary.
 
-Memory per record is bounded before tokenizing: a record's text beyond
-(seq_len + 1) * CHARS_PER_TOKEN_BOUND characters is cut (and the record counted as
-truncated), since it could not fit in seq_len tokens anyway: no tokenizer we know averages
+Memory per record is bounded before tokenizing: a record's text (its tool schemas and
+tool calls as JSON included) beyond (seq_len + 1) * CHARS_PER_TOKEN_BOUND characters is
+cut (and the record counted as truncated), since it could not fit in seq_len tokens anyway: no tokenizer we know averages
 more than about 10 characters per token over a span, and 32 leaves room to spare.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from bisect import bisect_right
 from collections.abc import Iterator
@@ -70,27 +71,30 @@ class Encoded:
         return cls(split(t["input_ids"]), split(t["targets"]), split(t["position_ids"]), [""] * len(lens))
 
 
-def _render(tokenizer, msgs: list[dict], gen: bool, source: str) -> str:
+def _render(tokenizer, msgs: list[dict], gen: bool, source: str, tools: list | None = None) -> str:
+    # `tools` only when the record has some: a template sees no `tools` variable otherwise, as before
+    kw = {"tools": tools} if tools else {}
     try:  # the template's syntax was checked where it was chosen (data/templates.use_chat_template)
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kw)
     except Exception as e:  # jinja raises TemplateError / TypeError / ...; templates raise their own
         detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ShardwiseError(f"{source}: the chat template cannot render this conversation ({detail}); fix the "
                              "record or choose another template with --chat-template") from None
 
 
-def assistant_spans(tokenizer, messages: list[dict], source: str,
-                    turns: list[int] | None = None) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(tokenizer, messages: list[dict], source: str, turns: list[int] | None = None,
+                    tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans that carry loss: those of the
-    assistant turns `turns` (default: every assistant turn)."""
-    full = _render(tokenizer, messages, False, source)
+    assistant turns `turns` (default: every assistant turn), their tool calls included; tool
+    results are not assistant turns, so they carry none."""
+    full = _render(tokenizer, messages, False, source, tools)
     if turns is None:
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     spans = []
     for i in turns:
-        start = len(_render(tokenizer, messages[:i], True, source)) if i else 0
+        start = len(_render(tokenizer, messages[:i], True, source, tools)) if i else 0
         # the conversation's last turn ends where the whole does: no second render of it
-        end_text = full if i + 1 == len(messages) else _render(tokenizer, messages[: i + 1], False, source)
+        end_text = full if i + 1 == len(messages) else _render(tokenizer, messages[: i + 1], False, source, tools)
         if not full.startswith(end_text) or start > len(end_text):
             raise ShardwiseError(f"{source}: the chat template does not render a conversation prefix as a prefix "
                                  "of the whole, so assistant turns cannot be located; use text-format data or "
@@ -99,9 +103,18 @@ def assistant_spans(tokenizer, messages: list[dict], source: str,
     return full, spans
 
 
-def bound_chat(messages: list[dict], opts: ChatOptions, budget: int | None) -> tuple[list[dict], list[int], bool]:
-    """(messages, the assistant turns that carry loss, whether text was cut): the default
-    system prompt added, then the contents cut to `budget` characters in order."""
+def _size(x) -> int:
+    """Characters of a tool call list or schema as JSON, as templates print them (0 for none)."""
+    return len(json.dumps(x, ensure_ascii=False)) if x else 0
+
+
+def bound_chat(messages: list[dict], opts: ChatOptions, budget: int | None, tools: list | None = None
+               ) -> tuple[list[dict], list[int], bool, list | None]:
+    """(messages, the assistant turns that carry loss, whether text was cut, the tools): the default
+    system prompt added, then the tool schemas, the contents and the tool calls cut to `budget`
+    characters in order. The schemas come first, as templates render them before the turns; a
+    schema or a call that does not fit whole is left out with all that follows it (half a call
+    is not one), and the record counts as cut."""
     msgs = list(messages)
     if opts.system and msgs[0]["role"] != "system":
         msgs.insert(0, {"role": "system", "content": opts.system})
@@ -109,17 +122,25 @@ def bound_chat(messages: list[dict], opts: ChatOptions, budget: int | None) -> t
     if opts.last_turn_only:
         turns = turns[-1:]
     cut = False
-    if budget is not None and sum(len(m["content"]) for m in msgs) > budget:
-        kept, used = [], 0
-        for m in msgs:
-            if used >= budget:
+    if budget is not None and _size(tools) + sum(len(m["content"]) + _size(m.get("tool_calls")) for m in msgs) > budget:
+        kept_tools, used = [], 0
+        for t in tools or []:
+            if used + _size(t) > budget:
                 break
-            c = m["content"][: budget - used]
-            kept.append({"role": m["role"], "content": c})
-            used += len(c)
+            kept_tools.append(t)
+            used += _size(t)
+        tools = kept_tools or None
+        kept = []
+        for m in msgs:
+            calls = _size(m.get("tool_calls"))
+            if used >= budget or used + calls > budget:
+                break
+            c = m["content"][: budget - used - calls]
+            kept.append({**m, "content": c})  # a tool call or a tool result's id stays with its turn
+            used += len(c) + calls
         msgs, cut = kept, True
         turns = [i for i in turns if i < len(msgs)]
-    return msgs, turns, cut
+    return msgs, turns, cut, tools
 
 
 def render_record(tokenizer, rec: Record, opts: ChatOptions | None = None, budget: int | None = None
@@ -132,10 +153,10 @@ def render_record(tokenizer, rec: Record, opts: ChatOptions | None = None, budge
         if budget is not None and len(text) > budget:
             text, cut = text[:budget], True
         return text, None, cut
-    msgs, turns, cut = bound_chat(rec.payload, opts, budget)
+    msgs, turns, cut, tools = bound_chat(rec.payload, opts, budget, rec.tools)
     if opts.train_on_prompt:
-        return _render(tokenizer, msgs, False, rec.source), None, cut
-    text, spans = assistant_spans(tokenizer, msgs, rec.source, turns)
+        return _render(tokenizer, msgs, False, rec.source, tools), None, cut
+    text, spans = assistant_spans(tokenizer, msgs, rec.source, turns, tools)
     return text, spans, cut
 
 
@@ -251,6 +272,49 @@ def check_options(tokenizer, options: ChatOptions | None, chat: bool) -> None:
                              "assistant turn) contradict each other; pass one of them")
 
 
+# A conversation with every tool part, each named so that its name shows whether the template rendered it; the call's
+# id is 9 letters and digits, the form Mistral's own templates insist on.
+PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_tool_schema", "description": "d",
+                                                 "parameters": {"type": "object", "properties": {}}}}]
+PROBE = [{"role": "user", "content": "u"},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"type": "function", "id": "probe0001",
+              "function": {"name": "probe_tool_call", "arguments": {"probe_argument": 1}}}]},
+         {"role": "tool", "tool_call_id": "probe0001", "content": "probe_tool_result"},
+         {"role": "assistant", "content": "a"}]
+
+
+def template_name(tokenizer) -> str:
+    """How the error lines name the chat template in effect (data/templates.use_chat_template records it)."""
+    value = getattr(tokenizer, "shardwise_template", "")
+    from shardwise.data.templates import names
+
+    if not value:
+        return "the model's own chat template"
+    return f"the chat template '{value}'" if value in names() else f"the chat template {value}"
+
+
+def check_tools(tokenizer, records: list[Record]) -> None:
+    """Refuse tool-call data whose template would drop a part of it (the schemas, the calls, their arguments or
+    the results) or cannot render it, naming the first such record: a template that ignores `tools` or
+    `tool_calls` renders a conversation that teaches the model to answer without them."""
+    rec = next((r for r in records if r.has_tools), None)
+    if rec is None:
+        return
+    try:
+        text = tokenizer.apply_chat_template(PROBE, tools=PROBE_TOOLS, tokenize=False)
+        lost = [what for what, mark in (("tools", "probe_tool_schema"), ("tool calls", "probe_tool_call"),
+                                        ("their arguments", "probe_argument"), ("tool results", "probe_tool_result"))
+                if mark not in text]
+        why = f"drops {', '.join(lost)}" if lost else ""
+    except Exception as e:  # jinja's errors, and raise_exception in templates with no tool format
+        why = "cannot render them (" + (str(e).strip().splitlines() or [type(e).__name__])[0][:160] + ")"
+    if why:
+        raise ShardwiseError(f"{rec.source}: this record has tool calls, but {template_name(tokenizer)} {why}; "
+                             "pass --chat-template chatml, qwen, llama3 or mistral (they render tools and tool "
+                             "calls), or a template of your own that renders `tools` and `tool_calls`")
+
+
 def _beyond_vocab(tokenizer, vocab: int, who: str, what: str) -> ShardwiseError:
     """The line for a token id the model cannot embed (`what`: which id, where)."""
     top = max(tokenizer.get_vocab().values(), default=-1)
@@ -280,6 +344,7 @@ def encode(records: list[Record], tokenizer, seq_len: int, packing: bool,
     ids the data holds, not the tokenizer's size, since a real tokenizer may list ids past the embedding that text
     never produces (transformers' Qwen2 tokenizer adds <|endoftext|> at id vocab_size to a 512-token model)."""
     check_options(tokenizer, options, any(r.kind == "chat" for r in records))
+    check_tools(tokenizer, records)
     check_pad_id(tokenizer)
     vocab, who = getattr(tokenizer, "shardwise_vocab", (None, ""))
     budget = (seq_len + 1) * CHARS_PER_TOKEN_BOUND

@@ -34,8 +34,9 @@ from shardwise.data.formats import (
     Record,
     demo_dataset,
     detect_format,
-    parse,
     parse_columns,
+    parse_record,
+    preference_pair,
     rename,
     undetectable,
 )
@@ -311,8 +312,8 @@ def _records(rows, file_fmt: str | None, skip_bad: bool, columns: dict, stats: R
             if file_fmt is None:
                 file_fmt = detect_format(obj) if isinstance(obj, dict) else None
                 if file_fmt is None:
-                    raise undetectable(where, obj)
-            kind, payload = parse(obj, file_fmt)
+                    raise preference_pair(where, obj) or undetectable(where, obj)
+            rec = parse_record(obj, file_fmt, where)
         except BadRecord as e:
             if not skip_bad:
                 fmt_note = f" (format {file_fmt})" if file_fmt else ""
@@ -320,7 +321,7 @@ def _records(rows, file_fmt: str | None, skip_bad: bool, columns: dict, stats: R
             stats.skipped += 1
             stats.first_skipped = stats.first_skipped or f"{where}: {e}"
             continue
-        out.append(Record(kind, payload, where))
+        out.append(rec)
         stats.records += 1
     return out
 

@@ -46,6 +46,7 @@ def use_chat_template(tokenizer, value: str, where: str = "--chat-template") -> 
     rather than an error blamed on the first conversation it renders."""
     if value:
         tokenizer.chat_template = template_text(value, where)
+    tokenizer.shardwise_template = value  # how error lines name it (encode.template_name)
     own = tokenizer.chat_template  # none, one template, or a dict of named ones (transformers picks one per call)
     texts = own.items() if isinstance(own, dict) else [("", own)] if isinstance(own, str) else []
     import jinja2
