@@ -102,13 +102,15 @@ def test_base_model_without_template_names_the_flag(tok):
 
 
 class Spy:
-    """The tokenizer, recording the longest text it was asked to tokenize."""
+    """The tokenizer, recording the longest text it was asked to tokenize (the encoder passes batches: each text of
+    a list counts, not the list's length)."""
 
     def __init__(self, tok):
-        self.tok, self.longest = tok, 0
+        self.tok, self.longest, self.calls = tok, 0, 0
 
     def __call__(self, text, **kw):
-        self.longest = max(self.longest, len(text))
+        self.calls += 1
+        self.longest = max([self.longest] + [len(t) for t in ([text] if isinstance(text, str) else text)])
         return self.tok(text, **kw)
 
     def __getattr__(self, name):
@@ -123,6 +125,7 @@ def test_memory_per_record_is_bounded_before_tokenizing(tok):
             chat(("user", "q " * 500_000), ("assistant", "never reached")),
             chat(("user", "short"), ("assistant", "green " * 300_000))]
     enc = encode(recs, spy, seq, packing=False)
+    assert spy.calls and spy.longest > budget // 2  # the spy saw the records' texts, not only short markers
     assert spy.longest < budget + 200  # the content budget plus the template's markers
     assert enc.stats["truncated"] == 3 and enc.stats["dropped_no_loss_tokens"] == 1
     assert len(enc.input_ids[0]) == seq
