@@ -46,6 +46,9 @@ class StrategySpec:
     shards_state: bool = False  # whether parameters/gradients/optimizer states are split across ranks
     composes: tuple = ()  # the FEATURES it composes with (check_composition refuses the others)
     one_replica: bool = False  # its world is one replica: tp x sp ranks, no data-parallel ranks (replica_world)
+    # the planner's cost model of the family: "module:Class" (imported by plan.costs.cost_of when a plan needs it, as
+    # strategies.get imports `cls`), or a plan.costs.CostModel class or instance
+    cost: object = None
 
     def shard_ranks(self, world: int, gpus_per_node: int, hybrid: bool = False, shard_group_size: int = 0) -> int:
         """How many ranks share one copy of the sharded state (1: every rank holds all of it)."""
@@ -121,17 +124,20 @@ FEATURES: dict[str, Feature] = {
 }
 
 SINGLE = register(StrategySpec(
-    "single", "shardwise.strategies.single:SingleStrategy", composes=("float8", "qlora", "tensor_parallel"),
+    "single", "shardwise.strategies.single:SingleStrategy", cost="shardwise.plan.costs.replica:SingleCost",
+    composes=("float8", "qlora", "tensor_parallel"),
     one_replica=True,
     presets=(Preset("single", "single", {}, "one process, no wrapping", 0, planned_on="one-rank"),)))
 
 DDP = register(StrategySpec(
-    "ddp", "shardwise.strategies.ddp:DDPStrategy", composes=("float8", "qlora"),
+    "ddp", "shardwise.strategies.ddp:DDPStrategy", cost="shardwise.plan.costs.replica:DDPCost",
+    composes=("float8", "qlora"),
     presets=(Preset("ddp", "ddp", {},
                     "DistributedDataParallel: full replica per rank, one all-reduce of gradients per step", 1),)))
 
 FSDP = register(FSDPSpec(
-    "fsdp", "shardwise.strategies.fsdp:FSDPStrategy", section="fsdp", shards_state=True,
+    "fsdp", "shardwise.strategies.fsdp:FSDPStrategy", cost="shardwise.plan.costs.fsdp:FSDPCost", section="fsdp",
+    shards_state=True,
     composes=("float8", "tensor_parallel"),
     presets=(
         Preset("fsdp", "fsdp", {"fsdp.reshard_after_forward": True},
@@ -145,7 +151,8 @@ FSDP = register(FSDPSpec(
     )))
 
 DEEPSPEED = register(StrategySpec(
-    "deepspeed", "shardwise.strategies.deepspeed:DeepSpeedStrategy", section="deepspeed", shards_state=True,
+    "deepspeed", "shardwise.strategies.deepspeed:DeepSpeedStrategy", cost="shardwise.plan.costs.deepspeed:DeepSpeedCost",
+    section="deepspeed", shards_state=True,
     requires=("deepspeed", "pip install 'shardwise[deepspeed]'"),
     presets=(
         Preset("zero1", "deepspeed", {"deepspeed.stage": 1}, "DeepSpeed ZeRO-1: optimizer states sharded", 5),

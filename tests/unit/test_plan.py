@@ -604,7 +604,8 @@ def test_deepspeed_buffers_follow_its_code_not_the_model_size():
     """DeepSpeed 0.19 allocates its gradient bucket at reduce_bucket_size (5e8 elements) whatever the model: ZeRO-1/2
     in the compute dtype during backward, ZeRO-3 in the reduce dtype (fp32 over fp32 weights) for good, with its
     flat gradient partition; ZeRO-3's prefetcher keeps gathered up to stage3_max_live_parameters (1e9)."""
-    from shardwise.plan.memory import Job, Opts, estimate, zero3_kept_gathered
+    from shardwise.plan.costs.deepspeed import zero3_kept_gathered
+    from shardwise.plan.memory import Job, Opts, estimate
     from shardwise.plan.model_spec import ModelSpec
 
     spec = ModelSpec("t", "test", 512, 128, 352, 4, 4, 2, 32, False)  # 0.9M parameters
@@ -657,9 +658,8 @@ def test_strategy_overheads_by_hand():
         ZERO3_EAGER_S_PER_MODULE_PASS,
         Compute,
         strategy_overhead,
-        zero3_hooked_modules,
-        zero3_trained_tensors,
     )
+    from shardwise.plan.costs.deepspeed import zero3_hooked_modules, zero3_trained_tensors
     from shardwise.plan.memory import Job, Opts
     from shardwise.plan.model_spec import ModelSpec
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from shardwise import hardware, presets
 from shardwise.errors import ShardwiseError
 from shardwise.plan import text
+from shardwise.plan.calibration import value
 from shardwise.plan.comm import Compute, Links, Timing, step_time
 from shardwise.plan.memory import (
     COMPILE_ACT_FACTOR,
@@ -27,12 +28,11 @@ from shardwise.plan.memory import (
 from shardwise.plan.model_spec import ModelSpec
 
 # MFU of the forward/backward compute on a GPU (the optimizer step is timed separately, comm.step_time), with eager
-# and with compiled blocks; checkpointing needs no constant of its own (its recompute FLOPs at the same MFU). Where
-# they come from: docs/planner.md, "Step time and tokens/s".
-EAGER_MFU = 0.42
-COMPILED_MFU = 0.57
-CPU_PEAK_FLOPS = 5e10  # per rank, when `shardwise doctor` has not measured a matmul
-CPU_MFU = 0.5  # of the measured matmul rate
+# and with compiled blocks; checkpointing needs no constant of its own (its recompute FLOPs at the same MFU)
+EAGER_MFU = value("eager_mfu")
+COMPILED_MFU = value("compiled_mfu")
+CPU_PEAK_FLOPS = value("cpu_peak_flops")  # per rank, when `shardwise doctor` has not measured a matmul
+CPU_MFU = value("cpu_mfu")  # of the measured matmul rate
 TIE = 0.05  # strategies within 5% of the fastest count as equally fast; the simpler one wins
 # the decision tree's source (the project's seed text; there is no link to give)
 ARTICLE = ("a Chinese-language article comparing DDP and FSDP on several GPUs and advising which to choose in ms-swift, "

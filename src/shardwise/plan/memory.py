@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass, field
 
 from shardwise import presets
+from shardwise.plan.calibration import value
+from shardwise.plan.costs import cost_of
 from shardwise.plan.model_spec import ModelSpec
 
 GiB = 2**30
@@ -42,19 +44,18 @@ DS_MAX_LIVE = 1e9
 # _create_fp16_sub_groups, _prepare_fp32_grad_for_sub_group; released after that sub-group's step).
 DS_SUB_GROUP = 1e9
 QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # NF4 + double-quantised absmax per 64-block
-CUDA_CONTEXT_GIB = 0.75  # CUDA context + cuBLAS/NCCL workspaces, outside the allocator's count
-FRAGMENTATION = 0.07  # caching allocator: reserved exceeds allocated by a few percent
+CUDA_CONTEXT_GIB = value("cuda_context_gib")  # CUDA context + cuBLAS/NCCL workspaces, outside the allocator's count
+FRAGMENTATION = value("fragmentation")  # caching allocator: reserved exceeds allocated by a few percent
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused linear + cross-entropy head (models/speed.py)
 # torch.compile per decoder block (inductor fuses the elementwise ops and recomputes them in backward): saved
 # activations of a block, compiled / eager. Under DDP the engine keeps each compiled block one graph
-# (strategies/ddp.py: optimize_ddp = False), so DDP uses this factor too. Where it comes from: docs/planner.md,
-# "Where the constants come from".
-COMPILE_ACT_FACTOR = 0.64
+# (strategies/ddp.py: optimize_ddp = False), so DDP uses this factor too.
+COMPILE_ACT_FACTOR = value("compile_act_factor")
 # ZeRO-3 (and zero3-offload) with DeepSpeed's per-submodule fetch (deepspeed.fetch module): its fetch/release hooks
 # run around every submodule and dynamo breaks the graph at them, so a compiled block is fused only between its
-# linears and saves more (docs/planner.md, same section). Whole-block fetch (the default) keeps each block one graph.
-COMPILE_ACT_FACTOR_ZERO3 = 0.80
+# linears and saves more. Whole-block fetch (the default) keeps each block one graph.
+COMPILE_ACT_FACTOR_ZERO3 = value("compile_act_factor_zero3_module")
 
 
 @dataclass(frozen=True)
@@ -240,21 +241,15 @@ def tp_degrees(spec: ModelSpec, gpus_per_node: int) -> list[int]:
 # ----------------------------------------------------------------------------- activations
 
 
-def zero3_per_module(o: Opts) -> bool:
-    """ZeRO-3 with DeepSpeed's per-submodule fetch (deepspeed.fetch module) rather than whole blocks."""
-    return o.base == "deepspeed" and o.stage == 3 and o.ds_fetch == "module"
-
-
 def uses_ds_linear(job: Job, o: Opts) -> bool:
-    """Whether the linears run through DeepSpeed's LinearFunctionForZeroStage3 (Job.ds_linear): ZeRO-3 keeps
-    DeepSpeed's memory_efficient_linear on except for compiled blocks fetched whole (strategies/deepspeed.py)."""
-    zero3 = o.base == "deepspeed" and o.stage == 3
-    return job.ds_linear or zero3_per_module(o) or (zero3 and not job.compile and not job.zero3_torch_linear)
+    """Whether the linears save their uncast input and weight, as DeepSpeed's LinearFunctionForZeroStage3 does
+    (the family's cost model says when: CostModel.linear_saves_input)."""
+    return cost_of(o.base).linear_saves_input(job, o)
 
 
 def residual_bytes(job: Job, o: Opts) -> int:
     """dtype of the residual stream: fp32 under autocast with fp32 weights (DDP/single), else compute."""
-    if job.tuner != "full" or o.base in ("fsdp", "deepspeed"):
+    if job.tuner != "full" or not cost_of(o.base).autocast:
         return job.c
     return job.w if job.w > job.c else job.c
 
@@ -300,7 +295,7 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
             # to the adapter's dtype first; CUDA's fused dropout saves a 1-byte mask, the CPU path (input * noise)
             # saves the noise in the input's dtype: the stored one (w) under autocast, the compute dtype (c) where
             # the adapters compute in it (FSDP's MixedPrecisionPolicy casts them, DeepSpeed holds them in it)
-            adapter = job.c if o.base in ("fsdp", "deepspeed") else job.w
+            adapter = job.w if cost_of(o.base).autocast else job.c
             mask = 1 if job.accelerator == "cuda" else adapter
             d["lora_inputs"] = T * width * (c + mask)
         else:
@@ -425,7 +420,7 @@ def fused_head(spec: ModelSpec, job: Job) -> bool:
 def head_weight_bytes(job: Job, o: Opts) -> int:
     """dtype of the head weight the loss sees: the stored one under autocast (single/ddp), else the compute dtype
     (LoRA/QLoRA: the frozen base, head included, is stored in the compute dtype)."""
-    return job.w if o.base in ("single", "ddp") and job.tuner == "full" else job.c
+    return job.w if cost_of(o.base).autocast and job.tuner == "full" else job.c
 
 
 def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
@@ -457,73 +452,9 @@ def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     d = {"loss_grad_hidden": T * h * r,
          "loss_grad_head": V * h * (4 + (hw if hw != 4 else 0)) if trains else 0.0,
          "loss_transient": max(forward, backward)}
-    if o.base == "fsdp":  # the root unit (embeddings, norm, head) is gathered while the head runs, both ways
+    if cost_of(o.base).gathers_root:  # the root unit (embeddings, norm, head) is gathered while the head runs
         d["loss_root_gathered"] = c * local_root_params(spec, job.tp)
     return d
-
-
-def zero3_kept_gathered(spec: ModelSpec) -> float:
-    """Parameters ZeRO-3 holds gathered at the end of forward, from the second step on (the first records the trace
-    and prefetches nothing). The prefetcher walks the traced parameter queue ahead of the running module; a parameter
-    it meets already gathered is skipped but marked as fetched for that later use, and a marked parameter is not
-    released after its module (partitioned_param_coordinator.py, fetch_sub_module and __params_to_release). So
-    modules stay gathered after their forward and the gathered count grows to stage3_max_live_parameters (1e9):
-    all of a model under that (docs/planner.md, "Where the constants come from")."""
-    return min(spec.total_params, DS_MAX_LIVE)
-
-
-def zero3_reduces(spec: ModelSpec, job: Job, N: int) -> list[dict[str, float]]:
-    """ZeRO-3's backward when it reduces a gradient bucket (stage3.py, __reduce_and_partition_ipg_grads), the
-    first time (what is still alive is largest then). reduce_scatter_coalesced copies the bucket's gradients into
-    one flat buffer in the reduce dtype (torch.cat, coalesced_collectives.py) and __avg_scatter_grads casts this
-    rank's partitions to the gradients' dtype when they differ. A parameter larger than the bucket (an untied head
-    over 5e8) is reduced alone: its gradient is not copied into the bucket (it stays alive, c bytes), it is cast to
-    the reduce dtype, there is nothing to concatenate, and the bucket's first fill follows it as a second event.
-    Per event: `elements` reduced, `layers_left` (blocks whose backward has not run: their saved activations and
-    weights are still alive), `rest` (parameters not yet through backward), `copy` (bytes made for the reduce)."""
-    full = job.tuner == "full"
-    P_t = spec.total_params if full else spec.lora_params(job.lora_r, job.lora_targets)
-    L = max(spec.num_layers, 1)
-    per_block = spec.layer_params if full else P_t / L
-    cast = job.c != job.w  # gradients in c, reduced in w (mixed precision over fp32 weights)
-
-    def event(elements: float, done_blocks: float, copy: float) -> dict[str, float]:
-        left = max(0, spec.num_layers - math.ceil(done_blocks / per_block - 1e-9)) if elements < P_t else 0
-        rest = left * spec.layer_params + spec.embed_params if elements < P_t else 0.0
-        return {"elements": elements, "layers_left": left, "rest": rest, "copy": copy}
-
-    head = spec.head_params if full else 0
-    if head > DS_REDUCE_BUCKET:
-        first = event(head, 0.0, job.c * head + ((job.w + job.c / N) * head if cast else 0.0))
-        blocks = min(DS_REDUCE_BUCKET, P_t - head)
-        return [first, event(head + blocks, blocks, job.w * blocks + (job.c * blocks / N if cast else 0.0))]
-    elements = min(DS_REDUCE_BUCKET, P_t)
-    return [event(elements, max(0.0, elements - head), job.w * elements + (job.c * elements / N if cast else 0.0))]
-
-
-def zero3_fp32_grad_elements(spec: ModelSpec, job: Job, N: int) -> float:
-    """The largest fp32 gradient ZeRO-3 holds at once in its step: one sub-group of the weight-decay group (the
-    2-D weights in model order; the engine's other group holds the norms), closed greedily at DS_SUB_GROUP."""
-    if job.tuner != "full":
-        return min(spec.lora_params(job.lora_r, job.lora_targets) / N, DS_SUB_GROUP)
-    sizes = [spec.embed_params] + [a * b for a, b in spec.linear_shapes().values()] * spec.num_layers
-    if spec.head_params:
-        sizes.append(spec.head_params)
-    largest, acc = 0.0, 0.0
-    for n in sizes:
-        acc += n / N
-        if acc >= DS_SUB_GROUP:
-            largest, acc = max(largest, acc), 0.0
-    return max(largest, acc)
-
-
-def compile_factor(job: Job, o: Opts) -> float:
-    """Saved activations of a compiled block relative to eager (1.0 when not compiled)."""
-    if not job.compile:
-        return 1.0
-    if zero3_per_module(o):
-        return COMPILE_ACT_FACTOR_ZERO3
-    return COMPILE_ACT_FACTOR
 
 
 def block_activations(spec: ModelSpec, job: Job, o: Opts) -> float:
@@ -533,7 +464,8 @@ def block_activations(spec: ModelSpec, job: Job, o: Opts) -> float:
     33.3 / 36.1 GiB, and the factor on everything would predict 26.8 / 30.1 (docs/planner.md)."""
     d = layer_activations(spec, job, o)
     adapters = d.pop("lora_inputs", 0.0)
-    return sum(d.values()) * compile_factor(job, o) + adapters + float8_block_bytes(spec, job)
+    factor = cost_of(o.base).compile_factor(o) if job.compile else 1.0
+    return sum(d.values()) * factor + adapters + float8_block_bytes(spec, job)
 
 
 def selective_block_activations(spec: ModelSpec, job: Job, o: Opts) -> float:
@@ -599,144 +531,14 @@ def trainable(spec: ModelSpec, job: Job) -> tuple[float, float, int]:
     return spec.lora_params(job.lora_r, job.lora_targets), frozen, w
 
 
-def replica_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> None:
-    """single and ddp: every rank holds everything."""
-    c, w, P_t, tw = job.c, job.w, st.P_t, st.tw
-    st.params, st.grads, st.opt = st.frozen + tw * P_t, tw * P_t, 2 * tw * P_t
-    if o.base == "ddp":
-        if o.ddp_bucket_view:  # gradients are views of DDP's buckets: allocated once, never freed
-            st.grads_persist = True
-        else:
-            st.persist["ddp_buckets"] = tw * P_t  # a flat bucket copy besides the gradients
-    if w > c and not uses_ds_linear(job, o):  # autocast keeps a compute-dtype copy of each linear weight
-        # (its weight cache holds them to the end of the autocast region, i.e. the end of forward, checkpointing or
-        # not; the fused head runs with autocast off and casts its weight itself: counted in its terms). Under
-        # LoRA the frozen base is already in the compute dtype: only the adapters' weights are cast.
-        head = spec.vocab_size * spec.hidden_size if fused_head(spec, job) else 0
-        # float8 linears cast their fp32 weights to float8 themselves (for backward again): no bf16 copies of those
-        f8 = float8_params(spec) if _float8_applies(job) else 0.0
-        st.extraA["autocast_weights"] = c * ((spec.linear_params - head - f8) / job.tp if job.tuner == "full" else P_t)
-
-
-def fsdp_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> None:
-    """FSDP2: states sharded over N ranks; units gathered around their forward and backward. Under tensor
-    parallelism every count is one tp rank's share (local_*): FSDP gathers the tp-local shards."""
-    c, P_t, tw = job.c, st.P_t, st.tw
-    P, root_params = local_params(spec, job.tp), local_root_params(spec, job.tp)
-    U, _ = unit_params(spec, o)
-    U *= local_layer_params(spec, job.tp) / spec.layer_params
-    rd = 4  # FSDP2 MixedPrecisionPolicy(reduce_dtype=fp32), as strategies/fsdp.py sets it
-    st.params, st.grads, st.opt = (st.frozen + tw * P_t) / N, tw * P_t / N, 2 * tw * P_t / N
-    gb = QLORA_BYTES_PER_PARAM if job.tuner == "qlora" else c  # gathered bytes per block parameter
-    root = root_params * c  # embeddings, final norm, head: the root unit
-    if reshards(job, o):  # the root is resharded after forward too and gathered again for the head's backward
-        st.extraA["gathered_units"] = 2 * gb * U  # the last unit (kept) + a prefetched one
-    else:  # every unit stays gathered from its forward to its backward
-        st.extraA["gathered_all"] = root + gb * (P - root_params)
-    # backward of a block: the root and the block's unit gathered, its unsharded grads (c) and their fp32
-    # reduce-scatter input; the root's own backward comes last, when the block activations are gone (moment B)
-    full = job.tuner == "full"
-    g_unit = U if full else P_t / max(spec.num_layers, 1)
-    # the root unit is gathered again for the head's backward, at the start of backward, and resharded after
-    # the embedding's gradient, at its end: it is gathered beside every block's backward
-    st.extraB["gathered"] = (root if reshards(job, o) else gb * U) + gb * U
-    st.extraB["unsharded_grads+reduce_scatter"] = (c + rd) * g_unit
-    st.root_bwd = root + (c + rd) * (root_params if full else 0)
-    if job.grad_accum > 1:  # no-sync micro-batches keep unsharded gradients, accumulated in the reduce dtype
-        st.extraA["unsharded_accumulated_grads"] = rd * P_t  # (freed unit by unit in the last backward)
-    if o.cpu_offload and job.accelerator != "cpu":  # on CPU ranks "offloaded" state stays in the same memory
-        st.host = st.params + st.grads + st.opt
-        st.params = st.grads = st.opt = 0.0
-
-
-def deepspeed_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> None:
-    """DeepSpeed ZeRO-1/2/3: fp32 master weights and Adam moments sharded; gradients from stage 2, weights at 3."""
-    P, c, w, P_t = spec.total_params, job.c, job.w, st.P_t
-    offload_moves = job.accelerator != "cpu"  # on CPU ranks "offloaded" state stays in the same memory
-    U, _ = unit_params(spec, o)
-    master = 4 * P_t / N
-    st.opt = 8 * P_t / N + master
-    if job.tuner == "full":
-        st.params = c * P / (N if o.stage == 3 else 1)
-    else:
-        st.params = (st.frozen + c * P_t) / (N if o.stage == 3 else 1)
-    st.grads = c * P_t / (1 if o.stage == 1 else N)
-    st.extraB["fp32_grad_partition"] = 4 * P_t / N
-    if o.stage == 3:
-        if not o.offload_optimizer:  # the step upcasts one sub-group at a time
-            st.extraB["fp32_grad_partition"] = 4 * zero3_fp32_grad_elements(spec, job, N)
-        # reduce dtype: fp32 over fp32 weights (the engine sets communication_data_type fp32), else the weights'
-        st.persist["reduce_bucket"] = DS_REDUCE_BUCKET * w
-        st.grads_persist = True  # grad_partitions_flat_buffer: allocated (zeros) at initialisation, kept
-        st.zero3_kept = 0.0
-        if N > 1 or (o.offload_params and offload_moves):
-            st.zero3_kept = max(zero3_kept_gathered(spec), max(U, spec.embed_params))
-            st.extraA["gathered"] = c * st.zero3_kept
-            st.extraB["gathered"] = c * (max(U, spec.embed_params) + min(DS_PREFETCH_BUCKET, U))
-        # else one rank, partitions on the device: ZeRO-3 does not all-gather there, a fetched parameter's data
-        # is its partition (partition_parameters.py, _no_gather_coalesced: ds_tensor.to(device) is a no-op)
-    else:  # ZeRO-1/2: allocated at the first gradient hook, when the activations are still all alive (so it
-        # counts at the start of backward, moment A), freed at the end of backward: not alive between steps
-        # (the H200 rows' state before the second step lacks it), which the peak does not see
-        st.persist["reduce_bucket"] = DS_REDUCE_BUCKET * c
-    if o.offload_optimizer and o.stage < 3:  # ZeRO-2 offload's staging buffers of the largest parameter's size
-        largest = max(spec.embed_params, spec.hidden_size * spec.intermediate_size)
-        st.persist["offload_staging"] = c * largest * (1 if offload_moves else 2)  # device one (+ the host one)
-    if o.offload_optimizer:
-        if offload_moves:
-            st.host += st.opt + st.extraB.pop("fp32_grad_partition")
-            st.opt = 0.0
-            # the gradients go to the host as they are reduced: ZeRO-3 keeps its flat gradient partition there
-            # (stage3.py allocates grad_partitions_flat_buffer on self.device, the CPU under offload), ZeRO-2
-            # copies each reduced bucket into the host's fp32 partition (stage_1_and_2.py)
-            # (ZeRO-1 keeps full gradients in param.grad on the GPU until the boundary's reduction)
-            if o.stage == 3:
-                st.host += st.grads
-            if o.stage >= 2:
-                st.grads, st.grads_persist = 0.0, False
-        else:  # CPU ranks: the offloaded fp32 gradient partition is allocated once and kept
-            st.persist["fp32_grad_partition"] = st.extraB.pop("fp32_grad_partition")
-    if o.offload_params and o.stage == 3 and offload_moves:
-        st.host += st.params
-        st.params = 0.0
-
-
-# strategy family (presets.StrategySpec.name) -> what it keeps per rank
-FAMILY_STATES = {"single": replica_states, "ddp": replica_states, "fsdp": fsdp_states,
-                 "deepspeed": deepspeed_states}
-
-
-def zero3_reduce_moment(spec: ModelSpec, job: Job, o: Opts, N: int, st: States, states: float,
-                        per_layer: float, act_detail: dict) -> tuple[float, bool, dict]:
-    """Moment C, ZeRO-3's gradient reduces: (peak bytes, whether it is the end-of-backward reduce, its buffers).
-    The blocks not yet through backward keep their saved activations (checkpointed: their inputs; eager: all, and
-    the block being run); the gradient flowing into the block and its recomputed first norm (fp32 and c) are alive;
-    kept parameters not yet through backward stay gathered."""
-    c = job.c
-    U, _ = unit_params(spec, o)
-    L = max(spec.num_layers, 1)
-    moment_c, reduce_end, extraC = 0.0, False, {}
-    for red in zero3_reduces(spec, job, N):
-        if job.checkpointing:
-            act_c = red["layers_left"] * act_detail["layers_kept"] / L
-        else:
-            act_c = min(red["layers_left"] + 1, spec.num_layers) * per_layer
-        act_c += job.tokens * spec.hidden_size * (4 + 2 * c)
-        held = c * (min(st.zero3_kept, red["rest"]) + min(DS_PREFETCH_BUCKET, U)) if st.zero3_kept else 0.0
-        m_c = states + act_c + red["copy"] + held
-        if m_c > moment_c:
-            moment_c, reduce_end = m_c, red["layers_left"] == 0
-            extraC = {"reduce_copy": red["copy"], **({"gathered": held} if held else {})}
-    return moment_c, reduce_end, extraC
-
-
 def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     """Per-rank memory of one steady-state step (optimizer states exist; grads set to None by zero_grad)."""
-    if o.base not in FAMILY_STATES:
+    if o.base not in presets.SPECS:
         raise ValueError(o.base)
+    cost = cost_of(o.base)
     N = max(1, shard_ranks(job, o) // job.tp)  # FSDP shards over the data-parallel ranks, not the tp ones
     st = States(*trainable(spec, job))
-    FAMILY_STATES[o.base](spec, job, o, N, st)
+    cost.states(spec, job, o, N, st)
     P_t, grads, extraA, extraB, persist = st.P_t, st.grads, st.extraA, st.extraB, st.persist
 
     if job.tuner == "qlora":  # bitsandbytes dequantises one weight at a time for the matmul
@@ -745,7 +547,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
 
     act_end, per_layer, act_detail = activations(spec, job, o)
     # accumulating: earlier micro-batches' gradients are alive (FSDP keeps them unsharded, counted above)
-    accum_grads = grads if job.grad_accum > 1 and not st.grads_persist and o.base != "fsdp" else 0.0
+    accum_grads = grads if job.grad_accum > 1 and not st.grads_persist and not cost.counts_own_accumulation else 0.0
     states = st.params + st.opt + sum(persist.values()) + (grads if st.grads_persist else 0.0)
     moment_a = states + act_end + sum(extraA.values()) + accum_grads
     # end of backward: all grads, the first block's activations and their gradients (or the recomputed block)
@@ -766,13 +568,10 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
         accumulated = extraA.get("unsharded_accumulated_grads", 0.0) + accum_grads  # earlier micro-batches'
         moment_b0 = (states + act_detail["layers_kept"] * (spec.num_layers - 1) / spec.num_layers + workspace + bwd
                      + accumulated)
-    moment_c, reduce_end, extraC = 0.0, False, {}
-    if st.zero3_kept is not None:
-        moment_c, reduce_end, extraC = zero3_reduce_moment(spec, job, o, N, st, states, per_layer, act_detail)
+    moment_c, phase_c, extraC = cost.extra_moment(spec, job, o, N, st, states, per_layer, act_detail)
     peak = max(moment_a, moment_b, moment_b0, moment_c)
     phase = ("end of forward (activations + logits)" if peak == moment_a else
-             ("ZeRO-3 reducing its gradients at the end of backward" if reduce_end else
-              "ZeRO-3 reducing its first gradient bucket") if peak == moment_c else
+             phase_c if peak == moment_c else
              "start of backward (checkpointed boundaries + a recomputed block)" if peak == moment_b0 else
              "end of backward (gradients)")
     if job.accelerator == "cuda":

@@ -1,0 +1,46 @@
+"""The planner's fitted constants, read from calibration.json (installed beside this module).
+
+Each entry holds its value, unit, the hardware and the measured rows it was fitted on, and its history; the code
+that uses a constant says what it means. `markdown_table` renders the file for docs/planner.md (a test checks the
+page matches it).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+FILE = Path(__file__).with_name("calibration.json")
+
+
+@functools.lru_cache(maxsize=1)
+def entries() -> dict[str, dict]:
+    """name -> entry (value, unit, used_by, means, hardware, fitted_on, rows, history)."""
+    with open(FILE, encoding="utf-8") as fh:
+        return json.load(fh)["constants"]
+
+
+def value(name: str) -> float:
+    return entries()[name]["value"]
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table() -> str:
+    """One row per constant: name, value, unit, hardware, what it was fitted on (the rows and their files)."""
+    lines = ["| constant | value | unit | hardware | fitted on |", "|---|---|---|---|---|"]
+    for name, e in entries().items():
+        where = e["rows"] or "not fitted: an assumption or allowance"
+        files = ", ".join(f"`{f}`" if f.endswith((".json", ".md", ".py")) and " " not in f else f
+                          for f in e["fitted_on"])
+        lines.append(f"| `{name}` | {e['value']:g} | {_cell(e['unit'])} | {_cell(e['hardware'])} | "
+                     f"{_cell(where)}{' (' + files + ')' if files else ''} |")
+    return "\n".join(lines)
+
+
+def markdown_history() -> str:
+    """Each constant's history, one bullet per constant that has one."""
+    return "\n".join(f"* `{name}`: " + "; ".join(e["history"]) for name, e in entries().items() if e["history"])
