@@ -50,6 +50,16 @@ class StrategySpec:
     # strategies.get imports `cls`), or a plan.costs.CostModel class or instance
     cost: object = None
 
+    @property
+    def replicates(self) -> bool:
+        """Data-parallel replicas: every rank of several holds all of the state (ddp)."""
+        return not self.shards_state and not self.one_replica
+
+    @property
+    def tp_in_data_parallel(self) -> bool:
+        """Tensor parallelism inside data-parallel ranks (FSDP x TP); a one-replica family's TP has no such ranks."""
+        return "tensor_parallel" in self.composes and not self.one_replica
+
     def shard_ranks(self, world: int, gpus_per_node: int, hybrid: bool = False, shard_group_size: int = 0) -> int:
         """How many ranks share one copy of the sharded state (1: every rank holds all of it)."""
         if not self.shards_state:

@@ -131,7 +131,7 @@ def build(args):
         # under TP the sequence degrees the fsdp presets take at this tp (single runs only where tp x sp is every
         # rank: its rows at the other degrees would be runs launch refuses)
         strategy = configured or plan.recommended
-        if job.tp == 1 or presets.base_strategy(strategy) == "fsdp":
+        if job.tp == 1 or presets.spec_of(strategy).tp_in_data_parallel:
             plan.sp_rows = sequence_parallel_rows(spec, job, setup, strategy, cfg)
         plan.tp_rows = tensor_parallel_rows(spec, job, setup, cfg)
     plan.lint = lint(plan, res)

@@ -14,6 +14,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.plan import text
 from shardwise.plan.calibration import value
 from shardwise.plan.comm import Compute, Links, Timing, step_time
+from shardwise.plan.costs import cost_of
 from shardwise.plan.memory import (
     COMPILE_ACT_FACTOR,
     COMPILE_ACT_FACTOR_ZERO3,
@@ -215,7 +216,13 @@ def preset_names(setup: Setup, tp: int = 1, sp: int = 1, float8: bool = False) -
 
 
 def offloads(o: Opts) -> bool:
-    return o.cpu_offload or o.offload_optimizer or o.offload_params
+    """Whether a preset keeps its state in host RAM (its family's cost model says by its options)."""
+    return cost_of(o.base).offloads(o)
+
+
+def replica_plan(plan: Plan) -> StrategyPlan | None:
+    """The planned data-parallel replica preset (ddp), if any."""
+    return next((s for s in plan.strategies if presets.SPECS[s.base].replicates), None)
 
 
 # ----------------------------------------------------------------------------- core
@@ -291,14 +298,15 @@ def recommend(plan: Plan) -> tuple[str, list[str]]:
     if t.comm_bytes:
         reasons.append(f"it moves {t.comm_bytes / 1e9:.2f} GB per rank per step; {t.exposed_comm_s * 1e3:.0f} ms of "
                        f"that is not hidden behind {t.compute_s * 1e3:.0f} ms of compute")
-    ddp = next((s for s in plan.strategies if s.strategy == "ddp"), None)
-    if best.base != "ddp" and ddp is not None and not ddp.fits:
+    ddp = replica_plan(plan)  # the data-parallel replica (ddp): what sharding is weighed against
+    best_replicates = presets.SPECS[best.base].replicates
+    if not best_replicates and ddp is not None and not ddp.fits:
         m = ddp.memory
-        reasons.append(f"ddp does not fit: a full replica needs {_gib(m.total / GiB)} "
+        reasons.append(f"{ddp.strategy} does not fit: a full replica needs {_gib(m.total / GiB)} "
                        f"(weights {_gib(m.params / GiB)}, optimizer {_gib(m.optimizer / GiB)}, "
                        f"activations {_gib(m.activations / GiB)})")
-    if best.base == "ddp":
-        sharded = [s for s in fitting if s.base != "ddp"]
+    if best_replicates:
+        sharded = [s for s in fitting if not presets.SPECS[s.base].replicates]
         if sharded:
             f = max(sharded, key=lambda s: s.tokens_per_s)
             lean = min(sharded, key=lambda s: s.memory.total)
@@ -320,14 +328,18 @@ def decision_tree(plan: Plan) -> dict:
     big_mem = mem_gb >= 79  # "80 GB" cards report ~79.6-85 GB
     size = text.count(P) if P >= 8e9 or P < 7.995e9 else f"{P / 1e9:.3f}B"  # never "8B ... under 8B"
     big = f"model {size} params, 8B or more (above the tree's 7B class),"
+    # each leaf: the preset it names, and which of the article's own caveats explain a disagreement there (a
+    # replica's bytes per parameter, offload's cost, the checkpointing it also asks for)
+    replica = offload = checkpointing = False
     if P < 8e9:  # the article's "7B" class: Mistral 7.2B and Qwen2.5-7B 7.6B are in it, Llama 3.1 8B is not
         cls = f"model {size} params, under 8B (the tree's 7B class),"
         if big_mem:
-            says, path = "ddp", f"{cls} with >= 80 GB per GPU -> DDP"
+            says, path, replica = "ddp", f"{cls} with >= 80 GB per GPU -> DDP", True
         else:
-            says, path = "fsdp-offload", f"{cls} with < 80 GB per GPU -> FSDP + CPU offload"
+            says, path, offload = "fsdp-offload", f"{cls} with < 80 GB per GPU -> FSDP + CPU offload", True
     elif plan.setup.world >= 8:
         says, path = "fsdp", f"{big} with >= 8 GPUs -> FSDP + mixed precision + gradient checkpointing"
+        checkpointing = True
     else:
         says, path = "fsdp", f"{big} with < 8 GPUs -> FSDP with sharding optimizations"
     rec = plan.for_strategy(plan.recommended)
@@ -337,7 +349,7 @@ def decision_tree(plan: Plan) -> dict:
         why.append("the numbers agree")
     elif tree_plan is not None and not tree_plan.fits:
         why.append(f"{says} does not fit here ({_gib(tree_plan.memory.total / GiB)} per rank)")
-        if says == "ddp":
+        if replica:
             bpp = (tree_plan.memory.params + tree_plan.memory.grads + tree_plan.memory.optimizer) / max(P, 1)
             why.append(f"the article budgets 8 bytes/param for a replica (fp16 weights, grads, Adam: 7B -> 56 GB); "
                        f"this job keeps {bpp:.0f} bytes/param (param_dtype {plan.job.param_dtype}, "
@@ -345,10 +357,10 @@ def decision_tree(plan: Plan) -> dict:
     elif tree_plan is not None:
         why.append(f"{says} fits too, but {plan.recommended} is predicted faster or simpler "
                    f"({rec.tokens_per_s:,.0f} vs {tree_plan.tokens_per_s:,.0f} tokens/s)")
-        if says == "fsdp-offload":
+        if offload:
             why.append("offload is only worth it when nothing else fits: the optimizer step on the CPU and the "
                        "host transfers cost time")
-    if says == "fsdp" and "checkpointing" in path and not plan.job.checkpointing:
+    if checkpointing and not plan.job.checkpointing:
         why.append("the tree also says gradient checkpointing; " +
                    ("it is not needed at this micro-batch" if rec.fits else "turning it on cuts activations"))
     return {"source": ARTICLE, "says": says, "path": path, "planner": plan.recommended,
@@ -430,7 +442,7 @@ def _variant(plan: Plan, name: str, job: Job | None = None, setup: Setup | None 
     job = job or plan.job
     setup = setup or plan.setup
     base = plan.for_strategy(name).opts if any(s.strategy == name for s in plan.strategies) else opts_for(name)
-    if name == "hybrid" and setup.nodes <= 1:
+    if presets.PRESETS[name].options.get("fsdp.hybrid") and setup.nodes <= 1:  # one node: no replica groups
         base = dataclasses.replace(base, hybrid=False)
     return plan_strategy(plan.spec, job, setup, name, base)
 
@@ -479,14 +491,14 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
             if not j.checkpointing:
                 add(0, f"--strategy {name} --gradient-checkpointing", dataclasses.replace(j, checkpointing=True), name)
     for name in ("fsdp-offload", "zero3-offload"):
-        if name != strategy_name and ((j.tp == 1 and not j.float8) or presets.base_strategy(name) == "fsdp"):
+        if name != strategy_name and not presets.check_composition(name, {"tensor_parallel": j.tp, "float8": j.float8}):
             add(1, f"--strategy {name}", name=name)
     s = plan.setup
     if j.sp == 1 and j.tp == 1 and s.world > 1:  # split the sequence, or the weights (TP: fsdp, full fine-tune)
-        if sp.base != "single":
+        if not presets.SPECS[sp.base].one_replica:
             for d in sp_degrees(plan.spec, j, s.world):
                 add(1, f"--sequence-parallel {d}", dataclasses.replace(j, sp=d))
-        if sp.base == "fsdp" and j.tuner == "full":
+        if presets.SPECS[sp.base].tp_in_data_parallel and j.tuner == "full":
             # float8 is not built with TP: those variants drop it, and say so
             no8, off = (" --no-float8", {"float8": False}) if j.float8 else ("", {})
             for d in tp_degrees(plan.spec, s.gpus_per_node):
@@ -496,7 +508,7 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
                 for t, d in tp_sp_pairs(plan.spec, j, s):
                     add(1, f"--tensor-parallel {t} --sequence-parallel {d}{no8}",
                         dataclasses.replace(j, tp=t, sp=d, **off))
-    sharded = strategy_name if sp.base in ("fsdp", "deepspeed") else "fsdp"
+    sharded = strategy_name if presets.SPECS[sp.base].shards_state else "fsdp"
     for mult in (2, 4, 8):
         if s.accelerator == "cuda":
             more = dataclasses.replace(s, nodes=s.nodes * mult)
@@ -580,7 +592,8 @@ def tensor_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, cfg=None) -> l
     for d in [1] + degrees:
         sub = plan_model(spec, dataclasses.replace(job, tp=d), setup, cfg=cfg, escalate=False)
         for sp in sub.strategies:
-            if sp.base == "fsdp" or (sp.base == "single" and d > 1 and d * job.sp == setup.world):
+            family = presets.SPECS[sp.base]
+            if family.tp_in_data_parallel or (family.one_replica and d > 1 and d * job.sp == setup.world):
                 rows.append({"tp": d, "strategy": sp.strategy, "mem_gib": round(sp.memory.total / GiB, 4),
                              "fits": sp.fits, "step_time_s": round(sp.timing.step_s, 5),
                              "tokens_per_s": round(sp.timing.tokens_per_s, 1),
@@ -618,7 +631,8 @@ def _first_fit(plan: Plan, kind: str, cfg) -> tuple[tuple[int, StrategyPlan, boo
     for n, d in enumerate(degrees):
         sub = plan_model(spec, dataclasses.replace(job, **{kind: d}), setup, cfg=cfg, escalate=False)
         # TP: the fsdp presets (FSDP over the data-parallel ranks, TP inside the node), as issue 20 asks
-        plain = [s for s in sub.strategies if not offloads(s.opts) and (kind == "sp" or s.base == "fsdp")]
+        plain = [s for s in sub.strategies if not offloads(s.opts)
+                 and (kind == "sp" or presets.SPECS[s.base].tp_in_data_parallel)]
         ok = [s for s in plain if s.fits]
         if ok:
             return (d, _fastest_simplest(ok), n > 0), lean
@@ -641,7 +655,8 @@ def _pair_fit(plan: Plan, cfg) -> tuple[int, int, StrategyPlan, bool] | None:
         fit = []
         for t, d in (p for p in pairs if p[0] * p[1] == total):
             sub = plan_model(spec, dataclasses.replace(job, tp=t, sp=d), setup, cfg=cfg, escalate=False)
-            fit += [(t, d, s) for s in sub.strategies if s.fits and not offloads(s.opts) and s.base == "fsdp"]
+            fit += [(t, d, s) for s in sub.strategies
+                    if s.fits and not offloads(s.opts) and presets.SPECS[s.base].tp_in_data_parallel]
         if fit:
             fit.sort(key=lambda f: -f[2].tokens_per_s)  # equally simple: the faster first, which min() keeps
             pick = _fastest_simplest([f[2] for f in fit])

@@ -5,7 +5,9 @@ Each finding says what it sees (with the config line when known) and what to do.
 
 from __future__ import annotations
 
-from shardwise.plan.decide import TIE, Plan
+from shardwise import presets
+from shardwise.plan.costs import cost_of
+from shardwise.plan.decide import TIE, Plan, replica_plan
 from shardwise.plan.memory import GiB, unit_params
 
 SMALL_UNIT = 1e8  # the article: min_num_params=1e8 for size-based wrapping
@@ -26,6 +28,7 @@ def lint(plan: Plan, res=None) -> list[dict]:
         return []
     sp = plan.for_strategy(name)
     o, spec, setup, job = sp.opts, plan.spec, plan.setup, plan.job
+    cost = cost_of(o.base)
     mem = setup.device_mem_gib
     out: list[dict] = []
 
@@ -36,7 +39,7 @@ def lint(plan: Plan, res=None) -> list[dict]:
         return next((s for s in plan.strategies if s.strategy == n), None)
 
     # 1. tiny wrap units
-    if o.base == "fsdp" and o.wrap.startswith("size:"):
+    if cost.wraps_units and o.wrap.startswith("size:"):
         n = int(o.wrap[5:])
         U, units = unit_params(spec, o)
         if n < min(SMALL_UNIT, spec.layer_params):
@@ -47,12 +50,10 @@ def lint(plan: Plan, res=None) -> list[dict]:
                 f"({spec.num_layers} units of {spec.layer_params / 1e6:.0f}M) or size:{int(SMALL_UNIT)}")
 
     # 2. CPU offload where memory is plentiful
-    offload = (o.base == "fsdp" and o.cpu_offload) or (o.base == "deepspeed" and (o.offload_optimizer or o.offload_params))
-    if offload:
-        alt_name = "fsdp" if o.base == "fsdp" else f"zero{o.stage}"
+    if cost.offloads(o):
+        alt_name, key = cost.without_offload(o)
         alt = get(alt_name)
         if alt and alt.fits and alt.headroom_gib >= ROOMY * mem:
-            key = "fsdp.cpu_offload" if o.base == "fsdp" else "deepspeed.offload_optimizer"
             add("offload-not-needed", "warn",
                 f"{_where(res, key) or _where(res, 'strategy')}{name} offloads to the CPU, but {alt_name} fits in "
                 f"{alt.memory.total / GiB:.1f} of {mem:.1f} GiB per rank without it; offload costs "
@@ -60,11 +61,11 @@ def lint(plan: Plan, res=None) -> list[dict]:
                 f"{alt.tokens_per_s:,.0f} tokens/s): use --strategy {alt_name}")
 
     # 3. sharding a model that DDP fits with room to spare, on a slow link
-    sharded = o.base == "fsdp" or (o.base == "deepspeed" and o.stage == 3)
+    sharded = cost.gathers_params(o)
     slow = (setup.intra_gbps < SLOW_INTRA_GBPS and not setup.measured_busbw) or \
            (setup.measured_busbw is not None and setup.measured_busbw * 8 / 1e9 < SLOW_INTRA_GBPS) or \
            (setup.nodes > 1 and setup.inter_gbps < SLOW_INTER_GBPS)
-    ddp = get("ddp")
+    ddp = replica_plan(plan)
     # only where ddp is predicted as fast, or within the planner's tie (and simpler): never quoting a faster sp
     if (sharded and slow and ddp and ddp.fits and ddp.headroom_gib >= ROOMY * mem
             and ddp.tokens_per_s >= (1 - TIE) * sp.tokens_per_s):
@@ -76,8 +77,8 @@ def lint(plan: Plan, res=None) -> list[dict]:
             f"{ddp.comm_gb_per_step:.2f} GB ({speed}): use --strategy ddp")
 
     # 4. FSDP across nodes on a slow network without hybrid sharding
-    if o.base == "fsdp" and not o.hybrid and setup.nodes > 1 and setup.inter_gbps < SLOW_INTER_GBPS:
-        hyb = get("hybrid")
+    if cost.hybrid_preset and not o.hybrid and setup.nodes > 1 and setup.inter_gbps < SLOW_INTER_GBPS:
+        hyb = get(cost.hybrid_preset)
         extra = (f" (predicted {hyb.tokens_per_s:,.0f} vs {sp.tokens_per_s:,.0f} tokens/s"
                  f"{'' if hyb.fits else '; but hybrid does not fit: ' + format(hyb.memory.total / GiB, '.1f') + ' GiB'})"
                  if hyb else "")
@@ -105,7 +106,7 @@ def lint(plan: Plan, res=None) -> list[dict]:
     # 6. float8 tensor cores left unused (an opt-in lever: worth saying only where it is predicted to pay)
     # (not with eager blocks: float8 needs the compiled ones, the config refuses it without them)
     if (setup.fp8_peak_flops and not job.float8 and job.tuner == "full" and job.tp == 1 and job.compute == "bf16"
-            and o.base in ("single", "ddp", "fsdp") and setup.accelerator == "cuda" and job.compile):
+            and presets.composes(name, "float8") and setup.accelerator == "cuda" and job.compile):
         from dataclasses import replace
 
         from shardwise.plan.decide import plan_strategy

@@ -27,6 +27,9 @@ class CostModel:
     adapters_in_compute_dtype = False  # eager LoRA adapters computed in the compute dtype (no fp32 casts of inputs)
     gathers_root = False  # the root unit (embedding, final norm, head) is gathered while the loss head runs
     counts_own_accumulation = False  # states() counts the earlier micro-batches' gradients itself
+    wraps_units = False  # shards in units under a wrap policy (fsdp.wrap), each gathered around its use
+    hybrid_preset = None  # the preset that shards within a node and replicates across nodes, if the family has one
+    persistent_grads = False  # gradients allocated once and kept between steps (DDP's bucket views)
     simulated = True  # `plan --simulate` runs it under fake tensors
     not_simulated = ""  # why not, when simulated is False (one line)
 
@@ -40,6 +43,14 @@ class CostModel:
 
     def offloads(self, o) -> bool:
         """Whether this preset's state lives in host RAM (an offload preset)."""
+        return False
+
+    def without_offload(self, o) -> tuple[str, str]:
+        """(the preset that runs this one without offload, the config key that turns its offload on)."""
+        raise NotImplementedError
+
+    def gathers_params(self, o) -> bool:
+        """Whether parameters are sharded and all-gathered around their use (a slow link hurts every step)."""
         return False
 
     def states(self, spec, job, o, N, st) -> None:

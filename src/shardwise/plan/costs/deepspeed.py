@@ -38,6 +38,12 @@ class DeepSpeedCost(CostModel):
     def offloads(self, o) -> bool:
         return o.offload_optimizer or o.offload_params
 
+    def without_offload(self, o) -> tuple[str, str]:
+        return f"zero{o.stage}", "deepspeed.offload_optimizer"
+
+    def gathers_params(self, o) -> bool:
+        return o.stage == 3
+
     def linear_saves_input(self, job, o) -> bool:
         """ZeRO-3 keeps DeepSpeed's memory_efficient_linear (LinearFunctionForZeroStage3) on except for compiled
         blocks fetched whole (strategies/deepspeed.py)."""

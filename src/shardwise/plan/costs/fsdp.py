@@ -28,6 +28,14 @@ class FSDPCost(CostModel):
     adapters_in_compute_dtype = True  # its bf16 parameters: no fp32 adapter casts
     gathers_root = True
     counts_own_accumulation = True  # no-sync micro-batches keep unsharded gradients, counted in states()
+    wraps_units = True
+    hybrid_preset = "hybrid"
+
+    def without_offload(self, o) -> tuple[str, str]:
+        return "fsdp", "fsdp.cpu_offload"
+
+    def gathers_params(self, o) -> bool:
+        return True
 
     def offloads(self, o) -> bool:
         return o.cpu_offload

@@ -42,6 +42,8 @@ class SingleCost(CostModel):
 class DDPCost(CostModel):
     """DistributedDataParallel: one bucketed all-reduce of the gradients, overlapped with backward."""
 
+    persistent_grads = True  # DDP(gradient_as_bucket_view=True), as strategies/ddp.py builds it
+
     def states(self, spec, job, o, N, st) -> None:
         replica_states(spec, job, o, N, st)
         if o.ddp_bucket_view:  # gradients are views of DDP's buckets: allocated once, never freed
