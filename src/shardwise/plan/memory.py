@@ -81,21 +81,6 @@ class Job:
     hold_outputs: bool = False  # the loop keeps model outputs (logits) alive until backward (train_step does not)
     fused_loss: bool = False  # chunked linear + cross-entropy head, gradients in the forward (config `fused_loss`)
     compile: bool = False  # torch.compile of each decoder block (config `compile`, resolved for the device)
-    # torch.nn.functional.linear is DeepSpeed's LinearFunctionForZeroStage3 (ZeRO-3 installs it process-wide when it
-    # converts a model: partition_parameters.Init(module=...) -> _enable_mem_efficient_linear, "persists unless manually
-    # reset"). It saves the linear's input and weight as passed and casts inside: no autocast weight copies are kept,
-    # and projections that share an input save it once. On for zero3 itself; plan_accuracy sets it for the cases that
-    # ran after a ZeRO-3 case in the same process.
-    ds_linear: bool = False
-    # ZeRO-3 fetching whole blocks ran its eager blocks with torch's F.linear (2026-12-01, before eager blocks kept
-    # DeepSpeed's linear, strategies/deepspeed.py): only for comparing with rows measured then
-    zero3_torch_linear: bool = False
-    # the fused head computed the weight gradient of a frozen head too (LoRA/QLoRA), as the engine did before it
-    # checked needs_input_grad (issue 16): only for comparing with rows measured before then
-    frozen_head_grad: bool = False
-    # the fused head kept the previous chunk's logits bound to its loop's names while making the next chunk's (two
-    # chunks alive), as the engine did until 2026-12-01: only for comparing with rows measured before then
-    head_two_chunks: bool = False
     sp: int = 1  # sequence-parallel degree: each rank holds 1/sp of every sequence (config `sequence_parallel`)
     tp: int = 1  # tensor-parallel degree: each rank holds 1/tp of every block linear (config `tensor_parallel`)
     sp_mode: str = "auto"  # ulysses | ring | auto (Ulysses gcd(heads, sp), ring for the rest; config `sp_mode`)
@@ -242,8 +227,9 @@ def tp_degrees(spec: ModelSpec, gpus_per_node: int) -> list[int]:
 
 
 def uses_ds_linear(job: Job, o: Opts) -> bool:
-    """Whether the linears save their uncast input and weight, as DeepSpeed's LinearFunctionForZeroStage3 does
-    (the family's cost model says when: CostModel.linear_saves_input)."""
+    """Whether the linears save their uncast input and weight, as DeepSpeed's LinearFunctionForZeroStage3 does: it
+    saves the linear's input and weight as passed and casts inside, so no autocast weight copies are kept and
+    projections that share an input save it once (the family's cost model says when: linear_saves_input)."""
     return cost_of(o.base).linear_saves_input(job, o)
 
 
@@ -438,15 +424,11 @@ def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     chunk = min(FUSED_LOSS_CHUNK, T)
     # a chunk: fp32 logits -> softmax gradient in place, its compute-dtype copy, the head-gradient matmul result
     # and its fp32 upcast; the compute-dtype casts of the hidden states and the weight
-    trains = job.tuner == "full" or job.frozen_head_grad
+    trains = job.tuner == "full"
     casts = (T * h * c if r != c else 0) + (V * h * c if hw != c else 0)
-    forward = chunk * V * (4 + c) + (V * h * (c + 4 if c != 4 else 4) if trains else 0) + casts
     # one chunk at a time: the loop drops a chunk's logits before the next chunk's are made (tests/unit/test_speed.py
-    # measures the head's peak on the CPU). Until 2026-12-01 it kept them bound to its names while the next chunk's
-    # matmul result and fp32 upcast were made: two chunks of (4 + c) per logit (every Qwen2.5-1.5B row of that day's
-    # H200 table was 1.8-3.5 GiB over one chunk: 4096 x 151936 x 6 B = 3.48 GiB), Job.head_two_chunks
-    if job.head_two_chunks and T > chunk:
-        forward = max(forward, (chunk + min(chunk, T - chunk)) * V * (4 + c) + casts)
+    # measures the head's peak on the CPU)
+    forward = chunk * V * (4 + c) + (V * h * (c + 4 if c != 4 else 4) if trains else 0) + casts
     # its backward instead: the returned gradients (hidden states, head weight)
     backward = T * h * r + (V * h * hw if trains else 0)
     d = {"loss_grad_hidden": T * h * r,

@@ -35,7 +35,7 @@ class CostModel:
 
     def linear_saves_input(self, job, o) -> bool:
         """Whether the linears save their uncast input and weight (no autocast weight copies kept)."""
-        return job.ds_linear
+        return False
 
     def compile_factor(self, o) -> float:
         """Saved activations of a compiled block relative to eager."""

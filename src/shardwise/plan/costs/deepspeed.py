@@ -47,8 +47,7 @@ class DeepSpeedCost(CostModel):
     def linear_saves_input(self, job, o) -> bool:
         """ZeRO-3 keeps DeepSpeed's memory_efficient_linear (LinearFunctionForZeroStage3) on except for compiled
         blocks fetched whole (strategies/deepspeed.py)."""
-        return (job.ds_linear or zero3_per_module(o)
-                or (o.stage == 3 and not job.compile and not job.zero3_torch_linear))
+        return zero3_per_module(o) or (o.stage == 3 and not job.compile)
 
     def compile_factor(self, o) -> float:
         from shardwise.plan.memory import COMPILE_ACT_FACTOR, COMPILE_ACT_FACTOR_ZERO3
