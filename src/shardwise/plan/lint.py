@@ -27,7 +27,7 @@ def lint(plan: Plan, res=None) -> list[dict]:
     if not name or name not in {s.strategy for s in plan.strategies}:
         return []
     sp = plan.for_strategy(name)
-    o, spec, setup, job = sp.opts, plan.spec, plan.setup, plan.job
+    o, spec, setup = sp.opts, plan.spec, plan.setup
     cost = cost_of(o.base)
     mem = setup.device_mem_gib
     out: list[dict] = []
@@ -87,7 +87,14 @@ def lint(plan: Plan, res=None) -> list[dict]:
             f"{setup.inter_gbps:g} Gb/s link every micro-batch; hybrid sharding keeps the gathers inside a node "
             f"and sends only one gradient all-reduce across: use --strategy hybrid{extra}")
 
-    # 5. activations dominate and checkpointing is off
+    _checkpointing_off(plan, sp, res, add)
+    _float8_off(plan, sp, name, add)
+    return out
+
+
+def _checkpointing_off(plan: Plan, sp, res, add) -> None:
+    """5. activations dominate and checkpointing is off."""
+    o, spec, job, mem = sp.opts, plan.spec, plan.job, plan.setup.device_mem_gib
     if not job.checkpointing:
         m = sp.memory
         if m.activations >= 0.5 * m.peak_tensors:
@@ -103,7 +110,11 @@ def lint(plan: Plan, res=None) -> list[dict]:
                 f"{ck.activations / GiB:.1f} GiB (total ~{ck.total / GiB:.1f} GiB) for ~25-30% more compute"
                 + ("" if tight else " — not needed while it fits, useful to raise the micro-batch"))
 
-    # 6. float8 tensor cores left unused (an opt-in lever: worth saying only where it is predicted to pay)
+
+def _float8_off(plan: Plan, sp, name: str, add) -> None:
+    """6. float8 tensor cores left unused (an opt-in lever: worth saying only where it is predicted to pay)."""
+    spec, setup, job = plan.spec, plan.setup, plan.job
+    o = sp.opts
     # (not with eager blocks: float8 needs the compiled ones, the config refuses it without them)
     if (setup.fp8_peak_flops and not job.float8 and job.tuner == "full" and job.tp == 1 and job.compute == "bf16"
             and presets.composes(name, "float8") and setup.accelerator == "cuda" and job.compile):
@@ -119,4 +130,3 @@ def lint(plan: Plan, res=None) -> list[dict]:
                 f"predicted at {f8.tokens_per_s:,.0f} vs {sp.tokens_per_s:,.0f} tokens/s ({gain:+.0%}) and "
                 f"{(sp.memory.total - f8.memory.total) / GiB:.1f} GiB less per rank; it rounds the blocks' large "
                 "matmuls to float8 (docs/speed.md has its loss curve against bf16)")
-    return out
