@@ -27,27 +27,25 @@ from dataclasses import dataclass, field
 from shardwise import presets
 from shardwise.plan.calibration import value
 from shardwise.plan.costs import cost_of
+from shardwise.plan.facts import (  # noqa: F401 (DDP_BUCKET_BYTES and the DS_* are re-exported)
+    DDP_BUCKET_BYTES,
+    DDP_GRADIENT_AS_BUCKET_VIEW,
+    DENSE_MASK_MAX_SEQ,
+    DS_MAX_LIVE,
+    DS_PREFETCH_BUCKET,
+    DS_REDUCE_BUCKET,
+    DS_SUB_GROUP,
+    FLOAT8_NARROW_IN,
+    FLOAT8_NARROW_OUT,
+    FUSED_LOSS_CHUNK,
+)
 from shardwise.plan.model_spec import ModelSpec
 
 GiB = 2**30
-DDP_BUCKET_BYTES = 25 * 2**20  # DDP bucket_cap_mb default
-# DeepSpeed (0.19) reduce_bucket_size default, in elements. It allocates its gradient (IPG) bucket at this size whatever
-# the model's: ZeRO-1/2 in the parameters' dtype when the backward starts, freed at its end (stage_1_and_2.py
-# setup_buckets); ZeRO-3 once at initialisation, in the reduce dtype, for good (stage3.py, `ipg_buckets`).
-DS_REDUCE_BUCKET = 5e8
-DS_PREFETCH_BUCKET = 5e7  # DeepSpeed stage3_prefetch_bucket_size default (elements)
-# stage3_max_live_parameters default (elements): ZeRO-3's prefetcher gathers ahead until this many are gathered
-# (partitioned_param_coordinator.py, fetch_sub_module); see zero3_kept_gathered.
-DS_MAX_LIVE = 1e9
-# stage3 sub_group_size default (elements): ZeRO-3 splits each parameter group's partition into sub-groups that close
-# once they reach this size, and its optimizer step makes the fp32 gradient of one sub-group at a time (stage3.py,
-# _create_fp16_sub_groups, _prepare_fp32_grad_for_sub_group; released after that sub-group's step).
-DS_SUB_GROUP = 1e9
 QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # NF4 + double-quantised absmax per 64-block
 CUDA_CONTEXT_GIB = value("cuda_context_gib")  # CUDA context + cuBLAS/NCCL workspaces, outside the allocator's count
 FRAGMENTATION = value("fragmentation")  # caching allocator: reserved exceeds allocated by a few percent
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused linear + cross-entropy head (models/speed.py)
 # torch.compile per decoder block (inductor fuses the elementwise ops and recomputes them in backward): saved
 # activations of a block, compiled / eager. Under DDP the engine keeps each compiled block one graph
 # (strategies/ddp.py: optimize_ddp = False), so DDP uses this factor too.
@@ -128,7 +126,7 @@ class Opts:
     offload_optimizer: bool = False
     offload_params: bool = False
     ds_fetch: str = "block"  # deepspeed.fetch: ZeRO-3's fetch unit (block: each decoder block; module: DeepSpeed's own)
-    ddp_bucket_view: bool = True  # DDP(gradient_as_bucket_view=...), as strategies/ddp.py builds it
+    ddp_bucket_view: bool = DDP_GRADIENT_AS_BUCKET_VIEW  # DDP(gradient_as_bucket_view=...) (facts.py)
 
 
 @dataclass
@@ -294,12 +292,10 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     return d
 
 
-# float8 (config `float8`, models/float8.py): which block linears the engine converts. Its rule, restated here because
-# the planner imports no torch (tests/unit/test_plan_float8.py checks both agree): both dimensions multiples of 16,
-# and not the narrow ones (out_features <= 1024 with in_features <= 4096).
-FLOAT8_NARROW_OUT, FLOAT8_NARROW_IN = 1024, 4096
 
 
+# float8 (config `float8`): which block linears the engine converts, by models/float8.py's rule (its thresholds are
+# declared in facts.py; tests/unit/test_plan_float8.py checks the two agree)
 def float8_linears(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """(in, out) of the block linears the engine runs as float8 linears (models/float8.py `wanted`)."""
     return {n: (i, o) for n, (i, o) in spec.linear_shapes().items()
@@ -363,9 +359,6 @@ def float8_params(spec: ModelSpec) -> float:
     return spec.num_layers * sum(i * o for i, o in float8_linears(spec).values())
 
 
-# Past this sequence length a packed sequence on CUDA (or any sequence-parallel one) is attended through
-# FlexAttention's block mask, not a dense (B, 1, S, S) mask (models/sequence_parallel.py, train/loop.py).
-DENSE_MASK_MAX_SEQ = 8192
 
 
 def long_packed(job: Job) -> bool:

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwise.plan.costs import cost_of
+from shardwise.plan.facts import FSDP_REDUCE_DTYPE
 from shardwise.plan.memory import GiB, Job, Opts, keeps_gathered
 from shardwise.plan.model_spec import ModelSpec
 
@@ -228,7 +229,8 @@ def wrap_fsdp(model, mesh, opts: Opts, compute: torch.dtype, param: torch.dtype)
 
     from shardwise.strategies.fsdp import block_units, shard_units
 
-    mp = MixedPrecisionPolicy(param_dtype=compute if compute != param else None, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=compute if compute != param else None,
+                              reduce_dtype=getattr(torch, FSDP_REDUCE_DTYPE))
     reshard = opts.reshard_after_forward and not keeps_gathered(opts, mesh.shape[-1], compute.itemsize, param.itemsize)
     return shard_units(model, block_units(model), mesh, mp, reshard, prefetch=opts.prefetch)
 

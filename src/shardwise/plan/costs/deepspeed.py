@@ -14,11 +14,8 @@ from shardwise.plan.comm import (
 )
 from shardwise.plan.costs import CostModel
 from shardwise.plan.costs.fsdp import exposed_by_unit
+from shardwise.plan.facts import DS_MAX_LIVE, DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, DS_SUB_GROUP
 from shardwise.plan.memory import (
-    DS_MAX_LIVE,
-    DS_PREFETCH_BUCKET,
-    DS_REDUCE_BUCKET,
-    DS_SUB_GROUP,
     Job,
     Opts,
     States,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from shardwise.plan.comm import Coll, coll_time
 from shardwise.plan.costs import CostModel
+from shardwise.plan.facts import FSDP_REDUCE_BYTES
 from shardwise.plan.memory import (
     QLORA_BYTES_PER_PARAM,
     local_layer_params,
@@ -17,9 +18,7 @@ from shardwise.plan.memory import (
 
 
 def reduce_bytes() -> int:
-    """Bytes per element FSDP2 reduces gradients in (MixedPrecisionPolicy.reduce_dtype, strategies/fsdp.py)."""
-    from shardwise.plan.facts import FSDP_REDUCE_BYTES
-
+    """Bytes per element FSDP2 reduces gradients in (MixedPrecisionPolicy.reduce_dtype, facts.FSDP_REDUCE_DTYPE)."""
     return FSDP_REDUCE_BYTES
 
 

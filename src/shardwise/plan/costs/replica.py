@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from shardwise.plan.comm import Coll, coll_time
 from shardwise.plan.costs import CostModel
-from shardwise.plan.memory import DDP_BUCKET_BYTES, _float8_applies, float8_params, fused_head, uses_ds_linear
+from shardwise.plan.facts import DDP_BUCKET_BYTES, DDP_GRADIENT_AS_BUCKET_VIEW
+from shardwise.plan.memory import _float8_applies, float8_params, fused_head, uses_ds_linear
 
 
 def replica_states(spec, job, o, N, st) -> None:
@@ -42,7 +43,7 @@ class SingleCost(CostModel):
 class DDPCost(CostModel):
     """DistributedDataParallel: one bucketed all-reduce of the gradients, overlapped with backward."""
 
-    persistent_grads = True  # DDP(gradient_as_bucket_view=True), as strategies/ddp.py builds it
+    persistent_grads = DDP_GRADIENT_AS_BUCKET_VIEW  # the gradients are views of the buckets
 
     def states(self, spec, job, o, N, st) -> None:
         replica_states(spec, job, o, N, st)
