@@ -1,8 +1,10 @@
 """The planner's fitted constants, read from calibration.json (installed beside this module).
 
 Each entry holds its value, unit, the hardware and the measured rows it was fitted on, and its history; the code
-that uses a constant says what it means. `markdown_table` renders the file for docs/planner.md (a test checks the
-page matches it).
+that uses a constant says what it means. `doc_block` renders the file for docs/planner.md, between the BEGIN and
+END markers (tests/unit/test_plan_costs.py checks the page matches it); to rewrite that block:
+
+    PYTHONPATH=src python -m shardwise.plan.calibration docs/planner.md
 """
 
 from __future__ import annotations
@@ -44,3 +46,27 @@ def markdown_table() -> str:
 def markdown_history() -> str:
     """Each constant's history, one bullet per constant that has one."""
     return "\n".join(f"* `{name}`: " + "; ".join(e["history"]) for name, e in entries().items() if e["history"])
+
+
+BEGIN = "<!-- generated from src/shardwise/plan/calibration.json by shardwise.plan.calibration: do not edit -->"
+END = "<!-- end of the generated block -->"
+
+
+def doc_block() -> str:
+    """docs/planner.md's generated block: the constants table and their history."""
+    return "\n\n".join([BEGIN, markdown_table(), "History of the fitted values:", markdown_history(), END])
+
+
+def rewrite_doc(path: str) -> None:
+    """Replace the generated block of a Markdown file (between BEGIN and END) with doc_block()."""
+    with open(path, encoding="utf-8") as fh:
+        page = fh.read()
+    start, end = page.index(BEGIN), page.index(END) + len(END)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(page[:start] + doc_block() + page[end:])
+
+
+if __name__ == "__main__":
+    import sys
+
+    rewrite_doc(sys.argv[1])
