@@ -203,7 +203,7 @@ def collectives(spec: ModelSpec, job: Job, o: Opts, shard_n: int) -> list[Coll]:
 
 
 def flops_per_microbatch(spec: ModelSpec, job: Job) -> tuple[float, float]:
-    """(forward, backward) FLOPs one micro-batch runs on one rank: 6N per token for the weights (MEASUREMENTS.md's
+    """(forward, backward) FLOPs one micro-batch runs on one rank: 6N per token for the weights (docs/measurements.md's
     convention) and the attention a causal kernel computes: SDPA's flash / memory-efficient kernels skip the masked
     upper triangle, so QK^T and PV cost 2*L*H*S per token forward, half the 12*L*H*S/3 of the MFU convention
     (which counts the full S x S square). At 2k tokens that is 5% of a step; at 32k-64k on an 8B shape, a third

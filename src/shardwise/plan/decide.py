@@ -502,7 +502,7 @@ def _first_fit(plan: Plan, kind: str, cfg) -> tuple[tuple[int, StrategyPlan, boo
     lean = None
     for n, d in enumerate(degrees):
         sub = plan_model(spec, dataclasses.replace(job, **{kind: d}), setup, cfg=cfg, escalate=False)
-        # TP: the fsdp presets (FSDP over the data-parallel ranks, TP inside the node), as issue 20 asks
+        # TP: the presets that run it inside data-parallel ranks (FSDP over those ranks, TP inside the node)
         plain = [s for s in sub.strategies if not offloads(s.opts)
                  and (kind == "sp" or presets.SPECS[s.base].tp_in_data_parallel)]
         ok = [s for s in plain if s.fits]

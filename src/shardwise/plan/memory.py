@@ -188,7 +188,7 @@ def unit_params(spec: ModelSpec, o: Opts) -> tuple[float, int]:
 
 
 # ----------------------------------------------------------------------------- tensor parallelism
-# The TP plan modelled (issue 20, strategies/parallelize.py): q/k/v/gate/up column-wise, o/down row-wise, the norms
+# The TP plan modelled (strategies/parallelize.py): q/k/v/gate/up column-wise, o/down row-wise, the norms
 # SequenceParallel (the residual stream between the linears is sharded over the tp ranks along the sequence), the
 # embedding vocabulary-sharded (RowwiseParallel) and the head column-wise with loss_parallel (logits sharded over the
 # vocabulary, never gathered). Split over tp: every block linear, the embedding and the head; replicated: the norms.
@@ -286,8 +286,7 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
             d["lora_inputs"] = sum(lin_in.values())
         d["lora_inputs"] += 7 * T * job.lora_r * c  # lora_A outputs, saved by lora_B
         if uses_ds_linear(job, o):  # DeepSpeed's linear saves its input whether or not the weight trains: the
-            # frozen base projections' inputs too (q/k/v's and gate/up's shared ones once); H200 2026-12-01, zero3
-            # LoRA without checkpointing: 9.4 / 4.0 GiB under (Qwen2.5-1.5B / 1.14B shapes) before this and the head
+            # frozen base projections' inputs too (q/k/v's and gate/up's shared ones once)
             d["lora_inputs"] += T * c * (2 * h + spec.q_dim / tp + i / tp)
     return d
 
@@ -345,8 +344,8 @@ def float8_block_bytes(spec: ModelSpec, job: Job) -> float:
 def float8_backward_bytes(spec: ModelSpec, job: Job) -> float:
     """A converted linear's backward transients beside a block's backward: the float8 casts of its output gradient
     and of its (recomputed) input, each also transposed for the weight gradient, and the recomputed input itself
-    where the block did not save it (float8_block_bytes); the largest linear's, bytes. On the 1.14B anchor with full
-    checkpointing (end of backward sets the peak) this predicts +0.28 GiB; measured +0.24 GiB (H200, 2026-12-01)."""
+    where the block did not save it (float8_block_bytes); the largest linear's, bytes (docs/planner.md "float8"
+    compares it with the measured change)."""
     if not _float8_applies(job):
         return 0.0
     recomputed = {n for group, _, whole in _float8_input_groups(spec, job) if whole for n in group}
@@ -435,8 +434,8 @@ def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
 def block_activations(spec: ModelSpec, job: Job, o: Opts) -> float:
     """Saved bytes of one decoder block, compiled or not. Compilation shrinks what the frozen or trained block
     itself saves; the LoRA adapters' saved inputs (peft casts each to the adapter dtype, drops it out and feeds
-    lora_A, which saves it) are kept whole: the two compiled LoRA rows of MEASUREMENTS.md (2026-11-30) measure
-    33.3 / 36.1 GiB, and the factor on everything would predict 26.8 / 30.1 (docs/planner.md)."""
+    lora_A, which saves it) are kept whole: the compile factor applied to them too predicts well under the
+    measured compiled LoRA rows (docs/planner.md)."""
     d = layer_activations(spec, job, o)
     adapters = d.pop("lora_inputs", 0.0)
     factor = cost_of(o.base).compile_factor(o) if job.compile else 1.0
@@ -536,8 +535,8 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     # Where the gradients stay on the device, the end of backward holds them in place of the boundaries; without
     # checkpointing moment A holds more than this.
     moment_b0 = 0.0
-    # (LoRA/QLoRA too: only the adapters' gradients are made, so the end of backward holds little; H200 2026-12-01,
-    # 1.14B Llama LoRA/QLoRA with checkpointing peaked in the last block's recompute beside 15 boundaries)
+    # (LoRA/QLoRA too: only the adapters' gradients are made, so the end of backward holds little and the last
+    # block's recompute beside the other blocks' boundaries is the peak)
     if job.checkpointing and spec.num_layers and ((g == 0 and not st.grads_persist) or job.tuner != "full"):
         bwd = sum(v for k, v in extraB.items() if k != "fp32_grad_partition")
         accumulated = extraA.get("unsharded_accumulated_grads", 0.0) + accum_grads  # earlier micro-batches'
