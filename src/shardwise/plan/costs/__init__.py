@@ -54,6 +54,9 @@ class CostModel:
         return False
 
     def states(self, spec, job, o, N, st) -> None:
+        """Fill `st` (a memory.States): params, grads and optimizer bytes per rank (N ranks share a shard), what
+        offload keeps in host RAM, and the buffers alive at moment A (end of forward), B (end of backward) or all
+        step (plan/memory.py's docstring names the moments). Every family declares this."""
         raise NotImplementedError
 
     def extra_moment(self, spec, job, o, N, st, states, per_layer, act_detail) -> tuple[float, str, dict]:
@@ -61,6 +64,8 @@ class CostModel:
         return 0.0, "", {}
 
     def collectives(self, spec, job, o, shard_n, sizes) -> list:
+        """The family's collectives of one optimizer step (collective.Coll: op, full-buffer bytes, ranks, link,
+        times per step, phase; host transfers on the "host" link); `sizes` is comm.Sizes. None by default."""
         return []
 
     def exposed(self, spec, job, o, net, links, t_fwd, t_bwd, acc: float) -> float:
