@@ -17,10 +17,36 @@ FILE = Path(__file__).with_name("calibration.json")
 
 
 @functools.lru_cache(maxsize=1)
+def _load() -> dict:
+    with open(FILE, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
 def entries() -> dict[str, dict]:
     """name -> entry (value, unit, used_by, means, hardware, fitted_on, rows, history)."""
-    with open(FILE, encoding="utf-8") as fh:
-        return json.load(fh)["constants"]
+    return _load()["constants"]
+
+
+def measured_set(name: str) -> dict:
+    """The bounds a set of measured rows is held to: mem_tol, step_tol, and `wide` rows with their own step bound."""
+    return _load()["measured_sets"][name]
+
+
+def wide_bounds(name: str) -> dict[tuple, float]:
+    """A measured set's rows held to a wider step-time bound: row key (a tuple) -> its bound."""
+    return {tuple(w["row"]): w["step_tol"] for w in measured_set(name)["wide"]}
+
+
+def markdown_sets() -> str:
+    """One row per set of measured rows the planner is checked against, with its bounds."""
+    lines = ["| measured rows | hardware | peak within | step time within | rows with a wider bound | archived |",
+             "|---|---|---|---|---|---|"]
+    for name, m in _load()["measured_sets"].items():
+        wide = "; ".join(f"{' '.join(map(str, w['row']))}: {w['step_tol']:.0%} ({w['why']})" for w in m["wide"])
+        lines.append(f"| `{name}` ({_cell(m['source'])}; {_cell(m['test'])}) | {_cell(m['hardware'])} | "
+                     f"{m['mem_tol']:.0%} | {m['step_tol']:.0%} | {_cell(wide) or '-'} | "
+                     f"{'`' + m['archived'] + '`' if m['archived'] else '-'} |")
+    return "\n".join(lines)
 
 
 def value(name: str) -> float:
@@ -53,8 +79,10 @@ END = "<!-- end of the generated block -->"
 
 
 def doc_block() -> str:
-    """docs/planner.md's generated block: the constants table and their history."""
-    return "\n\n".join([BEGIN, markdown_table(), "History of the fitted values:", markdown_history(), END])
+    """docs/planner.md's generated block: the constants table, their history, and the measured sets' bounds."""
+    return "\n\n".join([BEGIN, markdown_table(), "History of the fitted values:", markdown_history(),
+                        "The measured rows the planner is checked against, and the bounds each set is held to "
+                        "(archived rows: benchmarks/results/plan_measured_archived.json):", markdown_sets(), END])
 
 
 def rewrite_doc(path: str) -> None:
