@@ -4,13 +4,15 @@ Pure data and pure functions, no torch import, so the config layer, the CLI, ben
 planner (which must not import torch.distributed) read it freely; `strategies.get` imports the
 class it names only when a run needs it.
 
-A family (`StrategySpec`) says which class runs it, the config section its options live in,
-the optional package it needs, and the rules the planner shares with the class (how many ranks
-share the sharded state, whether FSDP keeps gathered weights). A preset (`Preset`) is one
+A family (`StrategySpec`) says which class runs it, which cost model the planner prices it with
+(plan/costs/), the config section its options live in, the optional package it needs, and the
+rules the planner shares with the class (how many ranks share the sharded state, whether FSDP
+keeps gathered weights). A preset (`Preset`) is one
 string that selects a family plus option defaults (config keys, dotted for sections), with a
 one-line description and its rank in the planner's tie-break (lower is simpler). Options a
-user sets explicitly win over a preset's. Adding a strategy is one class in strategies/ plus
-one `register(StrategySpec(...))` below (docs/strategies/README.md, "Adding a strategy").
+user sets explicitly win over a preset's. Adding a strategy is one class in strategies/, its cost
+model in plan/costs/, and one `register(StrategySpec(...))` below naming both
+(docs/strategies/README.md, "Adding a strategy").
 """
 
 from __future__ import annotations
