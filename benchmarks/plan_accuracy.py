@@ -234,18 +234,18 @@ def config_for(c: dict, world: int):
     return load_config(None, {k: (v, "plan_accuracy") for k, v in flags.items()}).cfg
 
 
-def predict(c: dict, world: int, accelerator: str, ds_linear: bool = False) -> "object":
-    """The planner's Memory for this case (job_from_config's mapping, the preset's Opts). `ds_linear`: the case ran
-    with DeepSpeed's linear installed by an earlier ZeRO-3 case of the same process (see `ran_with_ds_linear`)."""
-    return plan_case(c, world, accelerator, ds_linear).memory
+def predict(c: dict, world: int, accelerator: str) -> "object":
+    """The planner's Memory for this case (job_from_config's mapping, the preset's Opts)."""
+    return plan_case(c, world, accelerator).memory
 
 
-def plan_case(c: dict, world: int, accelerator: str, ds_linear: bool = False, **engine) -> "object":
+def plan_case(c: dict, world: int, accelerator: str, **job_fields) -> "object":
     """The planner's StrategyPlan for this case, as `shardwise plan --gpu-type H200` makes it: the Job from the
     case's Config (plan.inputs.job_from_config: tuner, LoRA rank, dtypes, checkpointing, compile), the preset's
     Opts, one H200 per rank (peak FLOP/s, links; no doctor.json) for the step time (so for `--device cpu` rows the
-    predicted step time is an H200's, not the CPU's: that mode checks the harness, not the speed model). `engine`:
-    Job fields describing an older engine the row was measured with (e.g. head_two_chunks=True)."""
+    predicted step time is an H200's, not the CPU's: that mode checks the harness, not the speed model). The planner
+    models today's engine: rows measured under an older one are compared as they are (docs/planner.md says which
+    were archived for it). `job_fields`: Job fields to set besides the case's (float8=True)."""
     import dataclasses
 
     from shardwise.plan.decide import opts_for, plan_strategy
@@ -254,14 +254,14 @@ def plan_case(c: dict, world: int, accelerator: str, ds_linear: bool = False, **
     cfg = config_for(c, world)
     setup = make_setup(gpus=world, gpu_memory=139.8, gpu_type="H200", use_doctor=False)
     job = dataclasses.replace(job_from_config(cfg, setup), compute=c["compute"], compile=c["compile"],
-                              accelerator=accelerator, ds_linear=ds_linear, **engine)
+                              accelerator=accelerator, **job_fields)
     return plan_strategy(spec_for(c["model"]), job, setup, c["strategy"], opts_for(c["strategy"], cfg))
 
 
-def predicted_bytes(c: dict, world: int, accelerator: str, ds_linear: bool = False) -> float:
+def predicted_bytes(c: dict, world: int, accelerator: str) -> float:
     """Tensor peak on the measured device. On the CPU offloaded state shares the measured memory
     (host = device), so the offload presets are compared with their device peak + host state."""
-    m = predict(c, world, accelerator, ds_linear)
+    m = predict(c, world, accelerator)
     return m.peak_tensors + (m.host if accelerator == "cpu" else 0.0)
 
 
@@ -828,7 +828,8 @@ def freed_leak(rows: list[dict]) -> list[float]:
 
 def table(rows: list[dict]) -> str:
     """Markdown rows, with predictions from the planner as it is now. ᵈ: the case ran with DeepSpeed's linear
-    (installed by an earlier ZeRO-3 case of the same process; predicted with Job.ds_linear). ᶠ: measured corrected
+    (installed by an earlier ZeRO-3 case of the same process; the planner models today's engine, which restores
+    torch's, so the row is not comparable). ᶠ: measured corrected
     for an earlier case's leak that was freed during this case (`freed_leak`)."""
     if any(r.get("measured_step_s") is not None or r.get("tuner") for r in rows):
         return table_steps(rows)
@@ -846,7 +847,7 @@ def table(rows: list[dict]) -> str:
         if r["world"] == 1 and r.get("device") == "cpu":
             dev = "cpu ×1"
         try:
-            pred = predicted_bytes(r, r["world"], "cuda" if r.get("device") == "cuda" else "cpu", ds)
+            pred = predicted_bytes(r, r["world"], "cuda" if r.get("device") == "cuda" else "cpu")
         except Exception as e:  # a case the config refuses (e.g. hybrid on one node)
             lines.append(f"| {dev} | {r['model']} | {r['strategy']} | — | — | — | — | — | — | — | — | "
                          f"{type(e).__name__} |" + (" |" if gpu else ""))

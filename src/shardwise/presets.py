@@ -4,13 +4,15 @@ Pure data and pure functions, no torch import, so the config layer, the CLI, ben
 planner (which must not import torch.distributed) read it freely; `strategies.get` imports the
 class it names only when a run needs it.
 
-A family (`StrategySpec`) says which class runs it, the config section its options live in,
-the optional package it needs, and the rules the planner shares with the class (how many ranks
-share the sharded state, whether FSDP keeps gathered weights). A preset (`Preset`) is one
+A family (`StrategySpec`) says which class runs it, which cost model the planner prices it with
+(plan/costs/), the config section its options live in, the optional package it needs, and the
+rules the planner shares with the class (how many ranks share the sharded state, whether FSDP
+keeps gathered weights). A preset (`Preset`) is one
 string that selects a family plus option defaults (config keys, dotted for sections), with a
 one-line description and its rank in the planner's tie-break (lower is simpler). Options a
-user sets explicitly win over a preset's. Adding a strategy is one class in strategies/ plus
-one `register(StrategySpec(...))` below (docs/strategies/README.md, "Adding a strategy").
+user sets explicitly win over a preset's. Adding a strategy is one class in strategies/, its cost
+model in plan/costs/, and one `register(StrategySpec(...))` below naming both
+(docs/strategies/README.md, "Adding a strategy").
 """
 
 from __future__ import annotations
@@ -46,6 +48,19 @@ class StrategySpec:
     shards_state: bool = False  # whether parameters/gradients/optimizer states are split across ranks
     composes: tuple = ()  # the FEATURES it composes with (check_composition refuses the others)
     one_replica: bool = False  # its world is one replica: tp x sp ranks, no data-parallel ranks (replica_world)
+    # the planner's cost model of the family: "module:Class" (imported by plan.costs.cost_of when a plan needs it, as
+    # strategies.get imports `cls`), or a plan.costs.CostModel class or instance
+    cost: object = None
+
+    @property
+    def replicates(self) -> bool:
+        """Data-parallel replicas: every rank of several holds all of the state (ddp)."""
+        return not self.shards_state and not self.one_replica
+
+    @property
+    def tp_in_data_parallel(self) -> bool:
+        """Tensor parallelism inside data-parallel ranks (FSDP x TP); a one-replica family's TP has no such ranks."""
+        return "tensor_parallel" in self.composes and not self.one_replica
 
     def shard_ranks(self, world: int, gpus_per_node: int, hybrid: bool = False, shard_group_size: int = 0) -> int:
         """How many ranks share one copy of the sharded state (1: every rank holds all of it)."""
@@ -121,17 +136,20 @@ FEATURES: dict[str, Feature] = {
 }
 
 SINGLE = register(StrategySpec(
-    "single", "shardwise.strategies.single:SingleStrategy", composes=("float8", "qlora", "tensor_parallel"),
+    "single", "shardwise.strategies.single:SingleStrategy", cost="shardwise.plan.costs.replica:SingleCost",
+    composes=("float8", "qlora", "tensor_parallel"),
     one_replica=True,
     presets=(Preset("single", "single", {}, "one process, no wrapping", 0, planned_on="one-rank"),)))
 
 DDP = register(StrategySpec(
-    "ddp", "shardwise.strategies.ddp:DDPStrategy", composes=("float8", "qlora"),
+    "ddp", "shardwise.strategies.ddp:DDPStrategy", cost="shardwise.plan.costs.replica:DDPCost",
+    composes=("float8", "qlora"),
     presets=(Preset("ddp", "ddp", {},
                     "DistributedDataParallel: full replica per rank, one all-reduce of gradients per step", 1),)))
 
 FSDP = register(FSDPSpec(
-    "fsdp", "shardwise.strategies.fsdp:FSDPStrategy", section="fsdp", shards_state=True,
+    "fsdp", "shardwise.strategies.fsdp:FSDPStrategy", cost="shardwise.plan.costs.fsdp:FSDPCost", section="fsdp",
+    shards_state=True,
     composes=("float8", "tensor_parallel"),
     presets=(
         Preset("fsdp", "fsdp", {"fsdp.reshard_after_forward": True},
@@ -145,7 +163,8 @@ FSDP = register(FSDPSpec(
     )))
 
 DEEPSPEED = register(StrategySpec(
-    "deepspeed", "shardwise.strategies.deepspeed:DeepSpeedStrategy", section="deepspeed", shards_state=True,
+    "deepspeed", "shardwise.strategies.deepspeed:DeepSpeedStrategy", cost="shardwise.plan.costs.deepspeed:DeepSpeedCost",
+    section="deepspeed", shards_state=True,
     requires=("deepspeed", "pip install 'shardwise[deepspeed]'"),
     presets=(
         Preset("zero1", "deepspeed", {"deepspeed.stage": 1}, "DeepSpeed ZeRO-1: optimizer states sharded", 5),

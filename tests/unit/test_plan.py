@@ -159,13 +159,9 @@ def test_fused_loss_replaces_the_logits_by_one_chunk_and_two_held_gradients():
     assert "logits" not in d and "logits" in head_activations(spec, plain, Opts("single"))
     assert d["loss_grad_hidden"] == T * h * 4 and d["loss_grad_head"] == V * h * 4
     # chunk logits fp32 + bf16, head-grad matmul bf16 + fp32, bf16 casts of the hidden states and the weight: one
-    # chunk at a time (the loop drops a chunk's logits before the next; Job.head_two_chunks: the engine before)
+    # chunk at a time (the loop drops a chunk's logits before the next)
     one = 4096 * V * (4 + 2) + V * h * (2 + 4) + T * h * 2 + V * h * 2
-    two = 2 * 4096 * V * (4 + 2) + T * h * 2 + V * h * 2
     assert d["loss_transient"] == one
-    old = head_activations(spec, Job(micro_batch=4, seq_len=4096, fused_loss=True, head_two_chunks=True),
-                           Opts("single"))
-    assert old["loss_transient"] == max(one, two) == two
     # FSDP2: bf16 hidden states and weight, a bf16 copy of the head gradient, the root gathered while the head runs
     f = head_activations(spec, fused, Opts("fsdp"))
     assert f["loss_grad_hidden"] == T * h * 2 and f["loss_grad_head"] == V * h * (4 + 2)
@@ -604,7 +600,8 @@ def test_deepspeed_buffers_follow_its_code_not_the_model_size():
     """DeepSpeed 0.19 allocates its gradient bucket at reduce_bucket_size (5e8 elements) whatever the model: ZeRO-1/2
     in the compute dtype during backward, ZeRO-3 in the reduce dtype (fp32 over fp32 weights) for good, with its
     flat gradient partition; ZeRO-3's prefetcher keeps gathered up to stage3_max_live_parameters (1e9)."""
-    from shardwise.plan.memory import Job, Opts, estimate, zero3_kept_gathered
+    from shardwise.plan.costs.deepspeed import zero3_kept_gathered
+    from shardwise.plan.memory import Job, Opts, estimate
     from shardwise.plan.model_spec import ModelSpec
 
     spec = ModelSpec("t", "test", 512, 128, 352, 4, 4, 2, 32, False)  # 0.9M parameters
@@ -622,28 +619,27 @@ def test_deepspeed_buffers_follow_its_code_not_the_model_size():
     assert off.host == 0 and off.detail["buffer.fp32_grad_partition"] == 4 * spec.total_params / 2
 
 
-def test_deepspeed_linear_keeps_no_autocast_weight_copies_and_saves_shared_inputs_once():
-    """ZeRO-3 installs DeepSpeed's LinearFunctionForZeroStage3 as torch.nn.functional.linear: it saves input and
-    weight as passed. Under autocast over fp32 weights (single) that drops the bf16 weight copies (2 bytes per linear
-    parameter) and saves the fp32 input of q/k/v and of gate/up once (4 B) instead of 3 and 2 bf16 casts (6 + 4 B):
-    2*T*h bytes less per block. By hand for a small shape."""
-    from shardwise.plan.memory import Job, Opts, estimate, layer_activations
+def test_zero3_eager_linear_saves_the_frozen_base_inputs_under_lora():
+    """ZeRO-3 runs its eager blocks through DeepSpeed's LinearFunctionForZeroStage3, which saves a linear's input
+    whether or not its weight trains: under LoRA the frozen projections' inputs are saved too (q/k/v's and gate/up's
+    shared ones once, o's and down's), T*c*(2h + q + i) bytes per block more than ZeRO-2 (torch's linear, which
+    saves nothing for a frozen weight). Compiled whole blocks run torch's linear: no difference there. By hand for a
+    small shape."""
+    from shardwise.plan.memory import Job, Opts, layer_activations
     from shardwise.plan.model_spec import ModelSpec
 
     spec = ModelSpec("t", "test", 1000, 64, 128, 2, 4, 2, 16, False)
-    job = Job(micro_batch=2, seq_len=32, compute="bf16", accelerator="cuda")
-    T, h = 64, 64
-    plain = layer_activations(spec, job, Opts("single"))
-    ds = layer_activations(spec, replace(job, ds_linear=True), Opts("single"))
-    assert plain["linear_inputs"] - ds["linear_inputs"] == 2 * T * h
-    a = estimate(spec, job, Opts("single")).detail
-    b = estimate(spec, replace(job, ds_linear=True), Opts("single")).detail
-    assert a["buffer.autocast_weights"] == 2 * spec.linear_params  # plain head: its weight is cast too
-    assert "buffer.autocast_weights" not in b
-    assert a["moment_a"] - b["moment_a"] == 2 * spec.linear_params + spec.num_layers * 2 * T * h
-    # without autocast (bf16 weights under FSDP2) nothing changes; ZeRO-3 always runs DeepSpeed's linear
-    assert layer_activations(spec, replace(job, ds_linear=True), Opts("fsdp")) == \
-        layer_activations(spec, job, Opts("fsdp"))
+    job = Job(micro_batch=2, seq_len=32, compute="bf16", accelerator="cuda", tuner="lora")
+    T, h, c = 64, 64, 2
+    z2 = layer_activations(spec, job, Opts("deepspeed", stage=2))
+    z3 = layer_activations(spec, job, Opts("deepspeed", stage=3))
+    assert z3["lora_inputs"] - z2["lora_inputs"] == T * c * (2 * h + spec.q_dim + spec.intermediate_size)
+    compiled = replace(job, compile=True)
+    assert layer_activations(spec, compiled, Opts("deepspeed", stage=3)) == \
+        layer_activations(spec, compiled, Opts("deepspeed", stage=2))
+    # DeepSpeed's per-submodule fetch keeps its linear in compiled blocks too
+    assert layer_activations(spec, compiled, Opts("deepspeed", stage=3, ds_fetch="module"))["lora_inputs"] == \
+        z3["lora_inputs"]
 
 
 def test_strategy_overheads_by_hand():
@@ -657,9 +653,8 @@ def test_strategy_overheads_by_hand():
         ZERO3_EAGER_S_PER_MODULE_PASS,
         Compute,
         strategy_overhead,
-        zero3_hooked_modules,
-        zero3_trained_tensors,
     )
+    from shardwise.plan.costs.deepspeed import zero3_hooked_modules, zero3_trained_tensors
     from shardwise.plan.memory import Job, Opts
     from shardwise.plan.model_spec import ModelSpec
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardwise.plan.memory import DS_SUB_GROUP, GiB, Job, Opts, estimate, zero3_fp32_grad_elements, zero3_reduces
+from shardwise.plan.costs.deepspeed import zero3_fp32_grad_elements, zero3_reduces
+from shardwise.plan.memory import DS_SUB_GROUP, GiB, Job, Opts, estimate
 from shardwise.plan.model_spec import ModelSpec
 
 # Llama-3.2-3B's shape with a 32k vocabulary, untied (benchmarks/plan_accuracy.py "llama-3B")

@@ -9,8 +9,9 @@ import torch
 
 from shardwise import config
 from shardwise.plan import command as plan_cmd
+from shardwise.plan.costs.replica import replica_states
 from shardwise.plan.decide import fit_advice
-from shardwise.plan.memory import GiB, Job, Opts, States, head_activations, replica_states, trainable
+from shardwise.plan.memory import GiB, Job, Opts, States, head_activations, trainable
 from shardwise.plan.model_spec import from_hf_config
 
 

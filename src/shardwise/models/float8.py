@@ -19,8 +19,10 @@ import importlib.util
 import torch
 from torch import nn
 
+from shardwise.plan.facts import FLOAT8_NARROW_IN, FLOAT8_NARROW_OUT
+
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
-NARROW_OUT, NARROW_IN = 1024, 4096
+NARROW_OUT, NARROW_IN = FLOAT8_NARROW_OUT, FLOAT8_NARROW_IN
 
 
 def refusal(device: torch.device) -> str | None:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from shardwise.errors import ShardwiseError
 from shardwise.models.ring_attention import Ring, ring_attention
-from shardwise.plan.memory import DENSE_MASK_MAX_SEQ
+from shardwise.plan.facts import DENSE_MASK_MAX_SEQ
 
 NAME = "shardwise_ulysses"
 # Above this many (query x key) pairs a packed sequence uses FlexAttention's block mask

@@ -16,6 +16,8 @@ import types
 import torch
 from torch import nn
 
+from shardwise.plan.facts import FUSED_LOSS_CHUNK
+
 IGNORE = -100
 
 
@@ -156,7 +158,7 @@ def linear_cross_entropy(hidden, weight, targets, chunk: int = 4096, compute_dty
                                          chunk, compute_dtype)
 
 
-def install_fused_loss(model: nn.Module, chunk: int = 4096) -> bool:
+def install_fused_loss(model: nn.Module, chunk: int = FUSED_LOSS_CHUNK) -> bool:
     """Make the output head return the summed loss instead of logits when targets are
     set on it (`model.lm_head.loss_targets = targets`). The head stays the same module
     with the same parameter names, so every strategy's wrapping and every checkpoint are

@@ -131,7 +131,7 @@ def build(args):
         # under TP the sequence degrees the fsdp presets take at this tp (single runs only where tp x sp is every
         # rank: its rows at the other degrees would be runs launch refuses)
         strategy = configured or plan.recommended
-        if job.tp == 1 or presets.base_strategy(strategy) == "fsdp":
+        if job.tp == 1 or presets.spec_of(strategy).tp_in_data_parallel:
             plan.sp_rows = sequence_parallel_rows(spec, job, setup, strategy, cfg)
         plan.tp_rows = tensor_parallel_rows(spec, job, setup, cfg)
     plan.lint = lint(plan, res)
@@ -240,6 +240,14 @@ def render(plan, sim=None) -> str:
             lines.append(f"{mark} {r['tp']:>3d} {r['strategy']:14s}{r['mem_gib'] * scale:14.2f}  "
                          f"{'yes' if r['fits'] else 'NO':5s}{r['step_time_s']:9.3f}{r['tokens_per_s']:11,.0f}"
                          f"{r['tp_comm_gb_per_step']:12.2f}")
+    lines += _verdict_lines(plan, sim)
+    return "\n".join(lines)
+
+
+def _verdict_lines(plan, sim=None) -> list[str]:
+    """The recommendation and its reasons, the article's tree, the configured strategy's advice and lint, the
+    simulation's results and the assumptions."""
+    lines: list[str] = []
     par = plan.parallel
     chosen = ""
     if par.get("chosen"):
@@ -271,4 +279,4 @@ def render(plan, sim=None) -> str:
         for e in sim.get("errors", []):
             lines.append(f"  {e}")
     lines += ["", "assumptions:"] + [f"  - {a}" for a in plan.assumptions]
-    return "\n".join(lines)
+    return lines

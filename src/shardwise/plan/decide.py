@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from shardwise import hardware, presets
 from shardwise.errors import ShardwiseError
 from shardwise.plan import text
+from shardwise.plan.calibration import value
 from shardwise.plan.comm import Compute, Links, Timing, step_time
+from shardwise.plan.costs import cost_of
+from shardwise.plan.explain import assumptions, decision_tree, sp_mode_label  # noqa: F401 (re-exported)
 from shardwise.plan.memory import (
-    COMPILE_ACT_FACTOR,
-    COMPILE_ACT_FACTOR_ZERO3,
     GiB,
     Job,
     Memory,
@@ -27,16 +28,12 @@ from shardwise.plan.memory import (
 from shardwise.plan.model_spec import ModelSpec
 
 # MFU of the forward/backward compute on a GPU (the optimizer step is timed separately, comm.step_time), with eager
-# and with compiled blocks; checkpointing needs no constant of its own (its recompute FLOPs at the same MFU). Where
-# they come from: docs/planner.md, "Step time and tokens/s".
-EAGER_MFU = 0.42
-COMPILED_MFU = 0.57
-CPU_PEAK_FLOPS = 5e10  # per rank, when `shardwise doctor` has not measured a matmul
-CPU_MFU = 0.5  # of the measured matmul rate
+# and with compiled blocks; checkpointing needs no constant of its own (its recompute FLOPs at the same MFU)
+EAGER_MFU = value("eager_mfu")
+COMPILED_MFU = value("compiled_mfu")
+CPU_PEAK_FLOPS = value("cpu_peak_flops")  # per rank, when `shardwise doctor` has not measured a matmul
+CPU_MFU = value("cpu_mfu")  # of the measured matmul rate
 TIE = 0.05  # strategies within 5% of the fastest count as equally fast; the simpler one wins
-# the decision tree's source (the project's seed text; there is no link to give)
-ARTICLE = ("a Chinese-language article comparing DDP and FSDP on several GPUs and advising which to choose in ms-swift, "
-           "a fine-tuning framework that runs several distributed backends behind one interface")
 TIGHT = 0.05  # less than 5% of device memory left is reported as tight
 
 
@@ -215,7 +212,13 @@ def preset_names(setup: Setup, tp: int = 1, sp: int = 1, float8: bool = False) -
 
 
 def offloads(o: Opts) -> bool:
-    return o.cpu_offload or o.offload_optimizer or o.offload_params
+    """Whether a preset keeps its state in host RAM (its family's cost model says by its options)."""
+    return cost_of(o.base).offloads(o)
+
+
+def replica_plan(plan: Plan) -> StrategyPlan | None:
+    """The planned data-parallel replica preset (ddp), if any."""
+    return next((s for s in plan.strategies if presets.SPECS[s.base].replicates), None)
 
 
 # ----------------------------------------------------------------------------- core
@@ -291,14 +294,15 @@ def recommend(plan: Plan) -> tuple[str, list[str]]:
     if t.comm_bytes:
         reasons.append(f"it moves {t.comm_bytes / 1e9:.2f} GB per rank per step; {t.exposed_comm_s * 1e3:.0f} ms of "
                        f"that is not hidden behind {t.compute_s * 1e3:.0f} ms of compute")
-    ddp = next((s for s in plan.strategies if s.strategy == "ddp"), None)
-    if best.base != "ddp" and ddp is not None and not ddp.fits:
+    ddp = replica_plan(plan)  # the data-parallel replica (ddp): what sharding is weighed against
+    best_replicates = presets.SPECS[best.base].replicates
+    if not best_replicates and ddp is not None and not ddp.fits:
         m = ddp.memory
-        reasons.append(f"ddp does not fit: a full replica needs {_gib(m.total / GiB)} "
+        reasons.append(f"{ddp.strategy} does not fit: a full replica needs {_gib(m.total / GiB)} "
                        f"(weights {_gib(m.params / GiB)}, optimizer {_gib(m.optimizer / GiB)}, "
                        f"activations {_gib(m.activations / GiB)})")
-    if best.base == "ddp":
-        sharded = [s for s in fitting if s.base != "ddp"]
+    if best_replicates:
+        sharded = [s for s in fitting if not presets.SPECS[s.base].replicates]
         if sharded:
             f = max(sharded, key=lambda s: s.tokens_per_s)
             lean = min(sharded, key=lambda s: s.memory.total)
@@ -313,116 +317,6 @@ def recommend(plan: Plan) -> tuple[str, list[str]]:
     return best.strategy, reasons
 
 
-def decision_tree(plan: Plan) -> dict:
-    """What the article's decision tree says, and whether the numbers agree."""
-    P = plan.spec.total_params
-    mem_gb = plan.setup.device_mem_gib * GiB / 1e9
-    big_mem = mem_gb >= 79  # "80 GB" cards report ~79.6-85 GB
-    size = text.count(P) if P >= 8e9 or P < 7.995e9 else f"{P / 1e9:.3f}B"  # never "8B ... under 8B"
-    big = f"model {size} params, 8B or more (above the tree's 7B class),"
-    if P < 8e9:  # the article's "7B" class: Mistral 7.2B and Qwen2.5-7B 7.6B are in it, Llama 3.1 8B is not
-        cls = f"model {size} params, under 8B (the tree's 7B class),"
-        if big_mem:
-            says, path = "ddp", f"{cls} with >= 80 GB per GPU -> DDP"
-        else:
-            says, path = "fsdp-offload", f"{cls} with < 80 GB per GPU -> FSDP + CPU offload"
-    elif plan.setup.world >= 8:
-        says, path = "fsdp", f"{big} with >= 8 GPUs -> FSDP + mixed precision + gradient checkpointing"
-    else:
-        says, path = "fsdp", f"{big} with < 8 GPUs -> FSDP with sharding optimizations"
-    rec = plan.for_strategy(plan.recommended)
-    tree_plan = next((s for s in plan.strategies if s.strategy == says), None)
-    why = []
-    if says == plan.recommended:
-        why.append("the numbers agree")
-    elif tree_plan is not None and not tree_plan.fits:
-        why.append(f"{says} does not fit here ({_gib(tree_plan.memory.total / GiB)} per rank)")
-        if says == "ddp":
-            bpp = (tree_plan.memory.params + tree_plan.memory.grads + tree_plan.memory.optimizer) / max(P, 1)
-            why.append(f"the article budgets 8 bytes/param for a replica (fp16 weights, grads, Adam: 7B -> 56 GB); "
-                       f"this job keeps {bpp:.0f} bytes/param (param_dtype {plan.job.param_dtype}, "
-                       f"tuner {plan.job.tuner})")
-    elif tree_plan is not None:
-        why.append(f"{says} fits too, but {plan.recommended} is predicted faster or simpler "
-                   f"({rec.tokens_per_s:,.0f} vs {tree_plan.tokens_per_s:,.0f} tokens/s)")
-        if says == "fsdp-offload":
-            why.append("offload is only worth it when nothing else fits: the optimizer step on the CPU and the "
-                       "host transfers cost time")
-    if says == "fsdp" and "checkpointing" in path and not plan.job.checkpointing:
-        why.append("the tree also says gradient checkpointing; " +
-                   ("it is not needed at this micro-batch" if rec.fits else "turning it on cuts activations"))
-    return {"source": ARTICLE, "says": says, "path": path, "planner": plan.recommended,
-            "agree": says == plan.recommended, "why": why}
-
-
-def assumptions(plan: Plan) -> list[str]:
-    j, s = plan.job, plan.setup
-    out = [f"compute dtype {'fp32' if j.c == 4 else ('bf16' if j.compute != 'fp16' else 'fp16')}, "
-           f"stored weights/grads/optimizer in {j.param_dtype}"
-           + (" (autocast for DDP: fp32 residual stream + bf16 weight copies; FSDP2 MixedPrecisionPolicy "
-              "casts weights, reduces in fp32)" if j.w > j.c else ""),
-           "AdamW with two states per trainable parameter; zero_grad(set_to_none=True); "
-           + ("the fused head returns the summed loss" if j.fused_loss else
-              "the loop keeps the model output (logits) until backward" if j.hold_outputs else
-              "outputs dropped before backward"),
-           "HF Llama-style block with SDPA (flash / memory-efficient: no S^2 term"
-           + ("; packing uses a bool block-diagonal mask, so K/V are repeated to all heads)" if j.packing else ")"),
-           ("fused loss head: chunks of 4096 tokens, no T x V logits; " if j.fused_loss else
-            "the loss upcasts the full logits to fp32; ")
-           + ("decoder blocks compiled (torch.compile): block activations x "
-              f"{COMPILE_ACT_FACTOR} (x {COMPILE_ACT_FACTOR_ZERO3} under ZeRO-3 with deepspeed.fetch module, whose "
-              "per-submodule hooks split them)"
-              if j.compile else "decoder blocks eager (no torch.compile)"),
-           "DDP: 25 MiB buckets, gradient_as_bucket_view=True (gradients are views of the buckets, alive all step); "
-           "FSDP2: each decoder layer a unit, embeddings/norm/head in the root unit, two units gathered at a time "
-           "in forward, the root and one unit in backward; "
-           "DeepSpeed: default buckets (reduce 5e8, prefetch 5e7 elements), fp32 master partition, "
-           "overlap_comm off for ZeRO-1/2; ZeRO-3 fetches each decoder block whole (deepspeed.fetch block: one hook "
-           "pair a block, DeepSpeed's linear only in eager blocks) unless deepspeed.fetch is module",
-           f"step time: FLOPs (6N + 12*L*H*S per token) at {s.mfu_for(j):.0%} of {text.flops(s.peak_flops)}"
-           + ("" if s.mfu is not None else " (compiled blocks)" if j.compile else " (eager blocks)")
-           + (" (measured matmul rate)" if "doctor" in " ".join(s.notes) and s.accelerator == "cpu" else "")
-           + "; communication overlapped with compute where the strategy does it",
-           ]
-    if j.tp > 1:
-        out.append(f"tensor parallel {j.tp}: q/k/v/gate/up column-wise, o/down row-wise, norms sequence-parallel, "
-                   "embedding and head vocabulary-sharded with loss_parallel (no fused chunked head: the logits are "
-                   "T x V/tp per rank); per layer 2 all-gathers + 2 reduce-scatters of T x h each way on the "
-                   "intra-node link, not overlapped; FLOPs per rank / tp")
-    if j.float8:
-        from shardwise.plan.comm import FLOAT8_CAST_BYTES
-        from shardwise.plan.memory import float8_linears
-
-        names = ", ".join(n.removesuffix("_proj") for n in float8_linears(plan.spec)) or "none"
-        out.append(f"float8 linears in every block ({names}; the narrow ones left as they are): their matmuls at "
-                   f"{text.flops(s.fp8_peak_flops)} (float8) at the same MFU, {FLOAT8_CAST_BYTES:g} bytes of memory "
-                   "traffic per element cast; no bf16 weight copies; " + (
-                       "activations as without float8 under selective checkpointing"
-                       if j.selective_checkpointing else "their inputs recomputed in backward rather than saved"))
-    if j.sp > 1:
-        from shardwise.plan.comm import sp_split
-
-        u, r = sp_split(plan.spec, j)
-        out.append(f"sequence parallel {j.sp} ({sp_mode_label(plan.spec, j)}): "
-                   + (f"Ulysses over {u} ranks, 4 all-to-alls per layer each way, not overlapped" if u > 1 else "")
-                   + ("; " if u > 1 and r > 1 else "")
-                   + (f"ring attention over {r} ranks, {r - 1} KV exchanges per layer each way (and dK/dV in "
-                      "backward), overlapped with the attention compute" if r > 1 else ""))
-    if s.accelerator == "cuda":
-        out.append(f"allowance per GPU: CUDA context {hardware_ctx():.2f} GiB + 7% allocator fragmentation")
-    else:
-        out.append("CPU: 'device memory' is host RAM divided by the ranks of the node; no context allowance")
-    if not j.packing:
-        out.append("tokens/s counts sequence slots; padding is not subtracted (use --packing for full sequences)")
-    return out
-
-
-def hardware_ctx() -> float:
-    from shardwise.plan.memory import CUDA_CONTEXT_GIB
-
-    return CUDA_CONTEXT_GIB
-
-
 # ----------------------------------------------------------------------------- advice
 
 
@@ -430,7 +324,7 @@ def _variant(plan: Plan, name: str, job: Job | None = None, setup: Setup | None 
     job = job or plan.job
     setup = setup or plan.setup
     base = plan.for_strategy(name).opts if any(s.strategy == name for s in plan.strategies) else opts_for(name)
-    if name == "hybrid" and setup.nodes <= 1:
+    if presets.PRESETS[name].options.get("fsdp.hybrid") and setup.nodes <= 1:  # one node: no replica groups
         base = dataclasses.replace(base, hybrid=False)
     return plan_strategy(plan.spec, job, setup, name, base)
 
@@ -479,14 +373,14 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
             if not j.checkpointing:
                 add(0, f"--strategy {name} --gradient-checkpointing", dataclasses.replace(j, checkpointing=True), name)
     for name in ("fsdp-offload", "zero3-offload"):
-        if name != strategy_name and ((j.tp == 1 and not j.float8) or presets.base_strategy(name) == "fsdp"):
+        if name != strategy_name and not presets.check_composition(name, {"tensor_parallel": j.tp, "float8": j.float8}):
             add(1, f"--strategy {name}", name=name)
     s = plan.setup
     if j.sp == 1 and j.tp == 1 and s.world > 1:  # split the sequence, or the weights (TP: fsdp, full fine-tune)
-        if sp.base != "single":
+        if not presets.SPECS[sp.base].one_replica:
             for d in sp_degrees(plan.spec, j, s.world):
                 add(1, f"--sequence-parallel {d}", dataclasses.replace(j, sp=d))
-        if sp.base == "fsdp" and j.tuner == "full":
+        if presets.SPECS[sp.base].tp_in_data_parallel and j.tuner == "full":
             # float8 is not built with TP: those variants drop it, and say so
             no8, off = (" --no-float8", {"float8": False}) if j.float8 else ("", {})
             for d in tp_degrees(plan.spec, s.gpus_per_node):
@@ -496,7 +390,7 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
                 for t, d in tp_sp_pairs(plan.spec, j, s):
                     add(1, f"--tensor-parallel {t} --sequence-parallel {d}{no8}",
                         dataclasses.replace(j, tp=t, sp=d, **off))
-    sharded = strategy_name if sp.base in ("fsdp", "deepspeed") else "fsdp"
+    sharded = strategy_name if presets.SPECS[sp.base].shards_state else "fsdp"
     for mult in (2, 4, 8):
         if s.accelerator == "cuda":
             more = dataclasses.replace(s, nodes=s.nodes * mult)
@@ -538,16 +432,6 @@ def tp_sp_pairs(spec: ModelSpec, job: Job, setup: Setup) -> list[tuple[int, int]
     return sorted(pairs, key=lambda p: (p[0] * p[1], p[0]))
 
 
-def sp_mode_label(spec: ModelSpec, job: Job) -> str:
-    """How a sequence-parallel degree splits attention: 'ulysses', 'ring', or 'ulysses U x ring R'."""
-    from shardwise.plan.comm import sp_split
-
-    if job.sp <= 1:
-        return "-"
-    u, r = sp_split(spec, job)
-    return "ulysses" if r == 1 else "ring" if u == 1 else f"ulysses {u} x ring {r}"
-
-
 def _exchange_gb(sp: StrategyPlan, kind: str) -> float:
     return round(sum(c.wire() * c.per_step for c in sp.timing.collectives if c.kind == kind) / 1e9, 4)
 
@@ -580,7 +464,8 @@ def tensor_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, cfg=None) -> l
     for d in [1] + degrees:
         sub = plan_model(spec, dataclasses.replace(job, tp=d), setup, cfg=cfg, escalate=False)
         for sp in sub.strategies:
-            if sp.base == "fsdp" or (sp.base == "single" and d > 1 and d * job.sp == setup.world):
+            family = presets.SPECS[sp.base]
+            if family.tp_in_data_parallel or (family.one_replica and d > 1 and d * job.sp == setup.world):
                 rows.append({"tp": d, "strategy": sp.strategy, "mem_gib": round(sp.memory.total / GiB, 4),
                              "fits": sp.fits, "step_time_s": round(sp.timing.step_s, 5),
                              "tokens_per_s": round(sp.timing.tokens_per_s, 1),
@@ -617,8 +502,9 @@ def _first_fit(plan: Plan, kind: str, cfg) -> tuple[tuple[int, StrategyPlan, boo
     lean = None
     for n, d in enumerate(degrees):
         sub = plan_model(spec, dataclasses.replace(job, **{kind: d}), setup, cfg=cfg, escalate=False)
-        # TP: the fsdp presets (FSDP over the data-parallel ranks, TP inside the node), as issue 20 asks
-        plain = [s for s in sub.strategies if not offloads(s.opts) and (kind == "sp" or s.base == "fsdp")]
+        # TP: the presets that run it inside data-parallel ranks (FSDP over those ranks, TP inside the node)
+        plain = [s for s in sub.strategies if not offloads(s.opts)
+                 and (kind == "sp" or presets.SPECS[s.base].tp_in_data_parallel)]
         ok = [s for s in plain if s.fits]
         if ok:
             return (d, _fastest_simplest(ok), n > 0), lean
@@ -641,7 +527,8 @@ def _pair_fit(plan: Plan, cfg) -> tuple[int, int, StrategyPlan, bool] | None:
         fit = []
         for t, d in (p for p in pairs if p[0] * p[1] == total):
             sub = plan_model(spec, dataclasses.replace(job, tp=t, sp=d), setup, cfg=cfg, escalate=False)
-            fit += [(t, d, s) for s in sub.strategies if s.fits and not offloads(s.opts) and s.base == "fsdp"]
+            fit += [(t, d, s) for s in sub.strategies
+                    if s.fits and not offloads(s.opts) and presets.SPECS[s.base].tp_in_data_parallel]
         if fit:
             fit.sort(key=lambda f: -f[2].tokens_per_s)  # equally simple: the faster first, which min() keeps
             pick = _fastest_simplest([f[2] for f in fit])
@@ -668,6 +555,57 @@ def _alone(kind: str, lean: tuple[int, float] | None) -> str:
     return f"{name} parallelism alone (the leanest, {name} parallel {lean[0]}, needs {_gib(lean[1] / GiB)})"
 
 
+def _explain_pair(plan: Plan, pair: tuple, head: str, leanest: dict, long_seq: bool) -> tuple:
+    """choose_parallel's words for tensor x sequence parallelism together: (the job, the preset, whether a smaller
+    product was tried, head, what, how, the tree's entry)."""
+    job, spec, mem = plan.job, plan.spec, plan.setup.device_mem_gib
+    t, d, pick, tried_smaller = pair
+    j = dataclasses.replace(job, tp=t, sp=d)
+    head += (f"; but neither {_alone('sp', leanest.get('sp'))} nor {_alone('tp', leanest.get('tp'))} fits, so "
+             f"both together: tensor parallelism divides the weights and sequence parallelism the tokens")
+    what = f"{pick.strategy} + tensor parallel {t} x sequence parallel {d} ({sp_mode_label(spec, j)})"
+    how = (f"{_tp_how(spec, t)}, and sequence parallel {d} gives each rank {job.seq_len // d} of the "
+           f"{job.seq_len} tokens of a sequence ({sp_mode_label(spec, j)} over each tensor rank's "
+           f"{spec.num_heads // t} heads): {t} x {d} = {t * d} ranks hold one copy of the model and its sequence, "
+           f"data-parallel degree {j.dp}; it adds {_exchange_gb(pick, 'tp'):.2f} GB of all-gathers and "
+           f"reduce-scatters on the intra-node link and {_exchange_gb(pick, 'sp'):.2f} GB of attention "
+           "exchanges per rank per step, not hidden behind compute")
+    tree = {"path": f"{TREE_TP}, and {TREE_SP}", "paths": [TREE_TP, TREE_SP],
+            "says": "tensor parallel + sequence parallel",
+            "why": [_tp_why(spec, mem),
+                    "the sequence is what does not fit" if long_seq else
+                    "the sequence is not what takes most of the memory, but neither alone fits: both split it"]}
+    return j, pick, tried_smaller, head, what, how, tree
+
+
+def _explain_one(plan: Plan, found: tuple, kind: str, first: str, cause: str, head: str, lean: StrategyPlan,
+                 long_seq: bool) -> tuple:
+    """choose_parallel's words for one kind of parallelism (sp | tp; `first` the kind tried first): (the job, the
+    preset, whether a smaller degree was tried, head, what, how, the tree's entry)."""
+    job, spec, mem, m = plan.job, plan.spec, plan.setup.device_mem_gib, lean.memory
+    d, pick, tried_smaller = found
+    if kind != first:
+        cause += ("; but no sequence-parallel degree fits (the states stay), so tensor parallelism, which "
+                  "divides them too" if kind == "tp" else "; but no tensor-parallel degree fits, so sequence "
+                                                          "parallelism")
+        head = (f"data parallelism alone does not fit in {mem:.1f} GiB per rank without offload (the smallest, "
+                f"{lean.strategy}, needs {_gib(m.total / GiB)}); {cause}")
+    j = dataclasses.replace(job, **{kind: d})
+    if kind == "tp":
+        what = f"{pick.strategy} + tensor parallel {d}"
+        how = (f"{_tp_how(spec, d)}; it adds {_exchange_gb(pick, 'tp'):.2f} GB of all-gathers and "
+               "reduce-scatters per rank per step on the intra-node link, not hidden behind compute")
+        tree = {"path": TREE_TP, "says": "tensor parallel", "why": [_tp_why(spec, mem)]}
+    else:
+        what = f"{pick.strategy} + sequence parallel {d} ({sp_mode_label(spec, j)})"
+        how = (f"sequence parallel {d} gives each rank {job.seq_len // d} of the {job.seq_len} tokens of a "
+               f"sequence; it adds {_exchange_gb(pick, 'sp'):.2f} GB of attention exchanges per rank per step")
+        tree = {"path": TREE_SP, "says": "sequence parallel",
+                "why": ["the numbers agree: the sequence is what does not fit" if long_seq else
+                        "the numbers reach it though the sequence is not what takes most of the memory"]}
+    return j, pick, tried_smaller, head, what, how, tree
+
+
 def choose_parallel(plan: Plan, cfg=None) -> None:
     """When no data-parallel preset fits without offload, the smallest sequence- or tensor-parallel degree that
     does: activations at least half of the smallest preset's peak mean the sequence is what does not fit
@@ -677,7 +615,7 @@ def choose_parallel(plan: Plan, cfg=None) -> None:
     smallest tp x sp that fits (_pair_fit), TP dividing the weights inside a node and SP the sequence of each tensor
     rank. Chosen over an offload preset that fits only when faster.
     Sets plan.recommended, plan.reasons, plan.parallel and the tree's `parallel` entry."""
-    job, spec, setup = plan.job, plan.spec, plan.setup
+    job, setup = plan.job, plan.setup
     if job.tp > 1 or job.sp > 1 or setup.world < 2:
         return
     plain = [s for s in plan.strategies if not offloads(s.opts)]
@@ -714,43 +652,10 @@ def choose_parallel(plan: Plan, cfg=None) -> None:
                                         "allow fits either, alone or together"))
         return
     if pair is not None:
-        t, d, pick, tried_smaller = pair
-        j = dataclasses.replace(job, tp=t, sp=d)
-        head += (f"; but neither {_alone('sp', leanest.get('sp'))} nor {_alone('tp', leanest.get('tp'))} fits, so "
-                 f"both together: tensor parallelism divides the weights and sequence parallelism the tokens")
-        what = f"{pick.strategy} + tensor parallel {t} x sequence parallel {d} ({sp_mode_label(spec, j)})"
-        how = (f"{_tp_how(spec, t)}, and sequence parallel {d} gives each rank {job.seq_len // d} of the "
-               f"{job.seq_len} tokens of a sequence ({sp_mode_label(spec, j)} over each tensor rank's "
-               f"{spec.num_heads // t} heads): {t} x {d} = {t * d} ranks hold one copy of the model and its sequence, "
-               f"data-parallel degree {j.dp}; it adds {_exchange_gb(pick, 'tp'):.2f} GB of all-gathers and "
-               f"reduce-scatters on the intra-node link and {_exchange_gb(pick, 'sp'):.2f} GB of attention "
-               "exchanges per rank per step, not hidden behind compute")
-        tree = {"path": f"{TREE_TP}, and {TREE_SP}", "paths": [TREE_TP, TREE_SP],
-                "says": "tensor parallel + sequence parallel",
-                "why": [_tp_why(spec, mem),
-                        "the sequence is what does not fit" if long_seq else
-                        "the sequence is not what takes most of the memory, but neither alone fits: both split it"]}
+        j, pick, tried_smaller, head, what, how, tree = _explain_pair(plan, pair, head, leanest, long_seq)
     else:
-        d, pick, tried_smaller = found
-        if kind != order[0]:
-            cause += ("; but no sequence-parallel degree fits (the states stay), so tensor parallelism, which "
-                      "divides them too" if kind == "tp" else "; but no tensor-parallel degree fits, so sequence "
-                                                              "parallelism")
-            head = (f"data parallelism alone does not fit in {mem:.1f} GiB per rank without offload (the smallest, "
-                    f"{lean.strategy}, needs {_gib(m.total / GiB)}); {cause}")
-        j = dataclasses.replace(job, **{kind: d})
-        if kind == "tp":
-            what = f"{pick.strategy} + tensor parallel {d}"
-            how = (f"{_tp_how(spec, d)}; it adds {_exchange_gb(pick, 'tp'):.2f} GB of all-gathers and "
-                   "reduce-scatters per rank per step on the intra-node link, not hidden behind compute")
-            tree = {"path": TREE_TP, "says": "tensor parallel", "why": [_tp_why(spec, mem)]}
-        else:
-            what = f"{pick.strategy} + sequence parallel {d} ({sp_mode_label(spec, j)})"
-            how = (f"sequence parallel {d} gives each rank {job.seq_len // d} of the {job.seq_len} tokens of a "
-                   f"sequence; it adds {_exchange_gb(pick, 'sp'):.2f} GB of attention exchanges per rank per step")
-            tree = {"path": TREE_SP, "says": "sequence parallel",
-                    "why": ["the numbers agree: the sequence is what does not fit" if long_seq else
-                            "the numbers reach it though the sequence is not what takes most of the memory"]}
+        j, pick, tried_smaller, head, what, how, tree = _explain_one(plan, found, kind, order[0], cause, head, lean,
+                                                                     long_seq)
     offload = [s for s in plan.strategies if s.fits and offloads(s.opts)]
     if offload:
         o = max(offload, key=lambda s: s.tokens_per_s)

@@ -55,12 +55,8 @@ def job_from_config(cfg, setup: Setup) -> Job:
                selective_checkpointing=_ac(cfg) == "selective", float8=bool(getattr(cfg, "float8", False)))
 
 
-def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, nodes: int = 1,
-               gpu_memory: float | None = None, gpu_type: str | None = None, intra_gbps: float | None = None,
-               inter_gbps: float | None = None, mfu: float | None = None, ranks_per_node: int | None = None,
-               use_doctor: bool = True) -> Setup:
-    """Hardware for a plan: what is given wins, then what is measured (doctor.json), then detected, then assumed."""
-    notes: list[str] = []
+def _check_flags(gpus, nodes, gpu_memory, intra_gbps, inter_gbps, mfu) -> None:
+    """The hardware flags within their bounds, where given."""
     check_counts(gpus, nodes)
     if gpu_memory is not None and not 0 < gpu_memory <= 4096:
         raise ShardwiseError(f"--gpu-memory must be in GiB per GPU, between 0 and 4096, got {gpu_memory}")
@@ -69,6 +65,15 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
             raise ShardwiseError(f"{flag} must be > 0 (Gb/s), got {v}")
     if mfu is not None and not 0 < mfu <= 1:
         raise ShardwiseError(f"--mfu must be a fraction in (0, 1], got {mfu}")
+
+
+def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, nodes: int = 1,
+               gpu_memory: float | None = None, gpu_type: str | None = None, intra_gbps: float | None = None,
+               inter_gbps: float | None = None, mfu: float | None = None, ranks_per_node: int | None = None,
+               use_doctor: bool = True) -> Setup:
+    """Hardware for a plan: what is given wins, then what is measured (doctor.json), then detected, then assumed."""
+    notes: list[str] = []
+    _check_flags(gpus, nodes, gpu_memory, intra_gbps, inter_gbps, mfu)
     if hw is None:
         if gpus is not None and gpu_memory is not None:
             hw = hardware.Hardware("cuda", gpu_type or DEFAULT_GPU, gpus, gpu_memory, 0.0)

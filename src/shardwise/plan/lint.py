@@ -5,7 +5,9 @@ Each finding says what it sees (with the config line when known) and what to do.
 
 from __future__ import annotations
 
-from shardwise.plan.decide import TIE, Plan
+from shardwise import presets
+from shardwise.plan.costs import cost_of
+from shardwise.plan.decide import TIE, Plan, replica_plan
 from shardwise.plan.memory import GiB, unit_params
 
 SMALL_UNIT = 1e8  # the article: min_num_params=1e8 for size-based wrapping
@@ -25,7 +27,8 @@ def lint(plan: Plan, res=None) -> list[dict]:
     if not name or name not in {s.strategy for s in plan.strategies}:
         return []
     sp = plan.for_strategy(name)
-    o, spec, setup, job = sp.opts, plan.spec, plan.setup, plan.job
+    o, spec, setup = sp.opts, plan.spec, plan.setup
+    cost = cost_of(o.base)
     mem = setup.device_mem_gib
     out: list[dict] = []
 
@@ -36,7 +39,7 @@ def lint(plan: Plan, res=None) -> list[dict]:
         return next((s for s in plan.strategies if s.strategy == n), None)
 
     # 1. tiny wrap units
-    if o.base == "fsdp" and o.wrap.startswith("size:"):
+    if cost.wraps_units and o.wrap.startswith("size:"):
         n = int(o.wrap[5:])
         U, units = unit_params(spec, o)
         if n < min(SMALL_UNIT, spec.layer_params):
@@ -47,12 +50,10 @@ def lint(plan: Plan, res=None) -> list[dict]:
                 f"({spec.num_layers} units of {spec.layer_params / 1e6:.0f}M) or size:{int(SMALL_UNIT)}")
 
     # 2. CPU offload where memory is plentiful
-    offload = (o.base == "fsdp" and o.cpu_offload) or (o.base == "deepspeed" and (o.offload_optimizer or o.offload_params))
-    if offload:
-        alt_name = "fsdp" if o.base == "fsdp" else f"zero{o.stage}"
+    if cost.offloads(o):
+        alt_name, key = cost.without_offload(o)
         alt = get(alt_name)
         if alt and alt.fits and alt.headroom_gib >= ROOMY * mem:
-            key = "fsdp.cpu_offload" if o.base == "fsdp" else "deepspeed.offload_optimizer"
             add("offload-not-needed", "warn",
                 f"{_where(res, key) or _where(res, 'strategy')}{name} offloads to the CPU, but {alt_name} fits in "
                 f"{alt.memory.total / GiB:.1f} of {mem:.1f} GiB per rank without it; offload costs "
@@ -60,11 +61,11 @@ def lint(plan: Plan, res=None) -> list[dict]:
                 f"{alt.tokens_per_s:,.0f} tokens/s): use --strategy {alt_name}")
 
     # 3. sharding a model that DDP fits with room to spare, on a slow link
-    sharded = o.base == "fsdp" or (o.base == "deepspeed" and o.stage == 3)
+    sharded = cost.gathers_params(o)
     slow = (setup.intra_gbps < SLOW_INTRA_GBPS and not setup.measured_busbw) or \
            (setup.measured_busbw is not None and setup.measured_busbw * 8 / 1e9 < SLOW_INTRA_GBPS) or \
            (setup.nodes > 1 and setup.inter_gbps < SLOW_INTER_GBPS)
-    ddp = get("ddp")
+    ddp = replica_plan(plan)
     # only where ddp is predicted as fast, or within the planner's tie (and simpler): never quoting a faster sp
     if (sharded and slow and ddp and ddp.fits and ddp.headroom_gib >= ROOMY * mem
             and ddp.tokens_per_s >= (1 - TIE) * sp.tokens_per_s):
@@ -76,8 +77,8 @@ def lint(plan: Plan, res=None) -> list[dict]:
             f"{ddp.comm_gb_per_step:.2f} GB ({speed}): use --strategy ddp")
 
     # 4. FSDP across nodes on a slow network without hybrid sharding
-    if o.base == "fsdp" and not o.hybrid and setup.nodes > 1 and setup.inter_gbps < SLOW_INTER_GBPS:
-        hyb = get("hybrid")
+    if cost.hybrid_preset and not o.hybrid and setup.nodes > 1 and setup.inter_gbps < SLOW_INTER_GBPS:
+        hyb = get(cost.hybrid_preset)
         extra = (f" (predicted {hyb.tokens_per_s:,.0f} vs {sp.tokens_per_s:,.0f} tokens/s"
                  f"{'' if hyb.fits else '; but hybrid does not fit: ' + format(hyb.memory.total / GiB, '.1f') + ' GiB'})"
                  if hyb else "")
@@ -86,7 +87,14 @@ def lint(plan: Plan, res=None) -> list[dict]:
             f"{setup.inter_gbps:g} Gb/s link every micro-batch; hybrid sharding keeps the gathers inside a node "
             f"and sends only one gradient all-reduce across: use --strategy hybrid{extra}")
 
-    # 5. activations dominate and checkpointing is off
+    _checkpointing_off(plan, sp, res, add)
+    _float8_off(plan, sp, name, add)
+    return out
+
+
+def _checkpointing_off(plan: Plan, sp, res, add) -> None:
+    """5. activations dominate and checkpointing is off."""
+    o, spec, job, mem = sp.opts, plan.spec, plan.job, plan.setup.device_mem_gib
     if not job.checkpointing:
         m = sp.memory
         if m.activations >= 0.5 * m.peak_tensors:
@@ -102,10 +110,14 @@ def lint(plan: Plan, res=None) -> list[dict]:
                 f"{ck.activations / GiB:.1f} GiB (total ~{ck.total / GiB:.1f} GiB) for ~25-30% more compute"
                 + ("" if tight else " — not needed while it fits, useful to raise the micro-batch"))
 
-    # 6. float8 tensor cores left unused (an opt-in lever: worth saying only where it is predicted to pay)
+
+def _float8_off(plan: Plan, sp, name: str, add) -> None:
+    """6. float8 tensor cores left unused (an opt-in lever: worth saying only where it is predicted to pay)."""
+    spec, setup, job = plan.spec, plan.setup, plan.job
+    o = sp.opts
     # (not with eager blocks: float8 needs the compiled ones, the config refuses it without them)
     if (setup.fp8_peak_flops and not job.float8 and job.tuner == "full" and job.tp == 1 and job.compute == "bf16"
-            and o.base in ("single", "ddp", "fsdp") and setup.accelerator == "cuda" and job.compile):
+            and presets.composes(name, "float8") and setup.accelerator == "cuda" and job.compile):
         from dataclasses import replace
 
         from shardwise.plan.decide import plan_strategy
@@ -118,4 +130,3 @@ def lint(plan: Plan, res=None) -> list[dict]:
                 f"predicted at {f8.tokens_per_s:,.0f} vs {sp.tokens_per_s:,.0f} tokens/s ({gain:+.0%}) and "
                 f"{(sp.memory.total - f8.memory.total) / GiB:.1f} GiB less per rank; it rounds the blocks' large "
                 "matmuls to float8 (docs/speed.md has its loss curve against bf16)")
-    return out

@@ -25,36 +25,35 @@ import math
 from dataclasses import dataclass, field
 
 from shardwise import presets
+from shardwise.plan.calibration import value
+from shardwise.plan.costs import cost_of
+from shardwise.plan.facts import (  # noqa: F401 (DDP_BUCKET_BYTES and the DS_* are re-exported)
+    DDP_BUCKET_BYTES,
+    DDP_GRADIENT_AS_BUCKET_VIEW,
+    DENSE_MASK_MAX_SEQ,
+    DS_MAX_LIVE,
+    DS_PREFETCH_BUCKET,
+    DS_REDUCE_BUCKET,
+    DS_SUB_GROUP,
+    FLOAT8_NARROW_IN,
+    FLOAT8_NARROW_OUT,
+    FUSED_LOSS_CHUNK,
+)
 from shardwise.plan.model_spec import ModelSpec
 
 GiB = 2**30
-DDP_BUCKET_BYTES = 25 * 2**20  # DDP bucket_cap_mb default
-# DeepSpeed (0.19) reduce_bucket_size default, in elements. It allocates its gradient (IPG) bucket at this size whatever
-# the model's: ZeRO-1/2 in the parameters' dtype when the backward starts, freed at its end (stage_1_and_2.py
-# setup_buckets); ZeRO-3 once at initialisation, in the reduce dtype, for good (stage3.py, `ipg_buckets`).
-DS_REDUCE_BUCKET = 5e8
-DS_PREFETCH_BUCKET = 5e7  # DeepSpeed stage3_prefetch_bucket_size default (elements)
-# stage3_max_live_parameters default (elements): ZeRO-3's prefetcher gathers ahead until this many are gathered
-# (partitioned_param_coordinator.py, fetch_sub_module); see zero3_kept_gathered.
-DS_MAX_LIVE = 1e9
-# stage3 sub_group_size default (elements): ZeRO-3 splits each parameter group's partition into sub-groups that close
-# once they reach this size, and its optimizer step makes the fp32 gradient of one sub-group at a time (stage3.py,
-# _create_fp16_sub_groups, _prepare_fp32_grad_for_sub_group; released after that sub-group's step).
-DS_SUB_GROUP = 1e9
 QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # NF4 + double-quantised absmax per 64-block
-CUDA_CONTEXT_GIB = 0.75  # CUDA context + cuBLAS/NCCL workspaces, outside the allocator's count
-FRAGMENTATION = 0.07  # caching allocator: reserved exceeds allocated by a few percent
+CUDA_CONTEXT_GIB = value("cuda_context_gib")  # CUDA context + cuBLAS/NCCL workspaces, outside the allocator's count
+FRAGMENTATION = value("fragmentation")  # caching allocator: reserved exceeds allocated by a few percent
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused linear + cross-entropy head (models/speed.py)
 # torch.compile per decoder block (inductor fuses the elementwise ops and recomputes them in backward): saved
 # activations of a block, compiled / eager. Under DDP the engine keeps each compiled block one graph
-# (strategies/ddp.py: optimize_ddp = False), so DDP uses this factor too. Where it comes from: docs/planner.md,
-# "Where the constants come from".
-COMPILE_ACT_FACTOR = 0.64
+# (strategies/ddp.py: optimize_ddp = False), so DDP uses this factor too.
+COMPILE_ACT_FACTOR = value("compile_act_factor")
 # ZeRO-3 (and zero3-offload) with DeepSpeed's per-submodule fetch (deepspeed.fetch module): its fetch/release hooks
 # run around every submodule and dynamo breaks the graph at them, so a compiled block is fused only between its
-# linears and saves more (docs/planner.md, same section). Whole-block fetch (the default) keeps each block one graph.
-COMPILE_ACT_FACTOR_ZERO3 = 0.80
+# linears and saves more. Whole-block fetch (the default) keeps each block one graph.
+COMPILE_ACT_FACTOR_ZERO3 = value("compile_act_factor_zero3_module")
 
 
 @dataclass(frozen=True)
@@ -80,21 +79,6 @@ class Job:
     hold_outputs: bool = False  # the loop keeps model outputs (logits) alive until backward (train_step does not)
     fused_loss: bool = False  # chunked linear + cross-entropy head, gradients in the forward (config `fused_loss`)
     compile: bool = False  # torch.compile of each decoder block (config `compile`, resolved for the device)
-    # torch.nn.functional.linear is DeepSpeed's LinearFunctionForZeroStage3 (ZeRO-3 installs it process-wide when it
-    # converts a model: partition_parameters.Init(module=...) -> _enable_mem_efficient_linear, "persists unless manually
-    # reset"). It saves the linear's input and weight as passed and casts inside: no autocast weight copies are kept,
-    # and projections that share an input save it once. On for zero3 itself; plan_accuracy sets it for the cases that
-    # ran after a ZeRO-3 case in the same process.
-    ds_linear: bool = False
-    # ZeRO-3 fetching whole blocks ran its eager blocks with torch's F.linear (2026-12-01, before eager blocks kept
-    # DeepSpeed's linear, strategies/deepspeed.py): only for comparing with rows measured then
-    zero3_torch_linear: bool = False
-    # the fused head computed the weight gradient of a frozen head too (LoRA/QLoRA), as the engine did before it
-    # checked needs_input_grad (issue 16): only for comparing with rows measured before then
-    frozen_head_grad: bool = False
-    # the fused head kept the previous chunk's logits bound to its loop's names while making the next chunk's (two
-    # chunks alive), as the engine did until 2026-12-01: only for comparing with rows measured before then
-    head_two_chunks: bool = False
     sp: int = 1  # sequence-parallel degree: each rank holds 1/sp of every sequence (config `sequence_parallel`)
     tp: int = 1  # tensor-parallel degree: each rank holds 1/tp of every block linear (config `tensor_parallel`)
     sp_mode: str = "auto"  # ulysses | ring | auto (Ulysses gcd(heads, sp), ring for the rest; config `sp_mode`)
@@ -142,7 +126,7 @@ class Opts:
     offload_optimizer: bool = False
     offload_params: bool = False
     ds_fetch: str = "block"  # deepspeed.fetch: ZeRO-3's fetch unit (block: each decoder block; module: DeepSpeed's own)
-    ddp_bucket_view: bool = True  # DDP(gradient_as_bucket_view=...), as strategies/ddp.py builds it
+    ddp_bucket_view: bool = DDP_GRADIENT_AS_BUCKET_VIEW  # DDP(gradient_as_bucket_view=...) (facts.py)
 
 
 @dataclass
@@ -204,7 +188,7 @@ def unit_params(spec: ModelSpec, o: Opts) -> tuple[float, int]:
 
 
 # ----------------------------------------------------------------------------- tensor parallelism
-# The TP plan modelled (issue 20, strategies/parallelize.py): q/k/v/gate/up column-wise, o/down row-wise, the norms
+# The TP plan modelled (strategies/parallelize.py): q/k/v/gate/up column-wise, o/down row-wise, the norms
 # SequenceParallel (the residual stream between the linears is sharded over the tp ranks along the sequence), the
 # embedding vocabulary-sharded (RowwiseParallel) and the head column-wise with loss_parallel (logits sharded over the
 # vocabulary, never gathered). Split over tp: every block linear, the embedding and the head; replicated: the norms.
@@ -240,21 +224,16 @@ def tp_degrees(spec: ModelSpec, gpus_per_node: int) -> list[int]:
 # ----------------------------------------------------------------------------- activations
 
 
-def zero3_per_module(o: Opts) -> bool:
-    """ZeRO-3 with DeepSpeed's per-submodule fetch (deepspeed.fetch module) rather than whole blocks."""
-    return o.base == "deepspeed" and o.stage == 3 and o.ds_fetch == "module"
-
-
 def uses_ds_linear(job: Job, o: Opts) -> bool:
-    """Whether the linears run through DeepSpeed's LinearFunctionForZeroStage3 (Job.ds_linear): ZeRO-3 keeps
-    DeepSpeed's memory_efficient_linear on except for compiled blocks fetched whole (strategies/deepspeed.py)."""
-    zero3 = o.base == "deepspeed" and o.stage == 3
-    return job.ds_linear or zero3_per_module(o) or (zero3 and not job.compile and not job.zero3_torch_linear)
+    """Whether the linears save their uncast input and weight, as DeepSpeed's LinearFunctionForZeroStage3 does: it
+    saves the linear's input and weight as passed and casts inside, so no autocast weight copies are kept and
+    projections that share an input save it once (the family's cost model says when: linear_saves_input)."""
+    return cost_of(o.base).linear_saves_input(job, o)
 
 
 def residual_bytes(job: Job, o: Opts) -> int:
     """dtype of the residual stream: fp32 under autocast with fp32 weights (DDP/single), else compute."""
-    if job.tuner != "full" or o.base in ("fsdp", "deepspeed"):
+    if job.tuner != "full" or not cost_of(o.base).autocast:
         return job.c
     return job.w if job.w > job.c else job.c
 
@@ -300,25 +279,22 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
             # to the adapter's dtype first; CUDA's fused dropout saves a 1-byte mask, the CPU path (input * noise)
             # saves the noise in the input's dtype: the stored one (w) under autocast, the compute dtype (c) where
             # the adapters compute in it (FSDP's MixedPrecisionPolicy casts them, DeepSpeed holds them in it)
-            adapter = job.c if o.base in ("fsdp", "deepspeed") else job.w
+            adapter = job.w if cost_of(o.base).autocast else job.c
             mask = 1 if job.accelerator == "cuda" else adapter
             d["lora_inputs"] = T * width * (c + mask)
         else:
             d["lora_inputs"] = sum(lin_in.values())
         d["lora_inputs"] += 7 * T * job.lora_r * c  # lora_A outputs, saved by lora_B
         if uses_ds_linear(job, o):  # DeepSpeed's linear saves its input whether or not the weight trains: the
-            # frozen base projections' inputs too (q/k/v's and gate/up's shared ones once); H200 2026-12-01, zero3
-            # LoRA without checkpointing: 9.4 / 4.0 GiB under (Qwen2.5-1.5B / 1.14B shapes) before this and the head
+            # frozen base projections' inputs too (q/k/v's and gate/up's shared ones once)
             d["lora_inputs"] += T * c * (2 * h + spec.q_dim / tp + i / tp)
     return d
 
 
-# float8 (config `float8`, models/float8.py): which block linears the engine converts. Its rule, restated here because
-# the planner imports no torch (tests/unit/test_plan_float8.py checks both agree): both dimensions multiples of 16,
-# and not the narrow ones (out_features <= 1024 with in_features <= 4096).
-FLOAT8_NARROW_OUT, FLOAT8_NARROW_IN = 1024, 4096
 
 
+# float8 (config `float8`): which block linears the engine converts, by models/float8.py's rule (its thresholds are
+# declared in facts.py; tests/unit/test_plan_float8.py checks the two agree)
 def float8_linears(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """(in, out) of the block linears the engine runs as float8 linears (models/float8.py `wanted`)."""
     return {n: (i, o) for n, (i, o) in spec.linear_shapes().items()
@@ -368,8 +344,8 @@ def float8_block_bytes(spec: ModelSpec, job: Job) -> float:
 def float8_backward_bytes(spec: ModelSpec, job: Job) -> float:
     """A converted linear's backward transients beside a block's backward: the float8 casts of its output gradient
     and of its (recomputed) input, each also transposed for the weight gradient, and the recomputed input itself
-    where the block did not save it (float8_block_bytes); the largest linear's, bytes. On the 1.14B anchor with full
-    checkpointing (end of backward sets the peak) this predicts +0.28 GiB; measured +0.24 GiB (H200, 2026-12-01)."""
+    where the block did not save it (float8_block_bytes); the largest linear's, bytes (docs/planner.md "float8"
+    compares it with the measured change)."""
     if not _float8_applies(job):
         return 0.0
     recomputed = {n for group, _, whole in _float8_input_groups(spec, job) if whole for n in group}
@@ -382,9 +358,6 @@ def float8_params(spec: ModelSpec) -> float:
     return spec.num_layers * sum(i * o for i, o in float8_linears(spec).values())
 
 
-# Past this sequence length a packed sequence on CUDA (or any sequence-parallel one) is attended through
-# FlexAttention's block mask, not a dense (B, 1, S, S) mask (models/sequence_parallel.py, train/loop.py).
-DENSE_MASK_MAX_SEQ = 8192
 
 
 def long_packed(job: Job) -> bool:
@@ -425,7 +398,7 @@ def fused_head(spec: ModelSpec, job: Job) -> bool:
 def head_weight_bytes(job: Job, o: Opts) -> int:
     """dtype of the head weight the loss sees: the stored one under autocast (single/ddp), else the compute dtype
     (LoRA/QLoRA: the frozen base, head included, is stored in the compute dtype)."""
-    return job.w if o.base in ("single", "ddp") and job.tuner == "full" else job.c
+    return job.w if cost_of(o.base).autocast and job.tuner == "full" else job.c
 
 
 def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
@@ -443,97 +416,30 @@ def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     chunk = min(FUSED_LOSS_CHUNK, T)
     # a chunk: fp32 logits -> softmax gradient in place, its compute-dtype copy, the head-gradient matmul result
     # and its fp32 upcast; the compute-dtype casts of the hidden states and the weight
-    trains = job.tuner == "full" or job.frozen_head_grad
+    trains = job.tuner == "full"
     casts = (T * h * c if r != c else 0) + (V * h * c if hw != c else 0)
-    forward = chunk * V * (4 + c) + (V * h * (c + 4 if c != 4 else 4) if trains else 0) + casts
     # one chunk at a time: the loop drops a chunk's logits before the next chunk's are made (tests/unit/test_speed.py
-    # measures the head's peak on the CPU). Until 2026-12-01 it kept them bound to its names while the next chunk's
-    # matmul result and fp32 upcast were made: two chunks of (4 + c) per logit (every Qwen2.5-1.5B row of that day's
-    # H200 table was 1.8-3.5 GiB over one chunk: 4096 x 151936 x 6 B = 3.48 GiB), Job.head_two_chunks
-    if job.head_two_chunks and T > chunk:
-        forward = max(forward, (chunk + min(chunk, T - chunk)) * V * (4 + c) + casts)
+    # measures the head's peak on the CPU)
+    forward = chunk * V * (4 + c) + (V * h * (c + 4 if c != 4 else 4) if trains else 0) + casts
     # its backward instead: the returned gradients (hidden states, head weight)
     backward = T * h * r + (V * h * hw if trains else 0)
     d = {"loss_grad_hidden": T * h * r,
          "loss_grad_head": V * h * (4 + (hw if hw != 4 else 0)) if trains else 0.0,
          "loss_transient": max(forward, backward)}
-    if o.base == "fsdp":  # the root unit (embeddings, norm, head) is gathered while the head runs, both ways
+    if cost_of(o.base).gathers_root:  # the root unit (embeddings, norm, head) is gathered while the head runs
         d["loss_root_gathered"] = c * local_root_params(spec, job.tp)
     return d
-
-
-def zero3_kept_gathered(spec: ModelSpec) -> float:
-    """Parameters ZeRO-3 holds gathered at the end of forward, from the second step on (the first records the trace
-    and prefetches nothing). The prefetcher walks the traced parameter queue ahead of the running module; a parameter
-    it meets already gathered is skipped but marked as fetched for that later use, and a marked parameter is not
-    released after its module (partitioned_param_coordinator.py, fetch_sub_module and __params_to_release). So
-    modules stay gathered after their forward and the gathered count grows to stage3_max_live_parameters (1e9):
-    all of a model under that (docs/planner.md, "Where the constants come from")."""
-    return min(spec.total_params, DS_MAX_LIVE)
-
-
-def zero3_reduces(spec: ModelSpec, job: Job, N: int) -> list[dict[str, float]]:
-    """ZeRO-3's backward when it reduces a gradient bucket (stage3.py, __reduce_and_partition_ipg_grads), the
-    first time (what is still alive is largest then). reduce_scatter_coalesced copies the bucket's gradients into
-    one flat buffer in the reduce dtype (torch.cat, coalesced_collectives.py) and __avg_scatter_grads casts this
-    rank's partitions to the gradients' dtype when they differ. A parameter larger than the bucket (an untied head
-    over 5e8) is reduced alone: its gradient is not copied into the bucket (it stays alive, c bytes), it is cast to
-    the reduce dtype, there is nothing to concatenate, and the bucket's first fill follows it as a second event.
-    Per event: `elements` reduced, `layers_left` (blocks whose backward has not run: their saved activations and
-    weights are still alive), `rest` (parameters not yet through backward), `copy` (bytes made for the reduce)."""
-    full = job.tuner == "full"
-    P_t = spec.total_params if full else spec.lora_params(job.lora_r, job.lora_targets)
-    L = max(spec.num_layers, 1)
-    per_block = spec.layer_params if full else P_t / L
-    cast = job.c != job.w  # gradients in c, reduced in w (mixed precision over fp32 weights)
-
-    def event(elements: float, done_blocks: float, copy: float) -> dict[str, float]:
-        left = max(0, spec.num_layers - math.ceil(done_blocks / per_block - 1e-9)) if elements < P_t else 0
-        rest = left * spec.layer_params + spec.embed_params if elements < P_t else 0.0
-        return {"elements": elements, "layers_left": left, "rest": rest, "copy": copy}
-
-    head = spec.head_params if full else 0
-    if head > DS_REDUCE_BUCKET:
-        first = event(head, 0.0, job.c * head + ((job.w + job.c / N) * head if cast else 0.0))
-        blocks = min(DS_REDUCE_BUCKET, P_t - head)
-        return [first, event(head + blocks, blocks, job.w * blocks + (job.c * blocks / N if cast else 0.0))]
-    elements = min(DS_REDUCE_BUCKET, P_t)
-    return [event(elements, max(0.0, elements - head), job.w * elements + (job.c * elements / N if cast else 0.0))]
-
-
-def zero3_fp32_grad_elements(spec: ModelSpec, job: Job, N: int) -> float:
-    """The largest fp32 gradient ZeRO-3 holds at once in its step: one sub-group of the weight-decay group (the
-    2-D weights in model order; the engine's other group holds the norms), closed greedily at DS_SUB_GROUP."""
-    if job.tuner != "full":
-        return min(spec.lora_params(job.lora_r, job.lora_targets) / N, DS_SUB_GROUP)
-    sizes = [spec.embed_params] + [a * b for a, b in spec.linear_shapes().values()] * spec.num_layers
-    if spec.head_params:
-        sizes.append(spec.head_params)
-    largest, acc = 0.0, 0.0
-    for n in sizes:
-        acc += n / N
-        if acc >= DS_SUB_GROUP:
-            largest, acc = max(largest, acc), 0.0
-    return max(largest, acc)
-
-
-def compile_factor(job: Job, o: Opts) -> float:
-    """Saved activations of a compiled block relative to eager (1.0 when not compiled)."""
-    if not job.compile:
-        return 1.0
-    if zero3_per_module(o):
-        return COMPILE_ACT_FACTOR_ZERO3
-    return COMPILE_ACT_FACTOR
 
 
 def block_activations(spec: ModelSpec, job: Job, o: Opts) -> float:
     """Saved bytes of one decoder block, compiled or not. Compilation shrinks what the frozen or trained block
     itself saves; the LoRA adapters' saved inputs (peft casts each to the adapter dtype, drops it out and feeds
-    lora_A, which saves it) are kept whole: the two compiled LoRA rows of MEASUREMENTS.md (2026-11-30) measure
-    33.3 / 36.1 GiB, and the factor on everything would predict 26.8 / 30.1 (docs/planner.md)."""
+    lora_A, which saves it) are kept whole: the compile factor applied to them too predicts well under the
+    measured compiled LoRA rows (docs/planner.md)."""
     d = layer_activations(spec, job, o)
     adapters = d.pop("lora_inputs", 0.0)
-    return sum(d.values()) * compile_factor(job, o) + adapters + float8_block_bytes(spec, job)
+    factor = cost_of(o.base).compile_factor(o) if job.compile else 1.0
+    return sum(d.values()) * factor + adapters + float8_block_bytes(spec, job)
 
 
 def selective_block_activations(spec: ModelSpec, job: Job, o: Opts) -> float:
@@ -599,144 +505,14 @@ def trainable(spec: ModelSpec, job: Job) -> tuple[float, float, int]:
     return spec.lora_params(job.lora_r, job.lora_targets), frozen, w
 
 
-def replica_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> None:
-    """single and ddp: every rank holds everything."""
-    c, w, P_t, tw = job.c, job.w, st.P_t, st.tw
-    st.params, st.grads, st.opt = st.frozen + tw * P_t, tw * P_t, 2 * tw * P_t
-    if o.base == "ddp":
-        if o.ddp_bucket_view:  # gradients are views of DDP's buckets: allocated once, never freed
-            st.grads_persist = True
-        else:
-            st.persist["ddp_buckets"] = tw * P_t  # a flat bucket copy besides the gradients
-    if w > c and not uses_ds_linear(job, o):  # autocast keeps a compute-dtype copy of each linear weight
-        # (its weight cache holds them to the end of the autocast region, i.e. the end of forward, checkpointing or
-        # not; the fused head runs with autocast off and casts its weight itself: counted in its terms). Under
-        # LoRA the frozen base is already in the compute dtype: only the adapters' weights are cast.
-        head = spec.vocab_size * spec.hidden_size if fused_head(spec, job) else 0
-        # float8 linears cast their fp32 weights to float8 themselves (for backward again): no bf16 copies of those
-        f8 = float8_params(spec) if _float8_applies(job) else 0.0
-        st.extraA["autocast_weights"] = c * ((spec.linear_params - head - f8) / job.tp if job.tuner == "full" else P_t)
-
-
-def fsdp_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> None:
-    """FSDP2: states sharded over N ranks; units gathered around their forward and backward. Under tensor
-    parallelism every count is one tp rank's share (local_*): FSDP gathers the tp-local shards."""
-    c, P_t, tw = job.c, st.P_t, st.tw
-    P, root_params = local_params(spec, job.tp), local_root_params(spec, job.tp)
-    U, _ = unit_params(spec, o)
-    U *= local_layer_params(spec, job.tp) / spec.layer_params
-    rd = 4  # FSDP2 MixedPrecisionPolicy(reduce_dtype=fp32), as strategies/fsdp.py sets it
-    st.params, st.grads, st.opt = (st.frozen + tw * P_t) / N, tw * P_t / N, 2 * tw * P_t / N
-    gb = QLORA_BYTES_PER_PARAM if job.tuner == "qlora" else c  # gathered bytes per block parameter
-    root = root_params * c  # embeddings, final norm, head: the root unit
-    if reshards(job, o):  # the root is resharded after forward too and gathered again for the head's backward
-        st.extraA["gathered_units"] = 2 * gb * U  # the last unit (kept) + a prefetched one
-    else:  # every unit stays gathered from its forward to its backward
-        st.extraA["gathered_all"] = root + gb * (P - root_params)
-    # backward of a block: the root and the block's unit gathered, its unsharded grads (c) and their fp32
-    # reduce-scatter input; the root's own backward comes last, when the block activations are gone (moment B)
-    full = job.tuner == "full"
-    g_unit = U if full else P_t / max(spec.num_layers, 1)
-    # the root unit is gathered again for the head's backward, at the start of backward, and resharded after
-    # the embedding's gradient, at its end: it is gathered beside every block's backward
-    st.extraB["gathered"] = (root if reshards(job, o) else gb * U) + gb * U
-    st.extraB["unsharded_grads+reduce_scatter"] = (c + rd) * g_unit
-    st.root_bwd = root + (c + rd) * (root_params if full else 0)
-    if job.grad_accum > 1:  # no-sync micro-batches keep unsharded gradients, accumulated in the reduce dtype
-        st.extraA["unsharded_accumulated_grads"] = rd * P_t  # (freed unit by unit in the last backward)
-    if o.cpu_offload and job.accelerator != "cpu":  # on CPU ranks "offloaded" state stays in the same memory
-        st.host = st.params + st.grads + st.opt
-        st.params = st.grads = st.opt = 0.0
-
-
-def deepspeed_states(spec: ModelSpec, job: Job, o: Opts, N: int, st: States) -> None:
-    """DeepSpeed ZeRO-1/2/3: fp32 master weights and Adam moments sharded; gradients from stage 2, weights at 3."""
-    P, c, w, P_t = spec.total_params, job.c, job.w, st.P_t
-    offload_moves = job.accelerator != "cpu"  # on CPU ranks "offloaded" state stays in the same memory
-    U, _ = unit_params(spec, o)
-    master = 4 * P_t / N
-    st.opt = 8 * P_t / N + master
-    if job.tuner == "full":
-        st.params = c * P / (N if o.stage == 3 else 1)
-    else:
-        st.params = (st.frozen + c * P_t) / (N if o.stage == 3 else 1)
-    st.grads = c * P_t / (1 if o.stage == 1 else N)
-    st.extraB["fp32_grad_partition"] = 4 * P_t / N
-    if o.stage == 3:
-        if not o.offload_optimizer:  # the step upcasts one sub-group at a time
-            st.extraB["fp32_grad_partition"] = 4 * zero3_fp32_grad_elements(spec, job, N)
-        # reduce dtype: fp32 over fp32 weights (the engine sets communication_data_type fp32), else the weights'
-        st.persist["reduce_bucket"] = DS_REDUCE_BUCKET * w
-        st.grads_persist = True  # grad_partitions_flat_buffer: allocated (zeros) at initialisation, kept
-        st.zero3_kept = 0.0
-        if N > 1 or (o.offload_params and offload_moves):
-            st.zero3_kept = max(zero3_kept_gathered(spec), max(U, spec.embed_params))
-            st.extraA["gathered"] = c * st.zero3_kept
-            st.extraB["gathered"] = c * (max(U, spec.embed_params) + min(DS_PREFETCH_BUCKET, U))
-        # else one rank, partitions on the device: ZeRO-3 does not all-gather there, a fetched parameter's data
-        # is its partition (partition_parameters.py, _no_gather_coalesced: ds_tensor.to(device) is a no-op)
-    else:  # ZeRO-1/2: allocated at the first gradient hook, when the activations are still all alive (so it
-        # counts at the start of backward, moment A), freed at the end of backward: not alive between steps
-        # (the H200 rows' state before the second step lacks it), which the peak does not see
-        st.persist["reduce_bucket"] = DS_REDUCE_BUCKET * c
-    if o.offload_optimizer and o.stage < 3:  # ZeRO-2 offload's staging buffers of the largest parameter's size
-        largest = max(spec.embed_params, spec.hidden_size * spec.intermediate_size)
-        st.persist["offload_staging"] = c * largest * (1 if offload_moves else 2)  # device one (+ the host one)
-    if o.offload_optimizer:
-        if offload_moves:
-            st.host += st.opt + st.extraB.pop("fp32_grad_partition")
-            st.opt = 0.0
-            # the gradients go to the host as they are reduced: ZeRO-3 keeps its flat gradient partition there
-            # (stage3.py allocates grad_partitions_flat_buffer on self.device, the CPU under offload), ZeRO-2
-            # copies each reduced bucket into the host's fp32 partition (stage_1_and_2.py)
-            # (ZeRO-1 keeps full gradients in param.grad on the GPU until the boundary's reduction)
-            if o.stage == 3:
-                st.host += st.grads
-            if o.stage >= 2:
-                st.grads, st.grads_persist = 0.0, False
-        else:  # CPU ranks: the offloaded fp32 gradient partition is allocated once and kept
-            st.persist["fp32_grad_partition"] = st.extraB.pop("fp32_grad_partition")
-    if o.offload_params and o.stage == 3 and offload_moves:
-        st.host += st.params
-        st.params = 0.0
-
-
-# strategy family (presets.StrategySpec.name) -> what it keeps per rank
-FAMILY_STATES = {"single": replica_states, "ddp": replica_states, "fsdp": fsdp_states,
-                 "deepspeed": deepspeed_states}
-
-
-def zero3_reduce_moment(spec: ModelSpec, job: Job, o: Opts, N: int, st: States, states: float,
-                        per_layer: float, act_detail: dict) -> tuple[float, bool, dict]:
-    """Moment C, ZeRO-3's gradient reduces: (peak bytes, whether it is the end-of-backward reduce, its buffers).
-    The blocks not yet through backward keep their saved activations (checkpointed: their inputs; eager: all, and
-    the block being run); the gradient flowing into the block and its recomputed first norm (fp32 and c) are alive;
-    kept parameters not yet through backward stay gathered."""
-    c = job.c
-    U, _ = unit_params(spec, o)
-    L = max(spec.num_layers, 1)
-    moment_c, reduce_end, extraC = 0.0, False, {}
-    for red in zero3_reduces(spec, job, N):
-        if job.checkpointing:
-            act_c = red["layers_left"] * act_detail["layers_kept"] / L
-        else:
-            act_c = min(red["layers_left"] + 1, spec.num_layers) * per_layer
-        act_c += job.tokens * spec.hidden_size * (4 + 2 * c)
-        held = c * (min(st.zero3_kept, red["rest"]) + min(DS_PREFETCH_BUCKET, U)) if st.zero3_kept else 0.0
-        m_c = states + act_c + red["copy"] + held
-        if m_c > moment_c:
-            moment_c, reduce_end = m_c, red["layers_left"] == 0
-            extraC = {"reduce_copy": red["copy"], **({"gathered": held} if held else {})}
-    return moment_c, reduce_end, extraC
-
-
 def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     """Per-rank memory of one steady-state step (optimizer states exist; grads set to None by zero_grad)."""
-    if o.base not in FAMILY_STATES:
+    if o.base not in presets.SPECS:
         raise ValueError(o.base)
+    cost = cost_of(o.base)
     N = max(1, shard_ranks(job, o) // job.tp)  # FSDP shards over the data-parallel ranks, not the tp ones
     st = States(*trainable(spec, job))
-    FAMILY_STATES[o.base](spec, job, o, N, st)
+    cost.states(spec, job, o, N, st)
     P_t, grads, extraA, extraB, persist = st.P_t, st.grads, st.extraA, st.extraB, st.persist
 
     if job.tuner == "qlora":  # bitsandbytes dequantises one weight at a time for the matmul
@@ -745,7 +521,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
 
     act_end, per_layer, act_detail = activations(spec, job, o)
     # accumulating: earlier micro-batches' gradients are alive (FSDP keeps them unsharded, counted above)
-    accum_grads = grads if job.grad_accum > 1 and not st.grads_persist and o.base != "fsdp" else 0.0
+    accum_grads = grads if job.grad_accum > 1 and not st.grads_persist and not cost.counts_own_accumulation else 0.0
     states = st.params + st.opt + sum(persist.values()) + (grads if st.grads_persist else 0.0)
     moment_a = states + act_end + sum(extraA.values()) + accum_grads
     # end of backward: all grads, the first block's activations and their gradients (or the recomputed block)
@@ -759,20 +535,17 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     # Where the gradients stay on the device, the end of backward holds them in place of the boundaries; without
     # checkpointing moment A holds more than this.
     moment_b0 = 0.0
-    # (LoRA/QLoRA too: only the adapters' gradients are made, so the end of backward holds little; H200 2026-12-01,
-    # 1.14B Llama LoRA/QLoRA with checkpointing peaked in the last block's recompute beside 15 boundaries)
+    # (LoRA/QLoRA too: only the adapters' gradients are made, so the end of backward holds little and the last
+    # block's recompute beside the other blocks' boundaries is the peak)
     if job.checkpointing and spec.num_layers and ((g == 0 and not st.grads_persist) or job.tuner != "full"):
         bwd = sum(v for k, v in extraB.items() if k != "fp32_grad_partition")
         accumulated = extraA.get("unsharded_accumulated_grads", 0.0) + accum_grads  # earlier micro-batches'
         moment_b0 = (states + act_detail["layers_kept"] * (spec.num_layers - 1) / spec.num_layers + workspace + bwd
                      + accumulated)
-    moment_c, reduce_end, extraC = 0.0, False, {}
-    if st.zero3_kept is not None:
-        moment_c, reduce_end, extraC = zero3_reduce_moment(spec, job, o, N, st, states, per_layer, act_detail)
+    moment_c, phase_c, extraC = cost.extra_moment(spec, job, o, N, st, states, per_layer, act_detail)
     peak = max(moment_a, moment_b, moment_b0, moment_c)
     phase = ("end of forward (activations + logits)" if peak == moment_a else
-             ("ZeRO-3 reducing its gradients at the end of backward" if reduce_end else
-              "ZeRO-3 reducing its first gradient bucket") if peak == moment_c else
+             phase_c if peak == moment_c else
              "start of backward (checkpointed boundaries + a recomputed block)" if peak == moment_b0 else
              "end of backward (gradients)")
     if job.accelerator == "cuda":

@@ -16,7 +16,7 @@ engine's per-document position_ids; transformers builds its block-diagonal mask 
 fake tensors it cannot look at the values, so it always builds it, as it does for real packed data). DDP itself cannot be built on fake tensors (it checks
 parameter shapes across ranks through real storage), so it is simulated as what it keeps:
 the local model with gradients that persist between steps, as DDP's
-gradient_as_bucket_view buckets do. Not simulated: DeepSpeed (`NOT_SIMULATED`), CPU offload, QLoRA (bitsandbytes
+gradient_as_bucket_view buckets do. Not simulated: DeepSpeed (its cost model's `not_simulated`), CPU offload, QLoRA (bitsandbytes
 quantises on real CUDA storage), torch.compile (the blocks run eager; the fused loss head is
 installed when the job has it). Kernels are the CPU ones (autocast's CPU op
 lists, the CPU SDPA kernel): a few MiB from what CUDA would allocate; no CUDA context or
@@ -36,16 +36,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardwise.plan.costs import cost_of
+from shardwise.plan.facts import FSDP_REDUCE_DTYPE
 from shardwise.plan.memory import GiB, Job, Opts, keeps_gathered
 from shardwise.plan.model_spec import ModelSpec
 
-SIMULATED_BASES = ("ddp", "fsdp", "single")
-# why a family is not simulated (one line each); the analytic path is then the measured one
-NOT_SIMULATED = {
-    "deepspeed": "not simulated: DeepSpeed's engine needs real storage (it flattens parameters into real buffers, "
-                 "partitions with real collectives and pins memory), which fake tensors do not have; its analytic "
-                 "estimate is the one checked against measurements (docs/planner.md, H200 tables)",
-}
 QLORA_NOT_SIMULATED = ("QLoRA is not simulated: bitsandbytes quantises the base on real CUDA storage; its analytic "
                        "estimate stands")
 
@@ -234,7 +229,8 @@ def wrap_fsdp(model, mesh, opts: Opts, compute: torch.dtype, param: torch.dtype)
 
     from shardwise.strategies.fsdp import block_units, shard_units
 
-    mp = MixedPrecisionPolicy(param_dtype=compute if compute != param else None, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=compute if compute != param else None,
+                              reduce_dtype=getattr(torch, FSDP_REDUCE_DTYPE))
     reshard = opts.reshard_after_forward and not keeps_gathered(opts, mesh.shape[-1], compute.itemsize, param.itemsize)
     return shard_units(model, block_units(model), mesh, mp, reshard, prefetch=opts.prefetch)
 
@@ -245,7 +241,8 @@ def simulate(spec: ModelSpec, job: Job, opts: Opts, shard_ranks: int | None = No
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if opts.base not in SIMULATED_BASES or opts.cpu_offload or job.tuner == "qlora":
+    cost = cost_of(opts.base)
+    if not cost.simulated or cost.offloads(opts) or job.tuner == "qlora":
         raise ValueError(f"cannot simulate {opts.base} (offload={opts.cpu_offload}, tuner={job.tuner})")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     param = dtypes[job.param_dtype]
@@ -257,7 +254,7 @@ def simulate(spec: ModelSpec, job: Job, opts: Opts, shard_ranks: int | None = No
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         mesh = None
-        if opts.base == "fsdp":
+        if cost.wraps_units:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh("cpu", (world,))  # outside fake mode: the mesh holds real rank ids
@@ -274,13 +271,13 @@ def simulate(spec: ModelSpec, job: Job, opts: Opts, shard_ranks: int | None = No
                 if install_fused_loss(model):
                     fused = model.get_output_embeddings()
             autocast_dtype, no_sync, persistent = None, None, False
-            if opts.base == "fsdp":
+            if cost.wraps_units:
                 model = wrap_fsdp(model, mesh, opts, compute, param)
                 no_sync = lambda skip: model.set_requires_gradient_sync(not skip)  # noqa: E731
             else:
                 if compute != param and param == torch.float32:
                     autocast_dtype = compute
-                if opts.base == "ddp":  # DDP(gradient_as_bucket_view=True): grads live in buckets all the time
+                if cost.persistent_grads:  # DDP(gradient_as_bucket_view=True): grads live in buckets all the time
                     for p in model.parameters():
                         if p.requires_grad:
                             p.grad = torch.zeros_like(p)
@@ -310,9 +307,9 @@ def simulate_plan(plan) -> dict:
 
     results, errors = [], []
     names = [s.strategy for s in plan.strategies
-             if s.base in SIMULATED_BASES and not s.opts.cpu_offload]
-    skipped = sorted({s.base for s in plan.strategies if s.base in NOT_SIMULATED})
-    errors += [f"{', '.join(s.strategy for s in plan.strategies if s.base == b)}: {NOT_SIMULATED[b]}"
+             if cost_of(s.base).simulated and not cost_of(s.base).offloads(s.opts)]
+    skipped = sorted({s.base for s in plan.strategies if not cost_of(s.base).simulated})
+    errors += [f"{', '.join(s.strategy for s in plan.strategies if s.base == b)}: {cost_of(b).not_simulated}"
                for b in skipped]
     job = replace(plan.job, compile=False)  # blocks run eager here: compared with the eager analytic peak
     if job.tuner == "qlora":
@@ -324,7 +321,7 @@ def simulate_plan(plan) -> dict:
         sp = plan.for_strategy(name)
         from shardwise.plan.memory import shard_ranks
 
-        n = shard_ranks(job, sp.opts) if sp.base == "fsdp" else job.world
+        n = shard_ranks(job, sp.opts) if cost_of(sp.base).wraps_units else job.world
         try:
             r = simulate(plan.spec, job, sp.opts, shard_ranks=n)
         except Exception as e:  # report, keep the analytic plan

@@ -9,6 +9,7 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardwise.plan.facts import DDP_GRADIENT_AS_BUCKET_VIEW
 from shardwise.strategies.base import Strategy
 
 
@@ -26,7 +27,8 @@ class DDPStrategy(Strategy):
         # as soon as its backward finishes.
         torch._dynamo.config.optimize_ddp = False
         # gradient_as_bucket_view: gradients live in the all-reduce buckets (no second copy)
-        return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, process_group=self.dims.grad_group)
+        return DDP(model, device_ids=device_ids, gradient_as_bucket_view=DDP_GRADIENT_AS_BUCKET_VIEW,
+                   process_group=self.dims.grad_group)
 
     def sync(self, model, enabled: bool):
         return contextlib.nullcontext() if enabled else model.no_sync()

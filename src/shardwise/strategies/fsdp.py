@@ -22,6 +22,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from shardwise import presets
 from shardwise.errors import ShardwiseError
+from shardwise.plan.facts import FSDP_REDUCE_DTYPE
 from shardwise.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class FSDPStrategy(Strategy):
     def mp_policy(self) -> MixedPrecisionPolicy:
         """Compute in the mixed-precision dtype, reduce gradients in fp32, store as loaded."""
         param = self.compute_dtype if self.compute_dtype != self.param_dtype else None
-        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=getattr(torch, FSDP_REDUCE_DTYPE))
 
     def wrap(self, model: nn.Module) -> nn.Module:
         f = self.cfg.fsdp

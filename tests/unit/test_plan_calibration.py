@@ -1,0 +1,42 @@
+"""The planner's fitted constants come from one data file (src/shardwise/plan/calibration.json), installed with the
+package, and docs/planner.md's table of them is generated from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tomllib
+
+from shardwise.plan import calibration, comm, decide, memory
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_entry_says_what_it_was_fitted_on():
+    for name, e in calibration.entries().items():
+        assert isinstance(e["value"], (int, float)), name
+        assert e["unit"] and e["hardware"] and e["used_by"] and e["means"], name
+        # a fitted constant names its measured rows and their files; an assumption says it is one
+        assert (e["rows"] and e["fitted_on"]) or "not a fit" in e["hardware"], name
+
+
+def test_the_planner_reads_its_constants_from_the_file():
+    v = calibration.value
+    assert (decide.EAGER_MFU, decide.COMPILED_MFU) == (v("eager_mfu"), v("compiled_mfu"))
+    assert memory.COMPILE_ACT_FACTOR == v("compile_act_factor")
+    assert memory.CUDA_CONTEXT_GIB == v("cuda_context_gib")
+    assert comm.FLOAT8_CAST_BYTES == v("float8_cast_bytes")
+    assert comm.STRATEGY_BYTES_PER_PARAM["zero12"] == v("strategy_bytes_per_param.zero12")
+    assert comm.ZERO3_BLOCK_S_PER_TENSOR_PASS == v("zero3_block_s_per_tensor_pass")
+
+
+def test_the_file_is_package_data():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["shardwise"]
+    assert "plan/*.json" in data and calibration.FILE.parent.name == "plan"
+
+
+def test_docs_planner_table_is_generated_from_the_file():
+    page = (ROOT / "docs" / "planner.md").read_text(encoding="utf-8")
+    start, end = page.index(calibration.BEGIN), page.index(calibration.END) + len(calibration.END)
+    assert page[start:end] == calibration.doc_block(), \
+        "docs/planner.md is stale: PYTHONPATH=src python -m shardwise.plan.calibration docs/planner.md"
