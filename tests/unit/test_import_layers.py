@@ -28,7 +28,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("backend adapters", ("shardwise.strategies", "shardwise.strategies.*",
                           "shardwise.plan.simulate")),  # --simulate runs the strategies' own wrapping (opt-in)
     ("training engine", ("shardwise.train", "shardwise.train.*")),
-    ("launch and tools", ("shardwise.launch", "shardwise.export", "shardwise.doctor", "shardwise.chat",
+    ("launch and tools", ("shardwise.launch", "shardwise.launch.*", "shardwise.export", "shardwise.doctor", "shardwise.chat",
                           "shardwise.bench", "shardwise.bench.*")),
     ("user interface", ("shardwise.cli", "shardwise.__main__", "shardwise.plan.command", "shardwise.ui",
                         "shardwise.ui.*")),
@@ -203,3 +203,12 @@ def test_the_checker_sees_each_kind_of_import(tmp_path):
     assert imports("shardwise.sub.e", known["shardwise.sub.e"], known) == {"shardwise.c", "torch.distributed"}
     assert imports("shardwise.c", known["shardwise.c"], known) == {"shardwise.d"}
     assert circles({"x": {"y"}, "y": {"x"}, "z": {"x"}}) == [{"x", "y"}]
+
+
+def test_the_ui_bench_and_doctor_take_the_launchers_checks_and_agent_not_the_launcher():
+    """They call the preflight checks (the UI's model check, bench's runtime values) and the agent's pieces
+    (doctor's loopback group); the launcher's run (shardwise.launch: prepare, train) is the CLI's."""
+    g = graph()
+    users = [m for m in g if m.startswith(("shardwise.ui", "shardwise.bench")) or m == "shardwise.doctor"]
+    used = {d for m in users for d in g[m] if d == "shardwise.launch" or d.startswith("shardwise.launch.")}
+    assert used and used <= {"shardwise.launch.preflight", "shardwise.launch.agent"}, sorted(used)

@@ -133,7 +133,7 @@ TOKENIZER_PACKAGES = ("transformers", "tokenizers", "jinja2", "sentencepiece", "
 TEMPLATE_SUBDIR = "additional_chat_templates"
 # The modules whose code the remembered verdicts come from: a changed check is checked again.
 CHECKING_MODULES = (("models", "load.py"), ("data", "templates.py"), ("data", "encode.py"), ("data", "cache.py"),
-                    ("launch.py",))
+                    ("launch", "prep.py"))
 
 
 def _version(package: str) -> str | None:
