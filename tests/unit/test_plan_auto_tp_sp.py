@@ -126,6 +126,6 @@ def test_train_auto_runs_with_both_degrees(monkeypatch, tmp_path):
         "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # check_fit plans only for GPUs
     preflight.check_fit(cfg, res, 8, force=False)
-    preflight.check_single(cfg, res, 8)
+    preflight.check_ranks(cfg, res, 8)
     preflight.check_tensor_parallel(cfg, res, 8, str(model_dir))
     preflight.check_sequence_parallel(cfg, res, 8, str(model_dir))

@@ -24,12 +24,12 @@ import shutil
 import sys
 import time
 
-from shardwise import phases, presets, rundir
+from shardwise import phases, rundir
 from shardwise.config import Resolved
 from shardwise.launch.agent import _agent
-from shardwise.launch.common import Interrupted, Prepared, _say_run_dir, say
+from shardwise.launch.common import Interrupted, say
 from shardwise.launch.early import _Early, _start_zygote_early, _stop_zygote, early_preload, early_workers, first_checks
-from shardwise.launch.prep import _begin, _prepare
+from shardwise.launch.prep import Prepared, _begin, _prepare, _say_run_dir
 from shardwise.rundir import quiet_libraries
 
 __all__ = ["Interrupted", "Prepared", "launch", "prepare", "train"]
@@ -58,6 +58,7 @@ def train(res: Resolved, force: bool = False) -> int:
         if lock is not None:
             lock.release()
 
+
 def prepare(res: Resolved, force: bool = False) -> Prepared:
     """Validate everything, then write the run directory. Returns what to launch."""
     cfg, lock, t0 = _begin(res)
@@ -68,9 +69,10 @@ def prepare(res: Resolved, force: bool = False) -> Prepared:
             lock.release()
         raise
 
+
 def launch(p: Prepared) -> dict | None:
     cfg = p.cfg
-    if presets.trains_in_process(cfg.strategy, p.world_size):
+    if p.plan.in_process:
         quiet_libraries()
         import signal
 
@@ -86,6 +88,7 @@ def launch(p: Prepared) -> dict | None:
     _agent(cfg, [p.job_path])
     return _after_agent(p)
 
+
 def _after_agent(p: Prepared) -> dict | None:
     if rundir.read_interrupted(p.output_dir) is not None:  # a worker received the signal; the agent did not
         import signal
@@ -96,6 +99,7 @@ def _after_agent(p: Prepared) -> dict | None:
         with open(summary) as fh:
             return json.load(fh)
     return None
+
 
 def _add_exit_phase(p: Prepared, summary: dict) -> dict:
     """Rank 0 wrote its marks (.prep/timeline.json); add the exit (workers and agent gone),
@@ -111,6 +115,7 @@ def _add_exit_phase(p: Prepared, summary: dict) -> dict:
     rundir.atomic_write(os.path.join(p.output_dir, "summary.json"), json.dumps(summary, indent=1))
     say(phases.line(summary["phases_s"]))
     return summary
+
 
 def _train(p: Prepared | None, early: _Early | None = None) -> int:
     try:

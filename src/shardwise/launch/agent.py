@@ -69,6 +69,7 @@ def _agent(cfg: Config, worker_args: list[str], preload: tuple[str, bool] = ("",
             zygote.stop()
         shutil.rmtree(agent_tmp, ignore_errors=True)
 
+
 def worker_environment(cfg: Config) -> None:
     """The environment the workers start with, beyond the agent's per-rank variables: threads per rank, the
     launcher they die with, and on one node gloo's and NCCL's sockets on the loopback interface (forked workers
@@ -80,7 +81,9 @@ def worker_environment(cfg: Config) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
 
+
 RDZV_BACKEND = "shardwise-c10d"
+
 
 def register_rendezvous() -> None:
     """torchrun's c10d rendezvous, with its store listening on the rendezvous endpoint's
@@ -90,6 +93,7 @@ def register_rendezvous() -> None:
 
     if RDZV_BACKEND not in getattr(registry, "_registry", {}):
         registry.register(RDZV_BACKEND, _rendezvous_handler)
+
 
 def quiet_agent() -> None:
     """The elastic agent's own warnings ("Received 15 death signal, shutting down workers", a failed rank's report)
@@ -106,6 +110,7 @@ def quiet_agent() -> None:
     # one failed and the others are stopped
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.CRITICAL)
 
+
 def loopback_only(port: int = 0) -> dict:
     """LaunchConfig arguments (and the environment) for a one-machine group that listens
     on 127.0.0.1 only: the rendezvous store, the workers' store (MASTER_ADDR) and gloo's or
@@ -115,6 +120,7 @@ def loopback_only(port: int = 0) -> dict:
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     return dict(rdzv_backend=RDZV_BACKEND, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"is_host": True},
                 local_addr="127.0.0.1")
+
 
 def _rendezvous_handler(params):
     from datetime import timedelta

@@ -9,9 +9,8 @@ import shutil
 
 from shardwise import phases, presets, rundir
 from shardwise.config import Config, Resolved
-from shardwise.launch.common import Prepared, _say_run_dir
-from shardwise.launch.preflight import check_model, check_sequence_parallel, check_single, check_tensor_parallel
-from shardwise.launch.prep import _Cancelled, _prepare, _WriteGate, read_data
+from shardwise.launch.preflight import check_model, check_ranks, check_sequence_parallel, check_tensor_parallel
+from shardwise.launch.prep import Prepared, _Cancelled, _prepare, _say_run_dir, _WriteGate, read_data
 
 
 def first_checks(cfg: Config, res: Resolved) -> tuple[list, object, list]:
@@ -20,11 +19,12 @@ def first_checks(cfg: Config, res: Resolved) -> tuple[list, object, list]:
     and sequence-parallel degrees against its heads, every data record), so such a run is refused without
     starting a worker. Returns read_data's records for _prepare, which checks everything else."""
     world = cfg.nproc_per_node * cfg.nnodes
-    check_single(cfg, res, world)
+    check_ranks(cfg, res, world)
     model_dir = check_model(cfg, res, shapes=False)
     check_tensor_parallel(cfg, res, world, model_dir)
     check_sequence_parallel(cfg, res, world, model_dir)
     return read_data(cfg, res)
+
 
 def early_workers(cfg: Config) -> bool:
     """Whether the workers start while this process still checks and tokenizes (_Early): every run through the
@@ -33,6 +33,7 @@ def early_workers(cfg: Config) -> bool:
     return (not presets.trains_in_process(cfg.strategy, cfg.nproc_per_node * cfg.nnodes) and cfg.nnodes == 1
             and os.environ.get("SHARDWISE_EARLY_WORKERS", "1") != "0")
 
+
 def early_preload(cfg: Config) -> tuple[str, bool]:
     """What a worker imports before its job is known (train/worker.preload): the model family's module, as the
     absolute model directory or "tiny" (_model_arg), and, for compiled blocks, inductor's."""
@@ -40,8 +41,10 @@ def early_preload(cfg: Config) -> tuple[str, bool]:
 
     return _model_arg(cfg), compile_enabled(cfg)
 
+
 def _model_arg(cfg: Config) -> str:
     return os.path.abspath(os.path.expanduser(cfg.model)) if cfg.model != "tiny" else "tiny"
+
 
 class _Early:
     """`_prepare` on a thread while the agent starts the workers, to shorten the time to first step: each worker
@@ -95,6 +98,7 @@ class _Early:
             raise self.error
         return self.prepared
 
+
 def _start_zygote_early(cfg: Config) -> bool:
     """The fork server the workers come from (train/zygote.py), started as the launcher begins where the run will
     clearly have early workers (early_workers: one node, through the agent), judged from the config before torch
@@ -111,6 +115,7 @@ def _start_zygote_early(cfg: Config) -> bool:
         return False
     # as early_preload, judged without torch (compile_enabled imports it)
     return zygote.start(_model_arg(cfg), cfg.compile == "on" or (cfg.compile == "auto" and nvidia))
+
 
 def _stop_zygote(started: bool) -> None:
     if started:

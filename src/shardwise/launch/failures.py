@@ -46,6 +46,7 @@ def _failure_report(output_dir: str, e, cfg: Config) -> str:
         return errors[min(errors)]
     return _failure_line(*failures[0])
 
+
 def _consequence(error: str) -> str:
     """Whether a rank's one-line error is another rank's doing: "died" where a collective lost its peer (its
     connection reset or closed: the peer is gone), "hung" where it timed out (the peer may be alive), "" where the
@@ -55,11 +56,13 @@ def _consequence(error: str) -> str:
         return "died"
     return "hung" if "another rank is hung or dead" in text else ""
 
+
 def _stopped_by_agent(f) -> bool:
     """A rank the agent terminated (SIGTERM) because another rank failed."""
     import signal
 
     return f.exitcode is not None and f.exitcode == -signal.SIGTERM
+
 
 def _worker_errors(output_dir: str, kind: str = ".txt") -> dict[int, str]:
     """{rank: the one-line ShardwiseError it left} (kind .txt), the first line of the exception it raised (.exc), or
@@ -78,11 +81,14 @@ def _worker_errors(output_dir: str, kind: str = ".txt") -> dict[int, str]:
             out[int(digits)] = text
     return out
 
+
 LOST_PEER = "a collective lost its peer"  # a rank's error when a peer died (train/loop.py), not when one hung
+
 
 def _silent_ranks(output_dir: str) -> set[int]:
     """The ranks whose life mark (its PID) is still there (train/worker.life_marker): they ended without a word."""
     return set(_worker_errors(output_dir, ".alive"))
+
 
 def _failure_line(rank: int, f) -> str:
     """One line for a rank that died without a ShardwiseError."""
@@ -104,6 +110,7 @@ def _failure_line(rank: int, f) -> str:
             name = "?"
         return f"training failed: rank {rank} was killed by signal {-f.exitcode} ({name}); its output above says more"
     return _crash_line(rank, detail, f.exitcode)
+
 
 def _crash_line(rank: int, detail: str, exitcode) -> str:
     """One line for a rank that raised (`detail`: the exception's first line) or exited with `exitcode`."""

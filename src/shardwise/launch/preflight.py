@@ -4,6 +4,7 @@ directory, the model directory, the parallel degrees against the model's heads, 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -14,6 +15,56 @@ from shardwise import presets, rundir
 from shardwise.config import Config, Resolved, split_source
 from shardwise.errors import ShardwiseError
 from shardwise.launch.common import say
+from shardwise.preflight import lines, refuse
+from shardwise.preflight.degrees import (
+    judged_with_flags,
+    one_replica,
+    per_tensor_rank,
+    tensor_heads,
+    ulysses_heads,
+    world_divides,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """One run as the checks before writing leave it: the config with the machine's values filled in and
+    --strategy auto's choice applied, the mesh degrees (world = dp_replicate x dp_shard x sp x tp, the data-parallel
+    ranks laid out by the strategy's own dp_split, as the workers' ParallelDims lays them), the model directory and
+    where the prepared data goes. The launcher writes the run directory and the job from this one value."""
+
+    cfg: Config  # a copy of its own: nothing changes it after the checks
+    world: int
+    dp_replicate: int
+    dp_shard: int
+    sp: int
+    tp: int
+    model_dir: str
+    data_file: str  # .prep/nodeN/data.safetensors
+    val_file: str = ""  # .prep/nodeN/val.safetensors, "" without a validation set
+
+    @property
+    def strategy(self) -> str:
+        return self.cfg.strategy
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def in_process(self) -> bool:
+        """One `single` process trains in the launcher; every other run through torchrun's agent."""
+        return presets.trains_in_process(self.strategy, self.world)
+
+
+def run_plan(cfg: Config, world: int, model_dir: str, data_file: str, val_file: str = "") -> RunPlan:
+    """The run's plan once its checks passed (the strategy's class is importable: launch.prep checks it first)."""
+    from shardwise import strategies
+
+    tp, sp = cfg.tensor_parallel, cfg.sequence_parallel
+    dp = presets.data_parallel_degree(world, tp, sp)
+    replicate, shard = strategies.get(cfg.strategy).dp_split(cfg, dp, cfg.nproc_per_node)
+    return RunPlan(copy.deepcopy(cfg), world, replicate, shard, sp, tp, model_dir, data_file, val_file)
 
 
 def resolve_runtime(res: Resolved) -> Config:
@@ -44,7 +95,8 @@ def resolve_runtime(res: Resolved) -> Config:
             raise ShardwiseError(f"{res.where('float8')}: {why}")
     if cfg.mixed_precision == "bf16" and cuda and not bf16_supported():
         raise ShardwiseError(f"{res.where('mixed_precision')}: this GPU has no bf16; use --mixed-precision fp16")
-    if cfg.deepspeed.config and cfg.strategy in presets.PRESETS and presets.base_strategy(cfg.strategy) == "deepspeed":
+    if (cfg.deepspeed.config and cfg.strategy in presets.PRESETS
+            and presets.section_applies("deepspeed", presets.base_strategy(cfg.strategy))):
         # its keys against this run's settings ("auto", keys a flag decides, sections of the wrong type), with the
         # precision and the ranks now known, before anything is written
         from shardwise.strategies import ds_json
@@ -54,6 +106,7 @@ def resolve_runtime(res: Resolved) -> Config:
         cfg.output_dir = os.path.join("runs", f"{cfg.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg.output_dir = os.path.abspath(cfg.output_dir)
     return cfg
+
 
 def check_output_dir(cfg: Config, res: Resolved, lock: rundir.RunLock | None = None) -> bool:
     """Refuse an output directory this run must not write into; True when it holds a marked
@@ -103,6 +156,7 @@ def check_output_dir(cfg: Config, res: Resolved, lock: rundir.RunLock | None = N
     _check_inputs_outside(cfg, res, out)
     return True
 
+
 def _replaces_without_checkpoint(cfg: Config, res: Resolved) -> bool:
     """--resume auto --overwrite where the run has no checkpoint: the run is replaced, as --overwrite alone replaces
     it (it trained from the start over the old run's files, its profile/, tensorboard/ and run id kept). Where it
@@ -123,6 +177,7 @@ def _replaces_without_checkpoint(cfg: Config, res: Resolved) -> bool:
             "or pass --overwrite without --resume to replace the run")
     return True
 
+
 def _check_outside_data_dirs(cfg: Config, res: Resolved, out: str, fix: str) -> None:
     """A data directory is read whole (its subdirectories too, as data/sources.data_files walks it: not those whose
     name starts with a dot, and a saved `datasets` directory only through its own files), so a run directory inside
@@ -141,9 +196,11 @@ def _check_outside_data_dirs(cfg: Config, res: Resolved, out: str, fix: str) -> 
                              f"({res.where(key)}), whose files are all read as data: the next run over it would "
                              f"read this run's files too; {fix}")
 
+
 def _data_paths(cfg: Config) -> list[tuple[str, str]]:
     """("data", path) for each source of --data (a mixture's weights dropped)."""
     return [("data", split_source(item.strip())[0]) for item in cfg.data.split(",")]
+
 
 def _check_inputs_outside(cfg: Config, res: Resolved, out: str) -> None:
     """A run directory about to be cleared must not hold what this run reads (e.g. --model OUT/final, the model
@@ -159,6 +216,7 @@ def _check_inputs_outside(cfg: Config, res: Resolved, out: str) -> None:
             raise ShardwiseError(f"{res.where(key)}: {path} lies in {entry}/ of the run directory {out}, which "
                                  "this run deletes before reading it (it clears the run it replaces): copy it out "
                                  "first, or choose another --output-dir")
+
 
 def check_steps_left(cfg: Config, res: Resolved, resume_from: str, total: int) -> None:
     """A resume needs steps left: a checkpoint past the run's last step is refused (the loop would count down from
@@ -189,6 +247,7 @@ def check_steps_left(cfg: Config, res: Resolved, resume_from: str, total: int) -
     if summary.get("steps") == step and (not cfg.save_final or (isinstance(final, str) and os.path.isdir(final))):
         raise NothingToDo(f"{cfg.output_dir} already finished its {total} steps (checkpoint {resume_from}); nothing "
                           f"to train: {more} to train on")
+
 
 def check_model(cfg: Config, res: Resolved, shapes: bool = True) -> str:
     """The model directory, checked: usable, weights complete and (with `shapes`: the model built on the meta
@@ -223,6 +282,7 @@ def check_model(cfg: Config, res: Resolved, shapes: bool = True) -> str:
                              f"{limit}) and max_position_embeddings raised to the new length (docs/long-context.md)")
     return model_dir
 
+
 def _check_config_json(model_dir: str, where: str) -> None:
     """The model's config.json is one JSON object (every later check and the workers read it), its sizes positive
     integers (the checks below read heads and max_position_embeddings from it before transformers does)."""
@@ -245,6 +305,7 @@ def _check_config_json(model_dir: str, where: str) -> None:
         raise ShardwiseError(f"{where}: {path}: {bad}; fix it, or copy config.json from the model the weights "
                              "come from")
 
+
 def _attention_heads(model_dir: str, where: str, who: str, key: str) -> tuple[dict, int, int]:
     """(the model's text config, its attention heads, its KV heads) from config.json; a
     config without num_attention_heads is refused for `who`, which splits heads."""
@@ -257,35 +318,29 @@ def _attention_heads(model_dir: str, where: str, who: str, key: str) -> tuple[di
                              f"split its heads; use {key} 1")
     return hf, heads, hf.get("num_key_value_heads") or heads
 
-def check_single(cfg: Config, res: Resolved, world: int) -> None:
-    """`single` runs one process, or the tp x sp ranks of one replica (its gradients averaged over the sequence
-    ranks, strategies/single.py); no data-parallel ranks (the planner offers it so: plan.decide.preset_names)."""
-    replica = presets.replica_world(cfg.strategy, cfg.tensor_parallel, cfg.sequence_parallel)
-    if replica is not None and world > replica:
-        raise ShardwiseError(f"{res.where('strategy')}: strategy 'single' runs one process "
-                             f"(or --tensor-parallel N processes, times --sequence-parallel M with it), not {world}; "
-                             "use --strategy ddp")
+
+def check_ranks(cfg: Config, res: Resolved, world: int) -> None:
+    """The rules on the ranks (preflight/degrees.py: a one-replica strategy's tp x sp processes, the world split
+    into whole tensor x sequence groups), where the flags could not judge them: --nproc-per-node filled in from
+    the machine, or --strategy auto's choice."""
+    if judged_with_flags(res.cfg, cfg):
+        return
+    tp, sp = cfg.tensor_parallel, cfg.sequence_parallel
+    refuse(res, lines(iter([one_replica(cfg.strategy, tp, sp, cfg.nnodes, cfg.nproc_per_node),
+                            world_divides(world, tp, sp)])))
+
 
 def check_sequence_parallel(cfg: Config, res: Resolved, world: int, model_dir: str) -> None:
-    """Refuse a sequence-parallel degree the ranks or the model's heads cannot take, with
-    the model's numbers; say which mode runs. With tensor parallelism (checked first) each tp
-    rank holds heads / tp of them, and those are what Ulysses splits."""
+    """Refuse a sequence-parallel degree the model's heads cannot take, with the model's numbers; say which mode
+    runs. With tensor parallelism (checked first) each tp rank holds heads / tp of them, and those are what
+    Ulysses splits. The ranks are check_ranks'."""
     n, tp = cfg.sequence_parallel, cfg.tensor_parallel
     if n == 1:
         return
-    if world % (n * tp):
-        raise ShardwiseError(f"{res.where('sequence_parallel')}: sequence_parallel {n}"
-                             + (f" x tensor_parallel {tp}" if tp > 1 else "") + f" must divide the {world} "
-                             "ranks (nnodes x nproc_per_node); the data-parallel degree is ranks / N")
     _, all_heads, all_kv = _attention_heads(model_dir, res.where("sequence_parallel"), "Ulysses", "sequence_parallel")
+    refuse(res, ulysses_heads(all_heads, tp, n, world, cfg.sp_mode))
     heads, kv = all_heads // tp, max(all_kv // tp, 1)
-    per_tp = f" ({all_heads} / tensor_parallel {tp} per tensor rank)" if tp > 1 else ""
-    if heads % n and cfg.sp_mode == "ulysses":
-        fits = [d for d in range(2, heads + 1) if heads % d == 0 and world % (d * tp) == 0]
-        hint = f"use --sequence-parallel {fits[-1]}" if fits else "use --sequence-parallel 1"
-        raise ShardwiseError(f"{res.where('sequence_parallel')}: Ulysses splits the model's {heads} attention heads"
-                             f"{per_tp} over the {n} ranks of a sequence-parallel group, and {n} does not divide "
-                             f"{heads}; {hint}, or --sp-mode ring / auto (ring attention for degrees beyond the heads)")
+    per_tp = per_tensor_rank(all_heads, tp)
     from shardwise.models.sequence_parallel import split_degree
 
     u, r = split_degree(n, heads, cfg.sp_mode)
@@ -298,25 +353,19 @@ def check_sequence_parallel(cfg: Config, res: Resolved, world: int, model_dir: s
     else:
         mode = f"Ulysses {u} x ring {r} ({why}{heads // u} query heads per rank, rings of {r})"
     say(f"sequence parallel: {mode} over groups of {n} ranks; "
-        f"data-parallel degree {world // (n * tp)}; each rank holds {cfg.seq_len // n} of {cfg.seq_len} tokens"
-        + (f" (split again over the {tp} tensor ranks between blocks)" if tp > 1 else ""))
+        f"data-parallel degree {presets.data_parallel_degree(world, tp, n)}; each rank holds {cfg.seq_len // n} of "
+        f"{cfg.seq_len} tokens" + (f" (split again over the {tp} tensor ranks between blocks)" if tp > 1 else ""))
+
 
 def check_tensor_parallel(cfg: Config, res: Resolved, world: int, model_dir: str) -> None:
-    """Refuse a tensor-parallel degree the ranks or the model's heads cannot take, with the
-    model's numbers; say how the weights are split (strategies/parallelize.py)."""
+    """Refuse a tensor-parallel degree the model cannot take (its heads, its family, its MLP width), with the
+    model's numbers; say how the weights are split (strategies/parallelize.py). The ranks are check_ranks'."""
     n = cfg.tensor_parallel
     if n == 1:
         return
     where = res.where("tensor_parallel")
-    if world % n:
-        raise ShardwiseError(f"{where}: tensor_parallel {n} must divide the {world} ranks (nnodes x nproc_per_node); "
-                             "the data-parallel degree is ranks / N")
     hf, heads, kv = _attention_heads(model_dir, where, "tensor parallelism", "tensor_parallel")
-    if heads % n or kv % n:
-        fits = [d for d in range(2, kv + 1) if heads % d == 0 and kv % d == 0 and world % d == 0]
-        hint = f"use --tensor-parallel {fits[-1]}" if fits else "use --tensor-parallel 1"
-        raise ShardwiseError(f"{where}: tensor parallelism gives each of the {n} ranks whole attention heads, and {n} "
-                             f"does not divide the model's {heads} attention heads and {kv} KV heads; {hint}")
+    refuse(res, tensor_heads(heads, kv, n, world))
     from shardwise.strategies.parallelize import TP_FAMILIES
 
     family = hf.get("model_type")
@@ -329,7 +378,8 @@ def check_tensor_parallel(cfg: Config, res: Resolved, world: int, model_dir: str
                              f"(intermediate_size {inter}); use a degree that divides it and the heads")
     say(f"tensor parallel: attention and MLP linears split over groups of {n} ranks ({heads // n} query heads and "
         f"{kv // n} KV head(s) per rank); embedding and head split over the vocabulary, norms over the sequence; "
-        f"data-parallel degree {world // (n * cfg.sequence_parallel)}")
+        f"data-parallel degree {presets.data_parallel_degree(world, n, cfg.sequence_parallel)}")
+
 
 def check_fit(cfg: Config, res: Resolved, world: int, force: bool) -> None:
     """Refuse a run the planner says cannot fit the GPUs, unless --force."""
@@ -345,6 +395,7 @@ def check_fit(cfg: Config, res: Resolved, world: int, force: bool) -> None:
     sp = plan.for_strategy(cfg.strategy)
     if not sp.fits and not force:
         raise ShardwiseError(fit_advice(plan, cfg.strategy) + " (pass --force to launch anyway)")
+
 
 def choose_strategy(cfg: Config, res: Resolved) -> Config:
     try:

@@ -14,19 +14,47 @@ from shardwise import phases, rundir
 from shardwise.config import Config, Resolved, absolute_paths, split_source, to_yaml
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import use_compile_cache
-from shardwise.launch.common import Prepared, say
+from shardwise.launch.common import oversubscribed, say
 from shardwise.launch.preflight import (
+    RunPlan,
     check_fit,
     check_model,
     check_output_dir,
+    check_ranks,
     check_sequence_parallel,
-    check_single,
     check_steps_left,
     check_tensor_parallel,
     choose_strategy,
     resolve_runtime,
+    run_plan,
 )
 from shardwise.rundir import quiet_libraries
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A run whose directory is written: its plan, where the job is, and node 0's lock on the run directory."""
+
+    plan: RunPlan
+    output_dir: str
+    job_path: str
+    lock: rundir.RunLock | None = None  # held by node 0's launcher for the run's life
+
+    @property
+    def cfg(self) -> Config:
+        return self.plan.cfg
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world
+
+
+def _say_run_dir(p: Prepared) -> None:
+    say(f"run directory: {p.output_dir} ({p.plan.strategy}, {p.plan.world} process(es), "
+        f"mixed precision {p.cfg.mixed_precision})")
+    note = oversubscribed(p.cfg.nproc_per_node)
+    if note:
+        say(note)
 
 
 def _begin(res: Resolved) -> tuple[Config, rundir.RunLock | None, float]:
@@ -52,8 +80,10 @@ def _begin(res: Resolved) -> tuple[Config, rundir.RunLock | None, float]:
         raise
     return cfg, lock, t0
 
+
 class _Cancelled(Exception):
     """The workers' group ended (a failure, a signal) before this run's prepare wrote anything."""
+
 
 class _WriteGate:
     """Between a prepare on a thread (launch.early._Early) and the main thread: either the prepare passes `enter` and
@@ -80,6 +110,7 @@ class _WriteGate:
             self.cancelled = True
             return self.writing
 
+
 def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: bool, t0: float = 0.0,
              gate: _WriteGate | None = None, loaded: tuple | None = None, marks: dict | None = None) -> Prepared:
     """Check what is left (the resume, the model, the degrees unless first_checks ran them, the fit, the data), then
@@ -93,29 +124,32 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
         loaded = read_data(cfg, res)
     records, stats, val = loaded
     encoded, tensors, hit, val, val_tensors = _encode(res, cfg, world, model_dir, records, val, resume_from)
+    out = cfg.output_dir
+    prep = os.path.join(rundir.prep_dir(out), f"node{cfg.node_rank}")
+    plan = run_plan(cfg, world, model_dir, os.path.join(prep, "data.safetensors"),
+                    os.path.join(prep, "val.safetensors") if val is not None else "")
 
     # -- nothing has been written until here ---------------------------------------------
     if gate is not None:
         gate.enter()
-    out = cfg.output_dir
     node0 = lock is not None
     if node0:
-        _claim_run_dir(res, cfg, lock)
-    prep = os.path.join(rundir.prep_dir(out), f"node{cfg.node_rank}")
+        _claim_run_dir(res, plan.cfg, lock)
     os.makedirs(prep, exist_ok=True)
     if node0:
         rundir.clear_interrupted(out)  # a record left by the run this one resumes is not this run's
-    data_file, val_file = _write_data(prep, encoded, tensors, val, val_tensors)
-    _say_data(cfg, encoded, stats, hit, val, resume_notes)
-    resume_record = _write_config(cfg, out, resume_from, resume_notes) if node0 else {}
+    _write_data(plan, encoded, tensors, val, val_tensors)
+    _say_data(plan.cfg, encoded, stats, hit, val, resume_notes)
+    resume_record = _write_config(plan.cfg, out, resume_from, resume_notes) if node0 else {}
     # the workers' config holds absolute paths, so a checkpoint's meta.json names the data wherever it is resumed from
-    job = {"config": absolute_paths(dataclasses.asdict(cfg)), "model_dir": model_dir, "data_file": data_file,
-           "output_dir": out, "resume": cfg.resume, "val_file": val_file, "resume_record": resume_record,
+    job = {"config": absolute_paths(dataclasses.asdict(plan.cfg)), "model_dir": plan.model_dir,
+           "data_file": plan.data_file, "output_dir": out, "resume": plan.cfg.resume, "val_file": plan.val_file,
+           "resume_record": resume_record,
            "timeline": {"process_start": phases.process_start(), "prepare_start": t0 or time.time(),
                         **(marks or {}), "prepared": time.time()}}
     job_path = os.path.join(prep, "job.json")
     rundir.atomic_write(job_path, json.dumps(job, indent=1))
-    return Prepared(cfg, out, job_path, world, lock)
+    return Prepared(plan, out, job_path, lock)
 
 
 def _resume_source(cfg: Config, res: Resolved) -> str | None:
@@ -147,11 +181,12 @@ def _resume_source(cfg: Config, res: Resolved) -> str | None:
 def _check_run(res: Resolved, cfg: Config, world: int, force: bool, resume_from: str | None,
                degrees_checked: bool) -> tuple[str, list[str]]:
     """The checks before the data is read: the ranks, the strategy's class, the trackers, the model directory,
-    the checkpoint against this run, the parallel degrees (unless `degrees_checked`), the fit.
-    Returns (the model directory, the resume's notes)."""
+    the checkpoint against this run, the parallel degrees against the model, the fit; the ranks and the degrees
+    not where first_checks judged them (`degrees_checked`). Returns (the model directory, the resume's notes)."""
     from shardwise.train import checkpoint as ckpt
 
-    check_single(cfg, res, world)
+    if not degrees_checked:  # else first_checks() judged the ranks and the degrees
+        check_ranks(cfg, res, world)
     from shardwise import strategies
 
     strategies.get(cfg.strategy)  # unknown / not installed -> one clear line now, not in N workers
@@ -163,7 +198,7 @@ def _check_run(res: Resolved, cfg: Config, world: int, force: bool, resume_from:
     resume_notes = ckpt.check_resume(resume_from, cfg, model_dir) if resume_from else []
     if resume_from:
         resume_notes += _data_change_notes(resume_from, cfg)
-    if not degrees_checked:  # else first_checks() checked the degrees
+    if not degrees_checked:
         check_tensor_parallel(cfg, res, world, model_dir)
         check_sequence_parallel(cfg, res, world, model_dir)
     check_fit(cfg, res, world, force)
@@ -201,21 +236,18 @@ def _claim_run_dir(res: Resolved, cfg: Config, lock: rundir.RunLock) -> None:
         rundir.mark(out)
 
 
-def _write_data(prep: str, encoded, tensors: dict, val, val_tensors: dict | None) -> tuple[str, str]:
-    """The tokenized sets and their sources in `prep` (.prep/nodeN); (the data file, the validation file or '')."""
+def _write_data(plan: RunPlan, encoded, tensors: dict, val, val_tensors: dict | None) -> None:
+    """The tokenized sets and their sources where the plan puts them (.prep/nodeN)."""
     from safetensors.torch import save_file
 
-    data_file = os.path.join(prep, "data.safetensors")
-    with rundir.atomic_path(data_file) as tmp:
+    prep = os.path.dirname(plan.data_file)
+    with rundir.atomic_path(plan.data_file) as tmp:
         save_file(tensors, tmp)
     rundir.atomic_write(os.path.join(prep, "sources.json"), json.dumps(encoded.sources))
-    val_file = ""
     if val is not None:
-        val_file = os.path.join(prep, "val.safetensors")
-        with rundir.atomic_path(val_file) as tmp:
+        with rundir.atomic_path(plan.val_file) as tmp:
             save_file(val_tensors, tmp)
         rundir.atomic_write(os.path.join(prep, "val_sources.json"), json.dumps(val.sources))
-    return data_file, val_file
 
 
 def _say_data(cfg: Config, encoded, stats, hit: bool, val, resume_notes: list[str]) -> None:
@@ -295,6 +327,7 @@ def _tokenized(cfg: Config, res: Resolved, model_dir: str, records: list, val: l
         return encoded, tensors, hit, None, None
     return encoded, tensors, hit, rest[0][0], rest[0][1]
 
+
 def read_data(cfg: Config, res: Resolved) -> tuple[list, object, list]:
     """(training records, their read statistics, validation records), every record checked."""
     from shardwise.data.sources import load_records
@@ -302,6 +335,7 @@ def read_data(cfg: Config, res: Resolved) -> tuple[list, object, list]:
     records, stats = load_records(cfg, res.where)
     records, val = validation_records(cfg, res, records)
     return records, stats, val
+
 
 def validation_records(cfg: Config, res: Resolved, records: list) -> tuple[list, list]:
     """(training records, validation records): --val-data read like --data, or --val-split
@@ -321,6 +355,7 @@ def validation_records(cfg: Config, res: Resolved, records: list) -> tuple[list,
                              f"of {len(records)}; lower it")
     held = set(random.Random(cfg.seed).sample(range(len(records)), n))
     return ([r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held])
+
 
 def _data_change_notes(resume_from: str, cfg: Config) -> list[str]:
     """A note when a resume trains on other rows than the checkpoint's run (--data, or --val-split, which holds out
@@ -348,8 +383,10 @@ def _data_change_notes(resume_from: str, cfg: Config) -> list[str]:
                      "is not comparable with the one logged before the resume")
     return notes
 
+
 def _path_key(path: str) -> str:
     return path if path in ("", "demo") else os.path.realpath(path)
+
 
 def _sources_key(spec: str) -> list[tuple[str, float | int | None]]:
     """A data spec ('a.jsonl:0.7,demo:0.3') as (real path, count or weight) pairs, for comparing two specs (a weight
