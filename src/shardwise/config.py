@@ -25,8 +25,10 @@ from typing import Any, Callable
 
 import yaml
 
-from shardwise import presets
+from shardwise import preflight, presets
 from shardwise.errors import ShardwiseError
+from shardwise.preflight import flags as flag_rules
+from shardwise.preflight.flags import show
 
 
 def _f(default, help: str, choices: tuple | None = None, **kw):
@@ -317,18 +319,7 @@ def _deepspeed_alias(value: str, out: dict[str, tuple[Any, str]]) -> None:
             out[key] = (device != "none", f"{where} (its zero_optimization.{sub}.device {device})")
 
 
-MAX_NPROC_PER_NODE = 1024  # processes (GPUs) per node; `plan --gpus` shares the bound (plan/inputs.py)
-MAX_NNODES = 65536
-MAX_SEED = 2**32 - 1  # every RNG seeds from it (numpy's bound); the sampler adds the epoch to it
-MAX_COLLECTIVE_TIMEOUT = 1e9  # seconds; beyond what a timedelta and the process group's milliseconds hold
-SHOW_CHARS = 200  # longest value an error message prints
 MAX_YAML_VALUES = 10_000  # a config holds a few dozen; more (e.g. through aliases) is refused
-
-
-def show(value: Any) -> str:
-    """repr(value) for an error message, cut to SHOW_CHARS."""
-    text = repr(value)
-    return text if len(text) <= SHOW_CHARS else f"{text[:SHOW_CHARS]}... ({len(text):,} characters)"
 
 
 def _check_yaml_nodes(root: yaml.Node, path: str) -> None:
@@ -539,20 +530,9 @@ class Resolved:
     def explicit(self, key: str) -> bool:
         return key in self.origins and not self.origins[key].startswith(("preset ", "demo recipe"))
 
-
-REPORT_TO = ("tensorboard", "wandb", "mlflow")
-
-
-def parse_report_to(value: str) -> list[str]:
-    """'tensorboard,wandb' -> ['tensorboard', 'wandb']; 'none' or '' -> []. ValueError names an unknown one."""
-    names = [n.strip().lower() for n in value.split(",") if n.strip()]
-    if names == ["none"]:
-        return []
-    bad = [n for n in names if n not in REPORT_TO]
-    if bad:
-        raise ValueError(f"unknown tracker {', '.join(bad)}; choose from {', '.join(REPORT_TO)} (comma-separated) "
-                         "or none")
-    return list(dict.fromkeys(names))
+    def restates_default(self, key: str) -> bool:
+        """Whether the key holds its default value (given or not)."""
+        return get(self.cfg, key) == FIELDS[key].default
 
 
 def demo_recipe_path() -> str:
@@ -611,12 +591,8 @@ def demo_note(res: Resolved) -> str | None:
 
 
 def check_train_data(res: Resolved) -> None:
-    """A model directory trains on the user's data: without --data it is an error, not a quiet run
-    on the synthetic demo set (meant for the tiny model; `--data demo` asks for it explicitly)."""
-    if res.cfg.model != "tiny" and res.cfg.data == "demo" and "data" not in res.origins:
-        raise ShardwiseError(f"{res.where('model')}: a model directory needs --data (a JSONL file or a directory "
-                             "of them); the built-in synthetic set is for the tiny demo model (pass --data demo to "
-                             "train on it anyway)")
+    """`shardwise train`'s rule beyond the config's own (preflight/flags.train_data): a model directory needs --data."""
+    preflight.run(res, (flag_rules.train_data,))
 
 
 def _set(cfg: Config, key: str, value: Any) -> None:
@@ -640,184 +616,9 @@ def checkpointing_mode(cfg: Config) -> str:
 
 
 def validate(res: Resolved) -> None:
-    """Every check that needs no hardware; raises ShardwiseError naming the key and where."""
-    c, w = res.cfg, res.where
-
-    def need(ok: bool, key: str, msg: str) -> None:
-        if not ok:
-            raise ShardwiseError(f"{w(key)}: {msg}")
-
-    need(c.strategy in presets.known_names(), "strategy",
-         f"unknown strategy '{c.strategy}'; known: {', '.join(presets.known_names())}")
-    need(bool(c.model.strip()), "model", "model is empty; give a local Hugging Face model directory or 'tiny'")
-    need(0 <= c.seed <= MAX_SEED, "seed", f"seed must be in [0, {MAX_SEED}], got {show(c.seed)}")
-    need(c.seq_len >= 8, "seq_len", f"seq_len must be at least 8, got {c.seq_len}")
-    need(c.micro_batch_size >= 1, "micro_batch_size", f"micro_batch_size must be >= 1, got {c.micro_batch_size}")
-    need(c.grad_accum >= 1, "grad_accum", f"grad_accum must be >= 1, got {c.grad_accum}")
-    need(c.max_steps == -1 or c.max_steps >= 1, "max_steps", f"max_steps must be -1 (use epochs) or >= 1, got {c.max_steps}")
-    need(c.epochs >= 1, "epochs", f"epochs must be >= 1, got {c.epochs}")
-    need(c.lr > 0, "lr", f"lr must be > 0, got {c.lr}")
-    need(c.warmup_steps >= 0, "warmup_steps", f"warmup_steps must be >= 0, got {c.warmup_steps}")
-    need(0 <= c.min_lr_ratio <= 1, "min_lr_ratio", f"min_lr_ratio must be in [0, 1], got {c.min_lr_ratio}")
-    need(c.max_grad_norm >= 0, "max_grad_norm", f"max_grad_norm must be >= 0 (0 disables clipping), got {c.max_grad_norm}")
-    need(c.log_every >= 1, "log_every", f"log_every must be >= 1, got {c.log_every}")
-    need(c.save_every >= 0, "save_every", f"save_every must be >= 0, got {c.save_every}")
-    need(c.save_every_minutes >= 0, "save_every_minutes", f"save_every_minutes must be >= 0, got {c.save_every_minutes}")
-    need(c.collective_timeout > 0, "collective_timeout", f"collective_timeout must be > 0 seconds, got {c.collective_timeout}")
-    need(c.collective_timeout <= MAX_COLLECTIVE_TIMEOUT, "collective_timeout",
-         f"collective_timeout must be at most {MAX_COLLECTIVE_TIMEOUT:.0e} seconds (about 31 years), got "
-         f"{c.collective_timeout:g}")
-    need(c.profile_steps >= 0, "profile_steps", f"profile_steps must be >= 0 (0 disables profiling), got {c.profile_steps}")
-    need(c.profile_start >= 0, "profile_start",
-         f"profile_start must be >= 0 (0 = the last profile_steps steps), got {c.profile_start}")
-    need(c.max_steps == -1 or c.profile_start + c.profile_steps - 1 <= c.max_steps, "profile_start",
-         f"profile_start {c.profile_start} + profile_steps {c.profile_steps} runs past max_steps {c.max_steps}; "
-         "profile earlier steps, fewer of them, or set profile_start 0 (the last steps)")
-    need(c.max_steps == -1 or c.profile_steps <= c.max_steps, "profile_steps",
-         f"profile_steps {c.profile_steps} is more than max_steps {c.max_steps}")
-    need(c.keep_checkpoints >= 1, "keep_checkpoints", f"keep_checkpoints must be >= 1, got {c.keep_checkpoints}")
-    need(0 <= c.nproc_per_node <= MAX_NPROC_PER_NODE, "nproc_per_node",
-         f"nproc_per_node must be in 0..{MAX_NPROC_PER_NODE} (0 = auto; processes per node), got {c.nproc_per_node}")
-    need(1 <= c.nnodes <= MAX_NNODES, "nnodes", f"nnodes must be in 1..{MAX_NNODES}, got {c.nnodes}")
-    need(0 <= c.node_rank < c.nnodes, "node_rank", f"node_rank must be in [0, nnodes={c.nnodes}), got {c.node_rank}")
-    need(c.max_restarts >= 0, "max_restarts", f"max_restarts must be >= 0, got {c.max_restarts}")
-    need(c.tensor_parallel >= 1, "tensor_parallel", f"tensor_parallel must be >= 1, got {c.tensor_parallel}")
-    need(c.nnodes == 1 or bool(c.rdzv_endpoint), "nnodes",
-         "a multi-node run needs --rdzv-endpoint HOST:PORT (the address of node 0)")
-    if c.rdzv_endpoint:
-        host, _, port = c.rdzv_endpoint.rpartition(":")
-        need(bool(host) and port.isdigit(), "rdzv_endpoint", f"rdzv_endpoint must be HOST:PORT, got '{c.rdzv_endpoint}'")
-    need(c.mixed_precision != "fp16" or c.param_dtype != "bf16", "mixed_precision",
-         "mixed_precision fp16 with param_dtype bf16 mixes two half types; use --mixed-precision bf16")
-    need(c.resume in ("auto", "none") or bool(c.resume), "resume", "resume must be auto, none or a checkpoint path")
-    need(not (c.overwrite and c.resume not in ("auto", "none")), "overwrite",
-         f"--overwrite replaces the run in --output-dir and --resume {c.resume} continues from a checkpoint; give one "
-         "of them (--resume auto --overwrite resumes the run's newest checkpoint, or replaces a run that has none)")
-    try:
-        parse_report_to(c.report_to)
-    except ValueError as e:
-        need(False, "report_to", f"report_to: {e}")
-    need(not (c.val_data and c.val_split), "val_split", "give either val_data or val_split, not both")
-    need(0 <= c.val_split < 1, "val_split", f"val_split must be in [0, 1), got {c.val_split}")
-    need(c.eval_every >= 0, "eval_every", f"eval_every must be >= 0 (0 = at the end only), got {c.eval_every}")
-    has_val = bool(c.val_data) or c.val_split > 0
-    need(has_val or c.eval_every == 0, "eval_every",
-         "eval_every needs a validation set: --val-data PATH or --val-split 0.05")
-    need(has_val or not c.keep_best, "keep_best", "keep_best needs a validation set: --val-data PATH or --val-split 0.05")
-    need(not c.keep_best or (c.save_every > 0 and c.eval_every > 0 and c.save_every % c.eval_every == 0), "keep_best",
-         f"keep_best compares checkpoints by their validation loss: set --save-every to a multiple of --eval-every "
-         f"(now save_every {c.save_every}, eval_every {c.eval_every})")
-    need(c.lora.r >= 1, "lora.r", f"lora.r must be >= 1, got {c.lora.r}")
-    need(c.lora.alpha > 0 and math.isfinite(c.lora.alpha), "lora.alpha",
-         f"lora.alpha must be a positive number (the adapters are scaled by alpha / r), got {c.lora.alpha}")
-    need(0 <= c.lora.dropout < 1, "lora.dropout", f"lora.dropout must be in [0, 1), got {c.lora.dropout}")
-    need(c.tuner == "full" or any(t.strip() for t in c.lora.targets.split(",")), "lora.targets",
-         "lora.targets is empty; give module names (e.g. q_proj,v_proj) or all-linear")
-    need(c.fsdp.wrap == "block" or (c.fsdp.wrap.startswith("size:") and c.fsdp.wrap[5:].isdigit()
-                                     and int(c.fsdp.wrap[5:]) > 0),
-         "fsdp.wrap", f"fsdp.wrap must be 'block' or 'size:N' with N > 0, got '{c.fsdp.wrap}'")
-    need(c.fsdp.shard_group_size >= 0, "fsdp.shard_group_size", "fsdp.shard_group_size must be >= 0")
-    need(not (c.train_on_prompt and c.last_turn_only), "last_turn_only",
-         "train_on_prompt (loss on every turn) and last_turn_only (loss on the last assistant turn) contradict "
-         "each other; set one of them")
-
-    if c.padding_free == "on":
-        need(not c.packing, "padding_free",
-             "padding_free on lays a micro-batch's rows one after another in one sequence, and packing already fills "
-             "each row with several examples; use --padding-free auto (off with packing) or drop --packing")
-        need(c.sequence_parallel == 1 and c.tensor_parallel == 1, "padding_free",
-             f"padding_free on is not built with sequence_parallel {c.sequence_parallel} / tensor_parallel "
-             f"{c.tensor_parallel} (their attention and sequence split take padded rows); use --padding-free auto "
-             "(off there) or set both to 1")
-
-    need(not (c.gradient_checkpointing and c.activation_checkpointing == "selective"), "activation_checkpointing",
-         "activation_checkpointing selective contradicts gradient_checkpointing true (full checkpointing); "
-         "set one of them")
-
-    base = presets.base_strategy(c.strategy) if c.strategy in presets.PRESETS else c.strategy
-    # what does not compose with the strategy, as its registration declares (presets.check_composition)
-    clash = dict(presets.check_composition(c.strategy, {"float8": c.float8, "qlora": c.tuner == "qlora",
-                                                        "tensor_parallel": c.tensor_parallel}))
-    if c.float8:
-        need("float8" not in clash, "float8", clash.get("float8", ""))
-        need(c.tuner == "full", "float8", f"float8 with tuner {c.tuner} is not built (peft wraps the linears that "
-             "float8 converts); use --tuner full or drop --float8")
-        need(c.tensor_parallel == 1, "float8", "float8 with tensor_parallel > 1 is not built (the float8 linears "
-             "need their own tensor-parallel styles); use --tensor-parallel 1 or drop --float8")
-        need(c.mixed_precision != "fp16", "float8", "float8 runs beside bf16 compute, not fp16 (its scaling and "
-             "fp16's loss scaling do not compose here); use --mixed-precision bf16")
-        need(c.compile != "off", "float8", "float8 without torch.compile runs torchao's scaling and casts unfused: "
-             "slower than bf16 without float8; drop --compile off (compiled blocks fuse them) or drop --float8")
-    # Options that belong to another strategy, set explicitly, are a mistake worth a line.
-    if base != "auto":
-        for key in res.origins:
-            sec = key.split(".", 1)[0] if "." in key else None
-            if sec and get(c, key) == FIELDS[key].default:
-                continue  # restating a default is harmless
-            if sec == "fsdp" and base != "fsdp" and res.explicit(key):
-                raise ShardwiseError(f"{w(key)}: '{key}' applies to FSDP but the strategy is '{c.strategy}'; "
-                                     f"use --strategy fsdp (or fsdp-offload / hybrid) or drop the option")
-            if sec == "deepspeed" and base != "deepspeed" and res.explicit(key):
-                raise ShardwiseError(f"{w(key)}: '{key}' applies to DeepSpeed but the strategy is '{c.strategy}'; "
-                                     f"use --strategy zero1/zero2/zero3 or drop the option")
-    if base == "fsdp" and c.fsdp.hybrid:
-        need(c.nnodes > 1 or c.fsdp.shard_group_size > 0, "fsdp.hybrid",
-             "hybrid sharding needs more than one node (or fsdp.shard_group_size to split one node into groups)")
-    if base == "deepspeed":
-        need(not c.deepspeed.offload_params or c.deepspeed.stage == 3, "deepspeed.offload_params",
-             "deepspeed.offload_params needs ZeRO stage 3; use --strategy zero3-offload")
-        need(c.deepspeed.fetch == "block" or c.deepspeed.stage == 3, "deepspeed.fetch",
-             "deepspeed.fetch chooses ZeRO-3's fetch unit; use --strategy zero3 or drop the option")
-        if c.deepspeed.config:
-            _check_json_object(c.deepspeed.config, w("deepspeed.config"))  # its keys: launch.resolve_runtime
-    if base == "fsdp" and c.fsdp.hybrid and c.fsdp.shard_group_size and c.nproc_per_node:
-        world = c.nproc_per_node * c.nnodes
-        need(world % c.fsdp.shard_group_size == 0, "fsdp.shard_group_size",
-             f"fsdp.shard_group_size {c.fsdp.shard_group_size} must divide the {world} ranks (nnodes x nproc_per_node)")
-    need("tuner" not in clash, "tuner", clash.get("tuner", ""))
-    need(not c.merge_lora or c.tuner == "lora", "merge_lora",
-         "merge_lora needs --tuner lora (a full fine-tune is already a full model; a 4-bit QLoRA base is not merged)")
-    replica = presets.replica_world(c.strategy, c.tensor_parallel, c.sequence_parallel)
-    if replica is not None:
-        need(c.nnodes == 1 and c.nproc_per_node in (0, 1, replica), "strategy",
-             "strategy 'single' runs one process (or --tensor-parallel N processes, one replica, times "
-             "--sequence-parallel M with it); use --strategy ddp (or fsdp) for more than one")
-    if c.tensor_parallel > 1:
-        need("tensor_parallel" not in clash, "tensor_parallel", clash.get("tensor_parallel", ""))
-        need(c.tuner == "full", "tensor_parallel",
-             f"tensor_parallel with {c.tuner} is not built yet: PEFT wraps the attention and MLP linears that tensor "
-             "parallelism splits, and the adapters would have to be split to match (lora_B by output features on "
-             "q/k/v/gate/up, lora_A by input features on o/down); use --tuner full or --tensor-parallel 1")
-        if c.nproc_per_node:
-            world = c.nproc_per_node * c.nnodes
-            need(world % c.tensor_parallel == 0, "tensor_parallel",
-                 f"tensor_parallel {c.tensor_parallel} must divide the {world} ranks (nnodes x nproc_per_node)")
-    need(c.sequence_parallel >= 1, "sequence_parallel", f"sequence_parallel must be >= 1, got {c.sequence_parallel} (1 = off)")
-    if c.sequence_parallel > 1:
-        need(replica is None or c.tensor_parallel > 1, "sequence_parallel",
-             "sequence parallelism splits sequences over several ranks; use --strategy ddp, fsdp or zero*, not single "
-             "(single takes it only beside --tensor-parallel: one replica of N x M processes)")
-        if c.nproc_per_node:
-            world = c.nproc_per_node * c.nnodes
-            need(world % c.sequence_parallel == 0, "sequence_parallel",
-                 f"sequence_parallel {c.sequence_parallel} must divide the {world} ranks (nnodes x nproc_per_node)")
-            need(world % (c.sequence_parallel * c.tensor_parallel) == 0, "sequence_parallel",
-                 f"sequence_parallel {c.sequence_parallel} x tensor_parallel {c.tensor_parallel} must divide the "
-                 f"{world} ranks (nnodes x nproc_per_node); the rest are data-parallel")
-
-
-def _check_json_object(path: str, where: str) -> None:
-    """A JSON file the run reads later (deepspeed.config), checked now: before the run directory is written."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            obj = json.load(fh)
-    except FileNotFoundError:
-        raise ShardwiseError(f"{where}: {path}: no such file; give the path of a DeepSpeed JSON config") from None
-    except (OSError, ValueError) as e:
-        why = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][:200]
-        raise ShardwiseError(f"{where}: {path}: cannot read it as JSON ({why}); fix the file") from None
-    if not isinstance(obj, dict):
-        raise ShardwiseError(f"{where}: {path}: not a JSON object ({{\"key\": value, ...}}); fix the file")
+    """Every rule that needs no hardware (preflight/flags.py), in order; the first that fails is raised, naming its
+    key and where the key came from."""
+    preflight.run(res, flag_rules.CHECKS)
 
 
 def split_source(item: str) -> tuple[str, str]:

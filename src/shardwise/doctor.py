@@ -123,7 +123,7 @@ def measure(nproc: int, sizes, iters: int) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from shardwise.launch import loopback_only, quiet_agent
+    from shardwise.launch.agent import loopback_only, quiet_agent
 
     quiet_agent()
 

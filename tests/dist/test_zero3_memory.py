@@ -66,7 +66,7 @@ def _measure_case(rank, world, model_dir, ds_json, flags, torch_linear) -> list[
 
     from shardwise import strategies
     from shardwise.config import load_config
-    from shardwise.launch import resolve_runtime
+    from shardwise.launch.preflight import resolve_runtime
     from shardwise.models.speed import decoder_blocks
     from shardwise.strategies.base import DistEnv
     from shardwise.train.loop import build_model

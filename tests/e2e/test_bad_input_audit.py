@@ -279,19 +279,20 @@ def test_the_data_directory_check_follows_what_the_data_reader_reads(tmp_path, c
     """A dot-directory under a data directory and the inside of a saved `datasets` directory are never read as data
     (data/sources.data_files): a run directory there is accepted. A run found misplaced when it resumes is told
     to move, not to start elsewhere."""
-    from shardwise import config, launch
+    from shardwise import config
+    from shardwise.launch import preflight
 
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     write_jsonl(str(data_dir / "chat.jsonl"), chat_records(16))
     for out in (data_dir / ".runs" / "r1", data_dir / "sub" / ".hidden" / "r2"):
         res = config.load_config(None, {"data": (str(data_dir), "--data"), "output_dir": (str(out), "--output-dir")})
-        assert launch.check_output_dir(res.cfg, res) is False  # nothing to clear, nothing refused
+        assert preflight.check_output_dir(res.cfg, res) is False  # nothing to clear, nothing refused
     datasets = pytest.importorskip("datasets")
     saved = tmp_path / "saved"
     datasets.Dataset.from_list(chat_records(4)).save_to_disk(str(saved))
     res = config.load_config(None, {"data": (str(saved), "--data"), "output_dir": (str(saved / "out"), "--output-dir")})
-    assert launch.check_output_dir(res.cfg, res) is False
+    assert preflight.check_output_dir(res.cfg, res) is False
     capsys.readouterr()  # the datasets library's progress bars
 
     run = data_dir / "runs" / "r1"

@@ -244,7 +244,7 @@ def test_resume_after_sigterm_to_the_launcher_exits_0_and_leaves_no_agent_temp_d
 
 
 def test_a_signal_while_the_launcher_still_prepares_stops_the_early_workers_and_writes_nothing(tmp_path):
-    """The agent starts the workers while the launcher checks and tokenizes (launch._Early). SIGTERM in that window
+    """The agent starts the workers while the launcher checks and tokenizes (launch.early._Early). SIGTERM in that window
     (the workers are up, the data still being tokenized): the launcher leaves with 128 + 15; no worker is left and
     the output directory was never made."""
     import psutil

@@ -1,4 +1,4 @@
-"""The launcher's one line for a failed worker group (launch._failure_report): which rank it blames, from the
+"""The launcher's one line for a failed worker group (launch.failures._failure_report): which rank it blames, from the
 agent's failures (torch's own ChildFailedError), the ranks' one-line errors and the life marks they leave
 (train/worker.life_marker)."""
 
@@ -10,7 +10,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from shardwise import phases, rundir
 from shardwise.config import Config
-from shardwise.launch import _failure_report
+from shardwise.launch.failures import _failure_report
 from shardwise.train.worker import life_marker
 
 LOST = "rank 1: a collective lost its peer during step 3: another rank is hung or dead (Connection closed by peer)"

@@ -22,13 +22,14 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # floor -> module name patterns ("x.*" is every module under package x); lower floors are imported by higher ones
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("shardwise", "shardwise.errors", "shardwise.presets", "shardwise.rundir", "shardwise.phases")),
+    ("preflight rules", ("shardwise.preflight", "shardwise.preflight.*")),  # judged on settings; config reads them
     ("config and hardware", ("shardwise.config", "shardwise.hardware")),
     ("planner, models, data (no process group)", ("shardwise.plan", "shardwise.plan.*", "shardwise.models",
                                                    "shardwise.models.*", "shardwise.data", "shardwise.data.*")),
     ("backend adapters", ("shardwise.strategies", "shardwise.strategies.*",
                           "shardwise.plan.simulate")),  # --simulate runs the strategies' own wrapping (opt-in)
     ("training engine", ("shardwise.train", "shardwise.train.*")),
-    ("launch and tools", ("shardwise.launch", "shardwise.export", "shardwise.doctor", "shardwise.chat",
+    ("launch and tools", ("shardwise.launch", "shardwise.launch.*", "shardwise.export", "shardwise.doctor", "shardwise.chat",
                           "shardwise.bench", "shardwise.bench.*")),
     ("user interface", ("shardwise.cli", "shardwise.__main__", "shardwise.plan.command", "shardwise.ui",
                         "shardwise.ui.*")),
@@ -36,7 +37,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 # never import torch.distributed: the planner needs no process group (plan/simulate, on the adapters' floor, is
 # its opt-in exception), and neither do the floors under it (models/ may: sequence parallelism's attention wrapper)
 NO_TORCH_DISTRIBUTED = ("shardwise", "shardwise.errors", "shardwise.presets", "shardwise.rundir", "shardwise.phases",
-                        "shardwise.config", "shardwise.hardware", "shardwise.plan", "shardwise.plan.*")
+                        "shardwise.preflight", "shardwise.preflight.*", "shardwise.config", "shardwise.hardware", "shardwise.plan", "shardwise.plan.*")
 
 # Known exceptions, each named with why it is allowed and when it goes.
 KNOWN_CIRCLES: set[frozenset] = set()
@@ -203,3 +204,12 @@ def test_the_checker_sees_each_kind_of_import(tmp_path):
     assert imports("shardwise.sub.e", known["shardwise.sub.e"], known) == {"shardwise.c", "torch.distributed"}
     assert imports("shardwise.c", known["shardwise.c"], known) == {"shardwise.d"}
     assert circles({"x": {"y"}, "y": {"x"}, "z": {"x"}}) == [{"x", "y"}]
+
+
+def test_the_ui_bench_and_doctor_take_the_launchers_checks_and_agent_not_the_launcher():
+    """They call the preflight checks (the UI's model check, bench's runtime values) and the agent's pieces
+    (doctor's loopback group); the launcher's run (shardwise.launch: prepare, train) is the CLI's."""
+    g = graph()
+    users = [m for m in g if m.startswith(("shardwise.ui", "shardwise.bench")) or m == "shardwise.doctor"]
+    used = {d for m in users for d in g[m] if d == "shardwise.launch" or d.startswith("shardwise.launch.")}
+    assert used and used <= {"shardwise.launch.preflight", "shardwise.launch.agent"}, sorted(used)

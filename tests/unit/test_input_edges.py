@@ -436,7 +436,7 @@ def test_the_run_lock_never_writes_through_a_link(tmp_path):
 
 
 def test_a_missing_validation_file_is_blamed_on_val_data(tmp_path):
-    from shardwise.launch import validation_records
+    from shardwise.launch.prep import validation_records
 
     res = config.load_config(None, {"val_data": (str(tmp_path / "nope.jsonl"), "--val-data")})
     with pytest.raises(ShardwiseError) as e:
@@ -463,9 +463,9 @@ def test_a_cache_dir_that_is_a_file_is_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_lora_targets_the_model_lacks_are_refused_before_anything_is_written():
-    """Checked on the meta-device model of launch.check_model (it ran in each worker, after the run directory was
+    """Checked on the meta-device model of launch.preflight.check_model (it ran in each worker, after the run directory was
     written)."""
-    from shardwise.launch import check_model
+    from shardwise.launch.preflight import check_model
 
     res = config.load_config(None, {"tuner": ("lora", "--tuner"), "lora.targets": ("q_proj,nosuch", "--lora-targets")})
     with pytest.raises(ShardwiseError) as e:
@@ -500,7 +500,7 @@ def test_a_json_array_of_non_records_says_so(tmp_path, text):
 def test_a_lora_rank_above_the_adapted_linears_is_refused_with_the_models_numbers():
     """The tiny model's k/v projections are 128 -> 64: rank 64 is the most they take (a rank of 1e11 ran out of
     memory in every worker)."""
-    from shardwise.launch import check_model
+    from shardwise.launch.preflight import check_model
 
     res = config.load_config(None, {"tuner": ("lora", "--tuner"), "lora.r": ("65", "--lora-r")})
     with pytest.raises(ShardwiseError) as e:
@@ -535,7 +535,7 @@ def test_padding_free_on_for_an_unlisted_family_is_refused_before_anything_is_wr
 
 def test_more_ranks_than_cores_gets_a_note():
     """torchrun starts 64 ranks on 2 cores without a word; the run directory line is followed by a note."""
-    from shardwise.launch import oversubscribed
+    from shardwise.launch.common import oversubscribed
 
     cores = len(os.sched_getaffinity(0))
     assert oversubscribed(cores) is None and oversubscribed(1) is None

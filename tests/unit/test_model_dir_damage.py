@@ -140,7 +140,7 @@ def test_a_broken_tokenizer_json_file_is_named_with_its_line(tmp_path, tiny_dir,
 
 def check_model_of(m):
     from shardwise import config
-    from shardwise.launch import check_model
+    from shardwise.launch.preflight import check_model
 
     res = config.load_config(None, {"model": (str(m), "--model")})
     return check_model(res.cfg, res)
@@ -162,7 +162,7 @@ def check_model_of(m):
 ])
 def test_a_config_value_transformers_refuses_is_found_by_the_launchers_model_check(
         tmp_path, tiny_dir, monkeypatch, change, pattern):
-    """launch.check_model (before the run directory is written) names config.json and the key; it used to find
+    """launch.preflight.check_model (before the run directory is written) names config.json and the key; it used to find
     these only in the workers, or blame the tokenizer."""
     monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
     m = copy(tiny_dir, tmp_path)

@@ -128,12 +128,12 @@ def test_weights_that_do_not_match_config_json_are_refused_before_launch(tmp_pat
 
 
 def test_model_checks_are_remembered_for_what_passed_and_redone_for_anything_changed(tmp_path, tiny_dir, monkeypatch):
-    """launch.check_model builds the model on the meta device (transformers' modelling stack: 1.9 s of the
+    """launch.preflight.check_model builds the model on the meta device (transformers' modelling stack: 1.9 s of the
     launcher's CPU on the tiny job) only for files and settings that have not passed before (issue 17.3)."""
     import shutil
 
     from shardwise import config
-    from shardwise.launch import check_model
+    from shardwise.launch.preflight import check_model
     from shardwise.models import load
 
     monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
@@ -224,7 +224,7 @@ def test_a_checks_record_this_user_did_not_write_does_not_skip_the_checks(tmp_pa
     import shutil
 
     from shardwise import config
-    from shardwise.launch import check_model
+    from shardwise.launch.preflight import check_model
     from shardwise.models import load
 
     monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))

@@ -205,7 +205,7 @@ def test_tensor_times_sequence_parallel_is_checked_before_launch_with_the_models
     """The tiny model (4 heads, 2 KV heads): TP 2 leaves 2 heads per tensor rank, which Ulysses 2 splits (the
     launch line says so); Ulysses 4 cannot, and is refused in one line with the model's numbers; auto turns it
     into Ulysses 2 x ring 2 (tests/dist/test_tensor_parallel.py's slow test trains TP 2 x SP 2 on 4 ranks)."""
-    from shardwise.launch import check_sequence_parallel, check_tensor_parallel
+    from shardwise.launch.preflight import check_sequence_parallel, check_tensor_parallel
 
     def check(world, sp, mode):
         res = config.load_config(None, {k: (v, f"flag --{k.replace('_', '-')}") for k, v in {

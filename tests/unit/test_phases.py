@@ -127,7 +127,7 @@ def test_the_launcher_points_the_workers_compile_cache_only_where_blocks_compile
     import socket
 
     from shardwise import config
-    from shardwise.launch import _begin
+    from shardwise.launch.prep import _begin
 
     monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
     for compile_key, want in (("off", None), ("on", str(tmp_path / "cache" / "compile" / socket.gethostname()))):

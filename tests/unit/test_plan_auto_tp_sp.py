@@ -104,11 +104,12 @@ def test_where_sequence_parallelism_alone_fits_the_pair_is_not_chosen(capsys):
 
 
 def test_train_auto_runs_with_both_degrees(monkeypatch, tmp_path):
-    """launch.choose_strategy puts tensor_parallel, sequence_parallel and sp_mode into the run's config, and the
+    """launch.preflight.choose_strategy puts tensor_parallel, sequence_parallel and sp_mode into the run's config, and the
     engine's own checks (fit, single, TP, SP against a 70B-shaped config.json) accept what it chose."""
     import torch
 
-    from shardwise import hardware, launch
+    from shardwise import hardware
+    from shardwise.launch import preflight
 
     monkeypatch.setattr(hardware, "detect_light", lambda: hardware.Hardware("cuda", "H100", 4, 80.0, 2048.0))
     flags = {"model": ("llama-3.1-70b", "flag"), "strategy": ("auto", "flag"), "nproc_per_node": (4, "flag"),
@@ -116,7 +117,7 @@ def test_train_auto_runs_with_both_degrees(monkeypatch, tmp_path):
              "seq_len": (65536, "flag"), "micro_batch_size": (1, "flag"), "gradient_checkpointing": (True, "flag"),
              "mixed_precision": ("bf16", "flag"), "sp_mode": ("ring", "flag")}
     res = config.load_config(None, flags)
-    cfg = launch.choose_strategy(res.cfg, res)
+    cfg = preflight.choose_strategy(res.cfg, res)
     assert (cfg.strategy, cfg.tensor_parallel, cfg.sequence_parallel, cfg.sp_mode) == ("fsdp", 4, 2, "ring")
     model_dir = tmp_path / "llama70b"
     model_dir.mkdir()
@@ -124,7 +125,7 @@ def test_train_auto_runs_with_both_degrees(monkeypatch, tmp_path):
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
         "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # check_fit plans only for GPUs
-    launch.check_fit(cfg, res, 8, force=False)
-    launch.check_single(cfg, res, 8)
-    launch.check_tensor_parallel(cfg, res, 8, str(model_dir))
-    launch.check_sequence_parallel(cfg, res, 8, str(model_dir))
+    preflight.check_fit(cfg, res, 8, force=False)
+    preflight.check_ranks(cfg, res, 8)
+    preflight.check_tensor_parallel(cfg, res, 8, str(model_dir))
+    preflight.check_sequence_parallel(cfg, res, 8, str(model_dir))

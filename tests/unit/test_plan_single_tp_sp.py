@@ -1,5 +1,5 @@
 """`single` under tensor x sequence parallelism in the planner (issue 20): the engine runs single on the tp x sp
-ranks of one replica, averaging its gradients over the sequence ranks (strategies/single.py, launch.check_single);
+ranks of one replica, averaging its gradients over the sequence ranks (strategies/single.py, launch.preflight.check_ranks);
 the planner's TP rows offer single exactly there, and count what it does: states / tp, activations / (tp x sp),
 the TP collectives and attention exchanges, and the gradient all-reduce over the sp ranks in its step."""
 
@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from shardwise import config, launch
+from shardwise import config
 from shardwise.errors import ShardwiseError
+from shardwise.launch import preflight
 from shardwise.plan import plan_model, plan_run, resolve_model
 from shardwise.plan.comm import coll_time
 from shardwise.plan.decide import preset_names, tensor_parallel_rows
@@ -50,9 +51,9 @@ def _engine_accepts(tmp_path, gpus: int, tp: int, sp: int, sp_mode: str) -> bool
         res = config.load_config(None, {"strategy": ("single", "flag"), "tensor_parallel": (tp, "flag"),
                                         "sequence_parallel": (sp, "flag"), "sp_mode": (sp_mode, "flag"),
                                         "nproc_per_node": (gpus, "flag")})
-        launch.check_single(res.cfg, res, gpus)
-        launch.check_tensor_parallel(res.cfg, res, gpus, str(model_dir))
-        launch.check_sequence_parallel(res.cfg, res, gpus, str(model_dir))
+        preflight.check_ranks(res.cfg, res, gpus)
+        preflight.check_tensor_parallel(res.cfg, res, gpus, str(model_dir))
+        preflight.check_sequence_parallel(res.cfg, res, gpus, str(model_dir))
     except ShardwiseError:
         return False
     return True

@@ -156,18 +156,19 @@ def test_auto_picks_fsdp_with_tp_for_70b_on_one_node_and_says_why(capsys):
 
 
 def test_launch_applies_the_degree_auto_chose(monkeypatch):
-    from shardwise import hardware, launch
+    from shardwise import hardware
+    from shardwise.launch import preflight
 
     monkeypatch.setattr(hardware, "detect_light", lambda: hardware.Hardware("cuda", "H100", 8, 80.0, 2048.0))
     flags = {"model": ("llama-3.1-70b", "flag"), "strategy": ("auto", "flag"), "nproc_per_node": (8, "flag"),
              "param_dtype": ("bf16", "flag"), "seq_len": (4096, "flag"), "micro_batch_size": (1, "flag"),
              "gradient_checkpointing": (True, "flag"), "mixed_precision": ("bf16", "flag")}
     res = config.load_config(None, flags)
-    cfg = launch.choose_strategy(res.cfg, res)
+    cfg = preflight.choose_strategy(res.cfg, res)
     assert cfg.strategy.startswith("fsdp") and cfg.tensor_parallel > 1 and cfg.sequence_parallel == 1
     # a model that fits with data parallelism keeps the configured degrees
     res = config.load_config(None, {**flags, "model": ("qwen2.5-0.5b", "flag")})
-    cfg = launch.choose_strategy(res.cfg, res)
+    cfg = preflight.choose_strategy(res.cfg, res)
     assert (cfg.tensor_parallel, cfg.sequence_parallel) == (1, 1)
 
 

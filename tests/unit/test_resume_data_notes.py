@@ -1,4 +1,4 @@
-"""The note a resume on other data gives (launch._data_change_notes), from a checkpoint's real meta.json: the same
+"""The note a resume on other data gives (launch.prep._data_change_notes), from a checkpoint's real meta.json: the same
 file named another way is the same data, a validation set added changes no training row, a changed val_split does."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 
 from shardwise.config import Config
-from shardwise.launch import _data_change_notes
+from shardwise.launch.prep import _data_change_notes
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_a_validation_set_changes_no_training_row(ckpt):
 def test_a_checkpoint_past_an_epochs_run_says_to_raise_the_epochs(ckpt):
     """An epochs-counted run was told to raise --max-steps, a flag it does not use."""
     from shardwise.config import load_config
-    from shardwise.launch import check_steps_left
+    from shardwise.launch.preflight import check_steps_left
 
     path = ckpt()  # at step 4
     res = load_config(None, {"epochs": (2, "flag --epochs"), "data": ("a.jsonl", "flag --data")})

@@ -232,12 +232,12 @@ def fault_for(name: str, env: dict | None = None) -> str | None:
 def preflight(spec: BenchSpec, name: str, output_dir: str):
     """(Resolved, runtime Config, argv, why it cannot run here or None); ShardwiseError when the
     config is invalid for this strategy or this machine."""
-    from shardwise import launch
+    from shardwise.launch.preflight import resolve_runtime
 
     path = strategy_config_file(spec, name, output_dir)
     flags = strategy_flags(spec, name, output_dir)
     res = config.load_config(path, flags)
-    cfg = launch.resolve_runtime(res)
+    cfg = resolve_runtime(res)
     return res, cfg, train_argv(path, flags), unavailable_reason(name)
 
 

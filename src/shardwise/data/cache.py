@@ -135,7 +135,7 @@ TOKENIZER_PACKAGES = ("transformers", "tokenizers", "jinja2", "sentencepiece", "
 TEMPLATE_SUBDIR = "additional_chat_templates"
 # The modules whose code the remembered verdicts come from: a changed check is checked again.
 CHECKING_MODULES = (("models", "load.py"), ("data", "templates.py"), ("data", "encode.py"), ("data", "cache.py"),
-                    ("launch.py",))
+                    ("launch", "prep.py"))
 
 
 def _version(package: str) -> str | None:
@@ -166,7 +166,7 @@ def model_files_digest(model_dir: str) -> str:
 def source_key(records: list[Record], model_dir: str, template: str, seq_len: int, packing: bool, opts: ChatOptions,
                rec_digest: str | None = None, files_digest: str | None = None) -> str:
     """SHA-256 over everything the launcher's tokenizer, its checks (models/load.load_tokenizer,
-    data/templates.use_chat_template, data/encode.check_options, as launch._tokenized calls them) and `key` depend on,
+    data/templates.use_chat_template, data/encode.check_options, as launch.prep._tokenized calls them) and `key` depend on,
     read without loading the tokenizer: model_files_digest, the versions of TOKENIZER_PACKAGES (None where absent),
     the --chat-template text in effect ('' keeps the tokenizer's own, which those files hold), seq_len, packing,
     the chat options, the records, and the source of CHECKING_MODULES. Not for remote code: its tokenizer may read

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from shardwise import hardware
-from shardwise.config import MAX_NNODES, MAX_NPROC_PER_NODE
 from shardwise.errors import ShardwiseError
 from shardwise.plan import text
 from shardwise.plan.decide import CPU_MFU, CPU_PEAK_FLOPS, Setup
 from shardwise.plan.memory import Job
+from shardwise.preflight.flags import MAX_NNODES, MAX_NPROC_PER_NODE
 
 DEFAULT_GPU = "H100"  # assumed when GPUs are given by count only
 

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from shardwise.config import parse_report_to
 from shardwise.errors import ShardwiseError
+from shardwise.preflight.flags import parse_report_to
 
 # tracker name -> (module to import, what installs it)
 TRACKERS = {"tensorboard": ("tensorboard", "pip install tensorboard"), "wandb": ("wandb", "pip install 'shardwise[wandb]'"),

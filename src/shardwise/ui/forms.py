@@ -243,14 +243,15 @@ def train(values: dict, runs_dir: str | None = None, check_model: bool = False) 
 
     check_model: also the launcher's model checks (directory, weights, seq_len vs positions),
     which may build the tiny model (imports torch) — done before a launch, not while typing."""
-    from shardwise import config, launch
+    from shardwise import config
+    from shardwise.launch import preflight
 
     def go():
         args = _parse("train", argv_for(values, "train"))
         res = config.load_config(None, config.flags_from_namespace(args))
         config.check_train_data(res)  # as `shardwise train` does: a model directory needs --data
         if check_model:
-            launch.check_model(res.cfg, res)
+            preflight.check_model(res.cfg, res)
         argv = minimal_train_argv(res)
         out = None
         if runs_dir is not None:
