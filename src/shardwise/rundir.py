@@ -333,6 +333,20 @@ def _clear_written_later(output_dir: str) -> None:
         os.rmdir(profile)  # only when nothing else is left in it
 
 
+def check_no_links(output_dir: str, where: str = "--output-dir") -> None:
+    """Refuse a run directory where a path shardwise writes (or clears) is a symbolic link: the run would write
+    through it into the link's target (a linked .prep has its errors/ removed and the preparation written there).
+    The run directory itself may be a link: that is where the user put it."""
+    names = [*OWN_ENTRIES, LOCK, RESUMES, PROFILE]
+    prep = prep_dir(output_dir)
+    inside = sorted(os.listdir(prep)) if os.path.isdir(prep) and not os.path.islink(prep) else []
+    for path in [os.path.join(output_dir, n) for n in names] + [os.path.join(prep, n) for n in inside]:
+        if os.path.islink(path):
+            raise ShardwiseError(f"{where}: {path} is a symbolic link (to {os.readlink(path)}); shardwise writes "
+                                 "there itself and never through a link: remove the link, or choose another "
+                                 "--output-dir")
+
+
 # ----------------------------------------------------------------------------- lock
 
 
