@@ -687,6 +687,9 @@ def validate(res: Resolved) -> None:
     if c.rdzv_endpoint:
         host, _, port = c.rdzv_endpoint.rpartition(":")
         need(bool(host) and port.isdigit(), "rdzv_endpoint", f"rdzv_endpoint must be HOST:PORT, got '{c.rdzv_endpoint}'")
+        low = 1 if c.nnodes > 1 else 0  # port 0 (any free port) only where no other node must find it
+        need(not port.isdigit() or low <= int(port) <= 65535, "rdzv_endpoint",
+             f"rdzv_endpoint port must be in {low}..65535, got {port}: choose a free port there")
     need(c.mixed_precision != "fp16" or c.param_dtype != "bf16", "mixed_precision",
          "mixed_precision fp16 with param_dtype bf16 mixes two half types; use --mixed-precision bf16")
     need(c.resume in ("auto", "none") or bool(c.resume), "resume", "resume must be auto, none or a checkpoint path")
