@@ -50,6 +50,42 @@ def interrupted_path(output_dir: str) -> str:
     return os.path.join(output_dir, PREP, "interrupted.json")
 
 
+# ----------------------------------------------------------------------------- full disks
+
+
+def is_disk_full(e: BaseException | None) -> bool:
+    """Whether an error (or one it was raised from) is a full disk or an exceeded quota; libraries that wrap the
+    OSError (safetensors, DCP) keep only its text."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@contextlib.contextmanager
+def full_disk_is_one_line(what: str, folder: str, then: str):
+    """A full disk while writing `what` into `folder` becomes one line: what, where, how much is free, and
+    `then` (what the user does next); other errors pass through."""
+    try:
+        yield
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        there = os.path.abspath(folder)
+        while not os.path.isdir(there) and os.path.dirname(there) != there:  # the folder itself may not be made yet
+            there = os.path.dirname(there)
+        try:
+            free = f"{shutil.disk_usage(there).free / 2**20:.0f} MiB free"
+        except OSError:
+            free = "free space unknown"
+        raise ShardwiseError(f"disk full while writing {what} in {folder} ({free}): {then}") from None
+
+
 # ----------------------------------------------------------------------------- atomic writes
 
 
