@@ -17,6 +17,8 @@ def _train(args) -> int:
     config.check_train_data(res)
     # the default output directory is runs/<strategy>-<time> (named at launch)
     rundir.check_creatable(res.cfg.output_dir or os.path.join("runs", "new"), res.where("output_dir"))
+    if res.cfg.output_dir and os.path.isdir(res.cfg.output_dir):  # before any check reads what the run left
+        rundir.check_no_links(res.cfg.output_dir, res.where("output_dir"))
     if res.cfg.output_dir and res.cfg.node_rank == 0:
         rundir.check_resume_target(res.cfg.output_dir, res.cfg.resume, res.where("output_dir"), res.cfg.overwrite,
                                    res.where("resume"))

@@ -50,6 +50,42 @@ def interrupted_path(output_dir: str) -> str:
     return os.path.join(output_dir, PREP, "interrupted.json")
 
 
+# ----------------------------------------------------------------------------- full disks
+
+
+def is_disk_full(e: BaseException | None) -> bool:
+    """Whether an error (or one it was raised from) is a full disk or an exceeded quota; libraries that wrap the
+    OSError (safetensors, DCP) keep only its text."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@contextlib.contextmanager
+def full_disk_is_one_line(what: str, folder: str, then: str):
+    """A full disk while writing `what` into `folder` becomes one line: what, where, how much is free, and
+    `then` (what the user does next); other errors pass through."""
+    try:
+        yield
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        there = os.path.abspath(folder)
+        while not os.path.isdir(there) and os.path.dirname(there) != there:  # the folder itself may not be made yet
+            there = os.path.dirname(there)
+        try:
+            free = f"{shutil.disk_usage(there).free / 2**20:.0f} MiB free"
+        except OSError:
+            free = "free space unknown"
+        raise ShardwiseError(f"disk full while writing {what} in {folder} ({free}): {then}") from None
+
+
 # ----------------------------------------------------------------------------- atomic writes
 
 
@@ -331,6 +367,20 @@ def _clear_written_later(output_dir: str) -> None:
             os.remove(p)
     with contextlib.suppress(OSError):
         os.rmdir(profile)  # only when nothing else is left in it
+
+
+def check_no_links(output_dir: str, where: str = "--output-dir") -> None:
+    """Refuse a run directory where a path shardwise writes (or clears) is a symbolic link: the run would write
+    through it into the link's target (a linked .prep has its errors/ removed and the preparation written there).
+    The run directory itself may be a link: that is where the user put it."""
+    names = [*OWN_ENTRIES, LOCK, RESUMES, PROFILE]
+    prep = prep_dir(output_dir)
+    inside = sorted(os.listdir(prep)) if os.path.isdir(prep) and not os.path.islink(prep) else []
+    for path in [os.path.join(output_dir, n) for n in names] + [os.path.join(prep, n) for n in inside]:
+        if os.path.islink(path):
+            raise ShardwiseError(f"{where}: {path} is a symbolic link (to {os.readlink(path)}); shardwise writes "
+                                 "there itself and never through a link: remove the link, or choose another "
+                                 "--output-dir")
 
 
 # ----------------------------------------------------------------------------- lock

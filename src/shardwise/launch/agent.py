@@ -129,7 +129,7 @@ def _rendezvous_handler(params):
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    from shardwise.train.dist import tcp_store
+    from shardwise.train.dist import PortInUse, StoreUnreachable, tcp_store
 
     class Backend(C10dRendezvousBackend):
         name = RDZV_BACKEND
@@ -142,6 +142,15 @@ def _rendezvous_handler(params):
     # the environment said.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
-    store = tcp_store(host, port, is_master=bool(params.get_as_bool("is_host", True)), multi_tenant=True,
-                      timeout=timedelta(seconds=params.get_as_int("read_timeout", 60)))
+    serves = bool(params.get_as_bool("is_host", True))
+    try:
+        store = tcp_store(host, port, is_master=serves, multi_tenant=True,
+                          timeout=timedelta(seconds=params.get_as_int("read_timeout", 60)))
+    except PortInUse as e:
+        raise ShardwiseError(f"--rdzv-endpoint {host}:{port}: {e} (node 0 serves the rendezvous there)") from None
+    except StoreUnreachable as e:
+        if serves:
+            raise ShardwiseError(f"--rdzv-endpoint {host}:{port}: {e}") from None
+        raise ShardwiseError(f"cannot reach node 0 at {host}:{port} (--rdzv-endpoint; {e}): start node 0 first, "
+                             "or check the address") from None
     return create_handler(store, Backend(store, params.run_id), params)

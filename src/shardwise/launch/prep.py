@@ -133,14 +133,16 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
     if gate is not None:
         gate.enter()
     node0 = lock is not None
-    if node0:
-        _claim_run_dir(res, plan.cfg, lock)
-    os.makedirs(prep, exist_ok=True)
-    if node0:
-        rundir.clear_interrupted(out)  # a record left by the run this one resumes is not this run's
-    _write_data(plan, encoded, tensors, val, val_tensors)
-    _say_data(plan.cfg, encoded, stats, hit, val, resume_notes)
-    resume_record = _write_config(plan.cfg, out, resume_from, resume_notes) if node0 else {}
+    with rundir.full_disk_is_one_line("the prepared data", prep,
+                                      "free space there or choose another --output-dir; nothing was trained"):
+        if node0:
+            _claim_run_dir(res, plan.cfg, lock)
+        os.makedirs(prep, exist_ok=True)
+        if node0:
+            rundir.clear_interrupted(out)  # a record left by the run this one resumes is not this run's
+        _write_data(plan, encoded, tensors, val, val_tensors)
+        _say_data(plan.cfg, encoded, stats, hit, val, resume_notes)
+        resume_record = _write_config(plan.cfg, out, resume_from, resume_notes) if node0 else {}
     # the workers' config holds absolute paths, so a checkpoint's meta.json names the data wherever it is resumed from
     job = {"config": absolute_paths(dataclasses.asdict(plan.cfg)), "model_dir": plan.model_dir,
            "data_file": plan.data_file, "output_dir": out, "resume": plan.cfg.resume, "val_file": plan.val_file,
@@ -148,7 +150,9 @@ def _prepare(res: Resolved, cfg: Config, lock: rundir.RunLock | None, force: boo
            "timeline": {"process_start": phases.process_start(), "prepare_start": t0 or time.time(),
                         **(marks or {}), "prepared": time.time()}}
     job_path = os.path.join(prep, "job.json")
-    rundir.atomic_write(job_path, json.dumps(job, indent=1))
+    with rundir.full_disk_is_one_line("the prepared data", prep, "free space there or choose another --output-dir; "
+                                      "nothing was trained"):
+        rundir.atomic_write(job_path, json.dumps(job, indent=1))
     return Prepared(plan, out, job_path, lock)
 
 

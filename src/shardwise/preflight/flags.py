@@ -124,6 +124,9 @@ def processes(res) -> Refusal | None:
             host, _, port = c.rdzv_endpoint.rpartition(":")
             yield (bool(host) and port.isdigit(), "rdzv_endpoint",
                    f"rdzv_endpoint must be HOST:PORT, got '{c.rdzv_endpoint}'")
+            low = 1 if c.nnodes > 1 else 0  # port 0 (any free port) only where no other node must find it
+            yield (low <= int(port) <= 65535, "rdzv_endpoint",
+                   f"rdzv_endpoint port must be in {low}..65535, got {port}: choose a free port there")
 
     return first(rules())
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from shardwise.errors import ShardwiseError
 from shardwise.strategies.base import DistEnv
 
 
@@ -62,14 +65,23 @@ def tcp_store(host: str, port: int, is_master: bool, timeout: timedelta, other_h
     `other_hosts` (ranks on other machines) a host name that resolves to a loopback address
     here (a common /etc/hosts entry) cannot serve them: then every interface, as torch does."""
     if not is_master:
+        wait_reachable(host, port, timeout)
         return dist.TCPStore(host, port, is_master=False, timeout=timeout, **kw)
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    family, kind, proto, _, addr = _address(host, port)
     if other_hosts and addr[0].startswith(("127.", "::1")):
         family, addr = socket.AF_INET, ("0.0.0.0", port)
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise PortInUse(f"port {port} on {host} is in use by another program: choose another port") from None
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise StoreUnreachable(f"{host} is not an address of this machine, so it cannot serve the store "
+                                       f"on it: give this machine's own address") from None
+            raise
         sock.listen(socket.SOMAXCONN)
         port = sock.getsockname()[1]
         store = dist.TCPStore(host, port, is_master=True, timeout=timeout, master_listen_fd=sock.fileno(), **kw)
@@ -78,6 +90,38 @@ def tcp_store(host: str, port: int, is_master: bool, timeout: timedelta, other_h
         raise
     sock.detach()  # the store owns the descriptor now
     return store
+
+
+class PortInUse(ShardwiseError):
+    """The store's port is taken on this machine."""
+
+
+class StoreUnreachable(ShardwiseError):
+    """No store answers at the address (or the address is not one of this machine's, for the one that serves it)."""
+
+
+def _address(host: str, port: int) -> tuple:
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror:
+        raise StoreUnreachable(f"cannot resolve the host name {host!r}: check the address") from None
+
+
+def wait_reachable(host: str, port: int, timeout: timedelta) -> None:
+    """Wait until something listens at host:port, for at most `timeout`. torch's own client would wait as long,
+    then fail with a C++ stack dump; probed here, a store that never comes is one line. A store that comes later
+    (node 0 started after this one) is waited for, as torchrun waits for it."""
+    *_, addr = _address(host, port)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection(addr[:2], timeout=max(0.1, min(5.0, left))).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise StoreUnreachable(f"nothing answered at {host}:{port} within {timeout.total_seconds():.0f} s")
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 def worker_store(rank: int, world: int, timeout: timedelta, other_hosts: bool = False) -> dist.Store:
