@@ -201,19 +201,6 @@ def test_further_signals_to_the_workers_while_they_save_are_ignored_and_said(cha
     assert p.returncode == 128 + signal.SIGINT, (p.returncode, stderr)
 
 
-def _launcher_holds_further_signals() -> bool:
-    """Whether the launcher runs the elastic agent inside train.signals.hold_further_signals (launch.py's part)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("shardwise.launch")
-    files = ([os.path.join(d, f) for d in spec.submodule_search_locations for f in os.listdir(d) if f.endswith(".py")]
-             if spec.submodule_search_locations else [spec.origin])
-    return any("hold_further_signals" in open(f).read() for f in files)
-
-
-@pytest.mark.xfail(not _launcher_holds_further_signals(), strict=True,
-                   reason="the launcher must run the elastic agent inside train.signals.hold_further_signals(): a "
-                          "third signal interrupts the agent's shutdown and the launcher exits, its workers with it")
 def test_ctrl_c_three_times_to_the_launcher_of_two_ranks_still_saves(chat_data, tmp_path):
     """Three Ctrl-C 50 ms apart to the launcher of two ranks: the agent's shutdown (it waits for the workers'
     checkpoint) was interrupted by the third, the launcher exited, its workers died with it, and the run said

@@ -81,8 +81,8 @@ def launch(p: Prepared) -> dict | None:
 
         try:
             return run_job(p.job_path)
-        except Preempted:
-            raise Interrupted(signal.SIGTERM) from None
+        except Preempted as e:
+            raise Interrupted(e.signum or signal.SIGTERM) from None
     phases.release_full_gc()  # prepared: this process only runs the agent from here (phases.py)
     shutil.rmtree(rundir.error_dir(p.output_dir), ignore_errors=True)
     _agent(cfg, [p.job_path])

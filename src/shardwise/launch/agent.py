@@ -55,11 +55,14 @@ def _agent(cfg: Config, worker_args: list[str], preload: tuple[str, bool] = ("",
     )
 
     quiet_agent()
+    from shardwise.train.signals import hold_further_signals
+
     try:
-        if forked:  # each worker a fork of one server that imported torch, transformers and the model (zygote.py)
-            elastic_launch(lc, zygote.worker_main)(zygote.env_changes(), *worker_args)
-        else:
-            elastic_launch(lc, sys.executable)("-u", "-m", "shardwise.train.worker", *worker_args)
+        with hold_further_signals():  # a second Ctrl-C must not cut the agent's wait for the stopping checkpoint
+            if forked:  # each worker a fork of one server that imported torch, transformers and the model
+                elastic_launch(lc, zygote.worker_main)(zygote.env_changes(), *worker_args)
+            else:
+                elastic_launch(lc, sys.executable)("-u", "-m", "shardwise.train.worker", *worker_args)
     except ChildFailedError as e:
         raise ShardwiseError(_failure_report(cfg.output_dir, e, cfg)) from None
     except SignalException as e:
