@@ -42,7 +42,7 @@ def tiny_dir():
 _HEAVY = ("dist/test_reliability", "dist/test_parity", "dist/test_ddp", "dist/test_sequence_parallel",
           "dist/test_moe", "dist/test_chat", "e2e/test_cli", "dist/test_security", "e2e/test_bench",
           "dist/test_tensor_parallel", "e2e/test_rundir", "ui/test_ui", "dist/test_fsdp",
-          "dist/test_evaluate", "dist/test_fsdp_one_rank")
+          "dist/test_evaluate")
 _FIRST = ("tests/dist/", "tests/e2e/", "tests/ui/")
 
 
