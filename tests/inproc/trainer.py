@@ -57,6 +57,8 @@ def worker_process(env: dict | None = None, cwd: str | os.PathLike | None = None
     put back on the way out, the process group included."""
     import torch.distributed as dist
 
+    # a group left by an earlier test of this process would be taken for the run's own (init_distributed keeps one)
+    assert not dist.is_initialized(), "a process group is still initialised in this process"
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     os.environ.update(torchrun_env())
