@@ -16,6 +16,7 @@ shows (what the Trainer logs, saves, resumes and writes in summary.json) that st
 What a run changes in this process is put back afterwards: the environment, the working directory, the signal
 handlers the Trainer installs (SIGTERM/SIGINT), the warning filters, and the process group if the run failed before
 its end. Multi-rank behaviour, the launcher, torchrun, the CLI's error lines and signals stay in the real tiers.
+Call it from the main thread (the Trainer installs signal handlers), one run at a time.
 """
 
 from __future__ import annotations
