@@ -38,12 +38,13 @@ def tiny_dir():
 # has nothing left. pyproject's --no-loadscope-reorder keeps the order below instead, longest
 # first: _HEAVY (the slowest modules, by their wall time in a whole -n 2 run on 2 cores of
 # 2026-12-01; a name missing here or there only moves that module back), then the rest of
-# tests/dist, e2e and ui, then the many small unit modules that fill the gap at the end.
+# tests/dist, e2e, ui and inproc (one-rank runs in the pytest process, seconds to tens of
+# seconds a module), then the many small unit modules that fill the gap at the end.
 _HEAVY = ("dist/test_reliability", "dist/test_parity", "dist/test_ddp", "dist/test_sequence_parallel",
           "dist/test_moe", "dist/test_chat", "e2e/test_cli", "dist/test_security", "e2e/test_bench",
           "dist/test_tensor_parallel", "e2e/test_rundir", "ui/test_ui", "dist/test_fsdp",
-          "dist/test_nonfinite_window", "dist/test_evaluate", "dist/test_fsdp_one_rank")
-_FIRST = ("tests/dist/", "tests/e2e/", "tests/ui/")
+          "dist/test_evaluate")
+_FIRST = ("tests/dist/", "tests/e2e/", "tests/ui/", "tests/inproc/")
 
 
 def pytest_collection_modifyitems(items):

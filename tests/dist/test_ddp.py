@@ -13,6 +13,7 @@ import torch
 
 from tests.dist.shared import DDP, RTOL, SINGLE, STEPS, train_args
 from tests.helpers import ConcurrentRuns, losses
+from tests.inproc.trainer import train
 
 
 
@@ -22,13 +23,11 @@ def norms(run) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, chat_data, ddp_ref):
-    """This module's independent runs (from scratch or from the reference's checkpoint),
-    started together on first use."""
+    """This module's independent multi-rank runs, started together on first use. (Its one-rank runs train in this
+    process: tests/inproc/trainer.py.)"""
     r = ConcurrentRuns()
     out = tmp_path_factory.mktemp("ddp-module")
     r.add("resumed", *train_args(out / "resumed", chat_data, *DDP, "--resume", str(ddp_ref.ckpt(4)), "--no-save-final"))
-    r.add("noclip", *train_args(out / "noclip", chat_data, *SINGLE, "--no-save-final", "--max-grad-norm", "0"))
-    r.add("r1", *train_args(out / "r1", chat_data, *SINGLE, "--resume", str(ddp_ref.ckpt(4)), "--no-save-final"))
     return r, out
 
 
@@ -43,11 +42,10 @@ def test_ddp_two_ranks_match_one_process_on_the_same_global_batch(single_ref, dd
     assert abs(ref[0] - ref[-1]) > 1e4 * RTOL * abs(ref[0])
 
 
-def test_unclipped_run_differs_beyond_tolerance(single_ref, runs):
+def test_unclipped_run_differs_beyond_tolerance(single_ref, chat_data, tmp_path):
     """Negative control: the tolerance above would catch a skipped clip."""
-    r, out = runs
-    r.get("noclip")
-    unclipped = losses(str(out / "noclip"))
+    unclipped = train(*train_args(tmp_path / "noclip", chat_data, *SINGLE, "--no-save-final", "--max-grad-norm",
+                                  "0")[1:]).losses
     diff = max(abs(a - b) / abs(b) for a, b in zip(unclipped, single_ref.losses))
     assert diff > 100 * RTOL
 
@@ -83,12 +81,11 @@ def test_resume_continues_the_same_loss_trajectory(ddp_ref, runs):
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(ddp_ref.losses[4:]), rtol=RTOL, atol=0)
 
 
-def test_resume_on_one_rank_from_a_two_rank_checkpoint(ddp_ref, runs):
-    r, out = runs
-    p = r.get("r1")
-    assert "saved by ddp on 2 ranks; now single on 1" in p.stdout
-    torch.testing.assert_close(torch.tensor(losses(str(out / "r1"))), torch.tensor(ddp_ref.losses[4:]), rtol=RTOL,
-                               atol=0)
+def test_resume_on_one_rank_from_a_two_rank_checkpoint(ddp_ref, chat_data, tmp_path):
+    """One rank, in this process (tests/inproc/trainer.py), from the 2-rank reference's step-4 checkpoint."""
+    r1 = train(*train_args(tmp_path / "r1", chat_data, *SINGLE, "--resume", ddp_ref.ckpt(4), "--no-save-final")[1:])
+    assert "saved by ddp on 2 ranks; now single on 1" in r1.stdout
+    torch.testing.assert_close(torch.tensor(r1.losses), torch.tensor(ddp_ref.losses[4:]), rtol=RTOL, atol=0)
 
 
 def test_final_hf_directory_holds_the_trained_weights(ddp_ref, tiny_dir):

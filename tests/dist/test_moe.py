@@ -16,6 +16,7 @@ from shardwise.models.tiny import write_tiny_moe
 from tests.dist.shared import SINGLE, TWO, Run, train_args
 from tests.dist.test_parity import assert_same_run
 from tests.helpers import ConcurrentRuns
+from tests.inproc.trainer import train
 
 # (DeepSpeed's per-submodule fetch, `--deepspeed-fetch module`, keeps each sparse MoE block a leaf of its own: not
 # run here, a 2-rank launch of suite time for a path that was the default until 2026-12-01)
@@ -26,11 +27,17 @@ CASES = {"single": SINGLE, "fsdp": ("--strategy", "fsdp", *TWO), "zero3": ("--st
 def moe_runs(tmp_path_factory, chat_data) -> dict[str, Run]:
     model = tmp_path_factory.mktemp("mixtral")
     write_tiny_moe(str(model), 0, "mixtral", output_router_logits=True, router_aux_loss_coef=0.02)
-    batch, outs = ConcurrentRuns(), {}
+    batch, outs, args = ConcurrentRuns(), {}, {}
     for name, flags in CASES.items():
         outs[name] = tmp_path_factory.mktemp(f"moe-{name}")
-        batch.add(name, *train_args(outs[name], chat_data, "--model", str(model), *flags, "--no-save-final"))
-    return {name: Run(outs[name], batch.get(name).stdout, batch.get(name).stderr) for name in CASES}
+        args[name] = train_args(outs[name], chat_data, "--model", str(model), *flags, "--no-save-final")
+    for name in ("fsdp", "zero3"):
+        batch.add(name, *args[name])
+    # the one-process reference trains in this process (tests/inproc/trainer.py); its 2-rank partners stay real
+    runs = {"single": train(*args["single"][1:])}
+    for name in ("fsdp", "zero3"):
+        runs[name] = Run(outs[name], batch.get(name).stdout, batch.get(name).stderr)
+    return runs
 
 
 @pytest.mark.parametrize("name", ["fsdp", "zero3"])

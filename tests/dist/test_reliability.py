@@ -37,16 +37,12 @@ def reference(ddp_ref):
 @pytest.fixture(scope="module")
 def quiet_runs(tmp_path_factory, data, ddp_ref, single_ref, lora_single_ref):
     """This module's runs that neither inject a fault into a multi-rank run nor depend on
-    timing (resumes, one-process NaN runs, exports), started together, two at a time."""
+    timing (a resume, exports), started together, two at a time. (The one-process NaN runs are
+    in-process now: tests/inproc/test_nonfinite.py.)"""
     d = tmp_path_factory.mktemp("quiet")
     runs = ConcurrentRuns()
     runs.add("two", "train", *COMMON, "--data", data, "--output-dir", str(d / "two"), *DDP,
              "--resume", str(single_ref.ckpt(4)))
-    one = ("--strategy", "single", "--nproc-per-node", "1", "--grad-accum", "2", "--max-steps", "5",
-           "--no-save-final")
-    for name, extra in (("skip", ("--on-nan", "skip")), ("stop", ("--save-every", "2"))):
-        runs.add(name, "train", *COMMON, "--data", data, "--output-dir", str(d / name), *one, *extra,
-                 env={"SHARDWISE_FAULT": "nan@3"}, check=name == "skip")
     runs.add("export", "export", str(ddp_ref.out), "--out", str(d / "exp"))
     (d / "full").mkdir()
     (d / "full" / "model.safetensors").write_text("not ours")
@@ -110,21 +106,6 @@ def test_resume_one_rank_checkpoint_on_two_ranks(reference, single_ref, quiet_ru
     torch.testing.assert_close(torch.tensor(single_ref.losses[:4]), torch.tensor(ref[:4]), rtol=RTOL, atol=0)
     assert read_metrics(str(tmp_path / "two"))[0]["step"] == 5
     torch.testing.assert_close(torch.tensor(losses(str(tmp_path / "two"))), torch.tensor(ref[4:]), rtol=RTOL, atol=0)
-
-
-def test_non_finite_loss_skip_or_stop(quiet_runs):
-    runs, tmp_path = quiet_runs
-    p = runs.get("skip")
-    summary = json.loads((tmp_path / "skip" / "summary.json").read_text())
-    assert summary["skipped_nonfinite_steps"] == 1 and "step 3: non-finite" in p.stdout
-    m = read_metrics(str(tmp_path / "skip"))
-    assert m[2]["skipped_nonfinite_steps"] == 1  # step 3's loss is logged as it was (NaN) ...
-    assert all(torch.isfinite(torch.tensor([r["loss"] for r in m[3:]])))  # ... and the weights stayed finite
-    p = runs.get("stop")
-    assert p.returncode == 2
-    line = p.stderr.strip().splitlines()[-1]
-    assert "non-finite loss or gradients at step 3" in line and "chat.jsonl:" in line
-    assert "last good checkpoint: " in line and "step_00000002" in line
 
 
 def test_a_hung_rank_becomes_an_error_naming_rank_and_operation(data, tmp_path):

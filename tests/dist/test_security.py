@@ -18,6 +18,7 @@ import pytest
 
 from tests.dist.shared import COMMON, DDP
 from tests.helpers import ConcurrentRuns, listening, read_metrics, run_cli, worker_processes
+from tests.inproc.trainer import train
 
 ONE = ("--strategy", "single", "--nproc-per-node", "1", "--micro-batch-size", "2", "--grad-accum", "2",
        "--no-save-final")
@@ -31,7 +32,8 @@ def train_args(out, data, *extra):
 def base(tmp_path_factory, chat_data):
     """One-process run with complete checkpoints at steps 2 and 4; tests work on copies."""
     out = tmp_path_factory.mktemp("base") / "run"
-    run_cli(*train_args(out, chat_data, "--max-steps", "4", "--save-every", "2", "--keep-checkpoints", "3"))
+    # the Trainer in this process (tests/inproc/trainer.py): the run is what the tests below read
+    train(*train_args(out, chat_data, "--max-steps", "4", "--save-every", "2", "--keep-checkpoints", "3")[1:])
     return out
 
 
@@ -180,7 +182,7 @@ def test_resume_refuses_another_architecture_and_notes_a_changed_shape(base, cha
     line = one_line_error(cli_here(capsys, *args, "--model", model2))
     assert "num_hidden_layers 4 -> 2" in line and str(ckpt(run, 4)) in line, line
     assert "tuner full -> lora" in one_line_error(cli_here(capsys, *args, "--tuner", "lora"))
-    p = run_cli(*args, "--seq-len", "48")
+    p = train(*args[1:], "--seq-len", "48")  # one rank in this process (tests/inproc/trainer.py)
     assert "changed run shape (seq_len 64 -> 48)" in p.stdout, p.stdout
     assert f"resumed from {ckpt(run, 4)} at step 4" in p.stdout
     assert (run / "config.yaml").read_bytes() == original
@@ -205,7 +207,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_by_auto_and_refused_by_name(base
         assert "incomplete or corrupt" in line and what in line, line
     assert not (tmp_path / "exp").exists() and not (tmp_path / "other").exists()
     only_ours_deleted = plant_tmp_dirs(run)
-    p = run_cli(*train_args(run, chat_data, "--max-steps", "6", "--save-every", "2", "--resume", "auto"))
+    p = train(*train_args(run, chat_data, "--max-steps", "6", "--save-every", "2", "--resume", "auto")[1:])
     skipped = [ln for ln in p.stdout.splitlines() if "--resume auto: skipped" in ln]
     assert len(skipped) == 1 and str(ckpt(run, 4)) in skipped[0] and str(ckpt(run, 2)) in skipped[0], p.stdout
     assert f"resumed from {ckpt(run, 2)} at step 2" in p.stdout
@@ -259,9 +261,8 @@ def test_workers_die_with_a_killed_launcher_and_the_run_resumes(live, chat_data)
     from shardwise.train.checkpoint import latest, read_meta
 
     last = read_meta(latest(str(out)))["step"]
-    # on one process (cheaper; resharding 2 -> 1 is covered elsewhere)
-    p = run_cli("train", *COMMON, "--data", str(chat_data), "--output-dir", str(out), *ONE, "--max-steps",
-                str(last + 2), "--resume", "auto")
+    # on one rank in this process (cheaper, tests/inproc/trainer.py; resharding 2 -> 1 is covered elsewhere)
+    p = train(*COMMON, "--data", chat_data, "--output-dir", out, *ONE, "--max-steps", last + 2, "--resume", "auto")
     assert f"at step {last}" in p.stdout and read_metrics(str(out))[-1]["step"] == last + 2
 
 

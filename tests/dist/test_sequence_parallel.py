@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from tests.dist.shared import MAX_GRAD_NORM, RTOL, SINGLE, STEPS, TWO, Run, train_args
 from tests.dist.test_parity import assert_same_run
 from tests.helpers import ConcurrentRuns, run_cli
+from tests.inproc.trainer import train
 
 
 
@@ -132,13 +133,16 @@ def sp_runs(tmp_path_factory, chat_data, single_ref):
     }
     for name, extra in cases.items():
         outs[name] = tmp_path_factory.mktemp(name)
-        batch.add(name, *train_args(outs[name], chat_data, *extra))
+        if name != "single-packed":
+            batch.add(name, *train_args(outs[name], chat_data, *extra))
     # SP = 2 -> SP = 1 (data-parallel degree 2)
     outs["ddp-from-sp"] = tmp_path_factory.mktemp("ddp-from-sp")
     batch.add("ddp-from-sp", *train_args(outs["ddp-from-sp"], chat_data, *TWO, "--strategy", "ddp", "--resume",
                                          str(outs["ddp"] / "checkpoints" / "step_00000006"), "--no-save-final"),
               after="ddp")
-    return lambda name: Run(outs[name], batch.get(name).stdout)
+    # the one-process reference trains in this process (tests/inproc/trainer.py); its 2-rank partners stay real
+    single_packed = train(*train_args(outs["single-packed"], chat_data, *cases["single-packed"])[1:])
+    return lambda name: single_packed if name == "single-packed" else Run(outs[name], batch.get(name).stdout)
 
 
 def test_sp2_ddp_trains_like_one_process(sp_runs, single_ref):

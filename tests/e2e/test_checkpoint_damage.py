@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import chat_records, run_cli, write_jsonl
+from tests.inproc.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def made(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ckpt-damage")
     data = write_jsonl(str(tmp / "chat.jsonl"), chat_records(16))
     run = tmp / "run"
-    run_cli(*train_args(run, data, "--max-steps", "4"))
+    train(*train_args(run, data, "--max-steps", "4")[1:])  # the Trainer in this process (tests/inproc/trainer.py)
     from shardwise.train import checkpoint as ckpt
 
     assert [ckpt.problem(str(ck(run, s))) for s in (2, 4)] == [None, None]  # an intact meta.json passes the checks
@@ -203,8 +204,9 @@ def test_a_checkpoint_records_its_data_as_an_absolute_path(tmp_path):
     second.mkdir()
     write_jsonl(str(first / "chat.jsonl"), chat_records(16))
     run = tmp_path / "run"
-    run_cli(*train_args(run, "chat.jsonl", "--max-steps", "2"), cwd=str(first))
+    # the launcher's prepare and the Trainer in this process (tests/inproc/trainer.py), from each directory
+    train(*train_args(run, "chat.jsonl", "--max-steps", "2")[1:], cwd=first)
     meta = json.loads((ck(run, 2) / "meta.json").read_text())
     assert meta["config"]["data"] == str(first / "chat.jsonl")
-    p = run_cli(*train_args(run, first / "chat.jsonl", "--max-steps", "4", "--resume", "auto"), cwd=str(second))
+    p = train(*train_args(run, first / "chat.jsonl", "--max-steps", "4", "--resume", "auto")[1:], cwd=second)
     assert "resumed from" in p.stdout and "other data" not in p.stdout, p.stdout

@@ -1,5 +1,6 @@
 """Data through the real CLI: a base model without a chat template, a mix of a Parquet ShareGPT
-file and an alpaca JSONL file, a shipped template; and the one-line refusals."""
+file and an alpaca JSONL file, a shipped template (trained on one rank in this process); and the
+one-line refusals."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import pytest
 
 from tests.e2e.test_cli import one_line_error
 from tests.helpers import ConcurrentRuns, write_jsonl
+from tests.inproc.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +32,16 @@ def setup(tmp_path_factory, tiny_dir):
               "--micro-batch-size", "2", "--seq-len", "64")
     mix = f"{d / 'chat.parquet'}:0.5,{d / 'alpaca.jsonl'}:0.5"
     runs = ConcurrentRuns()
-    runs.add("ok", *common, "--data", mix, "--chat-template", "chatml", "--last-turn-only", "--system", "Be brief.",
-             "--max-steps", "2", "--save-every", "2", "--output-dir", str(d / "ok"))
     runs.add("no_template", *common, "--data", mix, "--output-dir", str(d / "nt"), check=False)
     runs.add("dev_zero", *common, "--data", "/dev/zero", "--output-dir", str(d / "dz"), check=False)
-    return runs, d
+    return runs, d, (*common[1:], "--data", mix)
 
 
 def test_mixed_parquet_sharegpt_and_alpaca_with_a_shipped_template(setup):
-    runs, d = setup
-    p = runs.get("ok")
+    """Trained by the Trainer in this process after the launcher's prepare (tests/inproc/trainer.py)."""
+    _, d, args = setup
+    p = train(*args, "--chat-template", "chatml", "--last-turn-only", "--system", "Be brief.", "--max-steps", "2",
+              "--save-every", "2", "--output-dir", d / "ok")
     assert "mix: " in p.stdout and "chat.parquet 7 of 8" in p.stdout and "alpaca.jsonl 7 of 6 (repeated)" in p.stdout
     final = d / "ok" / "final"
     from shardwise.data.templates import template_text
@@ -53,7 +55,7 @@ def test_mixed_parquet_sharegpt_and_alpaca_with_a_shipped_template(setup):
 
 
 def test_refusals_are_one_line(setup):
-    runs, d = setup
+    runs, d, _ = setup
     one_line_error(runs.get("no_template"), r"tokenizer has no chat template .* pass --chat-template NAME")
     one_line_error(runs.get("dev_zero"), r"--data /dev/zero: not a regular file")
     for out in ("nt", "dz"):

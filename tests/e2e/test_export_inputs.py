@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from tests.helpers import chat_records, run_cli, write_jsonl
+from tests.inproc.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -18,9 +19,10 @@ def lora_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("export-inputs")
     data = write_jsonl(str(tmp / "chat.jsonl"), chat_records(16))
     out = tmp / "run"
-    run_cli("train", "--model", "tiny", "--data", data, "--output-dir", str(out), "--strategy", "single",
-            "--nproc-per-node", "1", "--seq-len", "64", "--micro-batch-size", "2", "--max-steps", "2",
-            "--save-every", "2", "--tuner", "lora", "--lora-r", "4", "--no-save-final", "--mixed-precision", "no")
+    # made by the Trainer in this process (tests/inproc/trainer.py): the run is what the tests below read
+    train("--model", "tiny", "--data", data, "--output-dir", out, "--strategy", "single", "--nproc-per-node", "1",
+          "--seq-len", "64", "--micro-batch-size", "2", "--max-steps", "2", "--save-every", "2", "--tuner", "lora",
+          "--lora-r", "4", "--no-save-final", "--mixed-precision", "no")
     return out
 
 

@@ -1,26 +1,21 @@
 """FSDP on one rank: with compute narrower than the stored weights (bf16 over fp32) nothing is sharded, so the
 strategy keeps each unit's gathered weights from forward to backward instead of making them twice; it must
-train exactly as resharding does. A real one-rank gloo group in a spawned process."""
-
-import json
-import os
+train exactly as resharding does. A real one-rank gloo group in this process (conftest.py one_rank_group; this
+test spawned a process for it, tests/dist/test_fsdp_one_rank.py)."""
 
 import torch
-import torch.multiprocessing as mp
 
 
-def _grads_after_one_step(model_dir, mixed_precision, keep: bool = True, offload: bool = False):
+def _grads_after_one_step(env, model_dir, mixed_precision, keep: bool = True, offload: bool = False):
     from torch.distributed.tensor import DTensor
 
     from shardwise import strategies
     from shardwise.config import load_config
-    from shardwise.strategies.base import DistEnv
     from shardwise.train.loop import build_model
 
     flags = {"model": model_dir, "strategy": "fsdp", "nproc_per_node": 1, "mixed_precision": mixed_precision,
              "fsdp.keep_gathered_one_rank": keep, "fsdp.cpu_offload": offload}
     cfg = load_config(None, {k: (v, "test") for k, v in flags.items()}).cfg
-    env = DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo")
     strategy = strategies.get("fsdp")(cfg, env)
     torch.manual_seed(0)
     model, opt = strategy.setup(build_model(cfg, model_dir))
@@ -36,33 +31,21 @@ def _grads_after_one_step(model_dir, mixed_precision, keep: bool = True, offload
             "loss": loss.item(), "grads": grads}
 
 
-def _worker(rank, init_file, model_dir, out):
-    import torch.distributed as dist
-
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    res = {"bf16": _grads_after_one_step(model_dir, "bf16"),
-           "bf16_resharded": _grads_after_one_step(model_dir, "bf16", keep=False),  # --no-fsdp-keep-gathered-one-rank
-           "fp32": _grads_after_one_step(model_dir, "no"),
-           "bf16_offload": _grads_after_one_step(model_dir, "bf16", offload=True)}
-    with open(out, "w") as fh:
-        json.dump(res, fh)
-    dist.destroy_process_group()
-
-
-def test_one_rank_fsdp_keeps_gathered_weights_only_under_mixed_precision_and_trains_the_same(tmp_path, tiny_dir):
-    out = str(tmp_path / "res.json")
-    mp.spawn(_worker, args=(str(tmp_path / "init"), tiny_dir, out), nprocs=1)
-    with open(out) as fh:
-        r = json.load(fh)
-    kept, resharded, fp32 = r["bf16"], r["bf16_resharded"], r["fp32"]
+def test_one_rank_fsdp_keeps_gathered_weights_only_under_mixed_precision_and_trains_the_same(one_rank_group,
+                                                                                             tiny_dir):
+    env = one_rank_group
+    assert (env.rank, env.world_size, env.backend) == (0, 1, "gloo")
+    kept = _grads_after_one_step(env, tiny_dir, "bf16")
+    resharded = _grads_after_one_step(env, tiny_dir, "bf16", keep=False)  # --no-fsdp-keep-gathered-one-rank
+    fp32 = _grads_after_one_step(env, tiny_dir, "no")
+    offload = _grads_after_one_step(env, tiny_dir, "bf16", offload=True)
     assert kept["reshard"] is False and kept["gathered"] is True
     assert "one rank: gathered weights kept from forward to backward" in kept["describe"]
     assert resharded["reshard"] is True and resharded["gathered"] is False
     # fp32 compute: the gathered weights are the stored ones; resharding stays (the fsdp preset's full shard)
     assert fp32["reshard"] is True and fp32["gathered"] is False and "full shard" in fp32["describe"]
     # CPU offload is chosen for the least GPU memory: it keeps resharding on one rank too
-    assert r["bf16_offload"]["reshard"] is True and r["bf16_offload"]["gathered"] is False
+    assert offload["reshard"] is True and offload["gathered"] is False
     # keeping them changes when copies are made, not what is computed: identical loss and gradients
     assert kept["loss"] == resharded["loss"]
     assert kept["grads"] == resharded["grads"]
