@@ -412,3 +412,42 @@ def choose_strategy(cfg: Config, res: Resolved) -> Config:
     how = "".join(f" {k} {v}" for k, v in degrees.items() if k != "sp_mode" and v > 1)
     say(f"--strategy auto chose '{plan.recommended}'{how and ' with' + how}: " + "; ".join(plan.reasons))
     return dataclasses.replace(cfg, strategy=plan.recommended, **degrees)
+
+
+RESHAPE_FIELDS = ("seq_len", "micro_batch_size", "grad_accum")
+
+
+def check_resume(path: str, cfg, model_dir: str) -> list[str]:
+    """A checkpoint judged against the run that resumes it. Refuse resuming `path` into a different model or adapter (naming the differing
+    fields); return one note per allowed change of the run's shape."""
+    from shardwise.train import checkpoint as ckpt
+
+    meta = ckpt.read_meta(path)
+    saved = meta.get("model_arch")
+    if saved is None and os.path.isfile(os.path.join(path, "hf", "config.json")):
+        saved = ckpt.model_arch(os.path.join(path, "hf"))  # written before model_arch was recorded
+    diff = []
+    if saved is not None:
+        now = ckpt.model_arch(model_dir)
+        diff = [f"{k} {saved.get(k)} -> {now.get(k)}" for k in ckpt.ARCH_FIELDS if saved.get(k) != now.get(k)]
+    old = meta.get("config") or {}
+    old_lora = old.get("lora") or {}
+    for key, before, after in (("tuner", old.get("tuner"), cfg.tuner), ("lora.r", old_lora.get("r"), cfg.lora.r),
+                               ("lora.targets", old_lora.get("targets"), cfg.lora.targets)):
+        if before is not None and before != after and (key == "tuner" or cfg.tuner != "full"):
+            diff.append(f"{key} {before} -> {after}")
+    if diff:
+        raise ShardwiseError(f"--resume {path}: the checkpoint was trained with a different model: {', '.join(diff)}; "
+                             f"resume with the model and tuner it was saved with (--model {old.get('model', '?')}), "
+                             "or start a new run in another --output-dir")
+    tp_before = old.get("tensor_parallel", 1) if old else cfg.tensor_parallel
+    if tp_before != cfg.tensor_parallel and not ckpt.optimizer_is_flat(path):
+        raise ShardwiseError(f"--resume {path}: the checkpoint was saved with tensor_parallel {tp_before}, this run has "
+                             f"{cfg.tensor_parallel}, and it was written before checkpoints keyed the optimizer's "
+                             f"state by parameter name (its parameter groups differ per degree); resume with "
+                             f"--tensor-parallel {tp_before}")
+    changed = [f"{k} {old[k]} -> {getattr(cfg, k)}" for k in RESHAPE_FIELDS if k in old and old[k] != getattr(cfg, k)]
+    if changed:
+        return [(f"resuming {path} with a changed run shape ({', '.join(changed)}); the data order and the "
+                 "loss trajectory differ from an uninterrupted run")]
+    return []

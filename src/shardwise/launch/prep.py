@@ -21,6 +21,7 @@ from shardwise.launch.preflight import (
     check_model,
     check_output_dir,
     check_ranks,
+    check_resume,
     check_sequence_parallel,
     check_steps_left,
     check_tensor_parallel,
@@ -187,7 +188,6 @@ def _check_run(res: Resolved, cfg: Config, world: int, force: bool, resume_from:
     """The checks before the data is read: the ranks, the strategy's class, the trackers, the model directory,
     the checkpoint against this run, the parallel degrees against the model, the fit; the ranks and the degrees
     not where first_checks judged them (`degrees_checked`). Returns (the model directory, the resume's notes)."""
-    from shardwise.train import checkpoint as ckpt
 
     if not degrees_checked:  # else first_checks() judged the ranks and the degrees
         check_ranks(cfg, res, world)
@@ -199,7 +199,7 @@ def _check_run(res: Resolved, cfg: Config, world: int, force: bool, resume_from:
     check_trackers(cfg.report_to, res.where("report_to"))  # a missing tracker package: one line now
 
     model_dir = check_model(cfg, res)
-    resume_notes = ckpt.check_resume(resume_from, cfg, model_dir) if resume_from else []
+    resume_notes = check_resume(resume_from, cfg, model_dir) if resume_from else []
     if resume_from:
         resume_notes += _data_change_notes(resume_from, cfg)
     if not degrees_checked:

@@ -22,7 +22,6 @@ when it is loaded, never with torch's advice to load it with weights_only=False.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import functools
 import hashlib
 import io
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardwise import rundir
 from shardwise.errors import ShardwiseError
 from shardwise.train import dist as sdist
 from shardwise.train.faults import Faults
@@ -134,7 +134,7 @@ def save(output_dir: str, step: int, state: dict, meta: dict, rank: int, keep: i
         full = disk_full(e, root)
         prev = latest(output_dir) or "none"
         raise ShardwiseError(
-            f"{'disk full' if full else 'failed'} while saving checkpoint {final} ({_first_line(e)}); "
+            f"{'disk full' if full else 'failed'} while saving checkpoint {final} ({first_line(e)}); "
             f"the previous checkpoint is intact: {prev}; "
             + ("free space, then resume with --resume auto" if full else "fix the cause, then resume with --resume auto")
         ) from e
@@ -234,7 +234,7 @@ def problem(path: str, rng: bool = True) -> str | None:
         with open(os.path.join(path, META)) as fh:
             meta = json.load(fh)
     except (OSError, ValueError) as e:
-        return f"{META} unreadable ({_first_line(e)})"
+        return f"{META} unreadable ({first_line(e)})"
     why = meta_problem(meta, path)
     if why is not None:
         return why
@@ -378,7 +378,7 @@ def _read_rng(f: str) -> dict:
     try:
         torch.Generator().set_state(st["cpu"])
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"its CPU generator state is invalid: {_first_line(e)}") from None
+        raise ValueError(f"its CPU generator state is invalid: {first_line(e)}") from None
     return st
 
 
@@ -394,7 +394,7 @@ def _load_error_text(e: BaseException) -> str:
     if "Weights only load failed" in text:
         m = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
         return m.group(1).strip()[:120] if m else "a damaged pickle"
-    return _first_line(e).split(". ")[0]  # PytorchStreamReader's line goes on with advice of its own
+    return first_line(e).split(". ")[0]  # PytorchStreamReader's line goes on with advice of its own
 
 
 class CorruptCheckpoint(ShardwiseError):
@@ -478,7 +478,7 @@ def read_dcp_metadata(path: str, filename: str = DCP_METADATA) -> dcp_metadata.M
         raise
     except Exception as e:  # noqa: BLE001 - a damaged pickle raises almost anything
         raise CorruptCheckpoint(f"checkpoint {path} is incomplete or corrupt: {filename} unreadable "
-                                f"({_first_line(e)})")
+                                f"({first_line(e)})")
     if not isinstance(md, dcp_metadata.Metadata):
         raise CorruptCheckpoint(f"checkpoint {path} is incomplete or corrupt: {filename} holds no DCP metadata")
     return md
@@ -575,25 +575,9 @@ def apply_umask(path: str) -> None:
             os.chmod(os.path.join(base, d), 0o777 & ~mask)
 
 
-def _is_disk_full(e: BaseException) -> bool:
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
 def disk_full(e: BaseException, path: str) -> bool:
     """Whether a failed write under `path` is a full disk (or quota): the error says so, or little space is left."""
-    return _is_disk_full(e) or _free_bytes(path) < 64 * 2**20
-
-
-def first_line(e: BaseException) -> str:
-    return _first_line(e)
+    return rundir.is_disk_full(e) or _free_bytes(path) < 64 * 2**20
 
 
 def _free_bytes(path: str) -> int:
@@ -603,7 +587,7 @@ def _free_bytes(path: str) -> int:
         return 0
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return (text[0] if text else type(e).__name__)[:200]
 
@@ -680,40 +664,3 @@ def restore_rng(path: str, rank: int) -> bool:
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state(st["cuda"])
     return True
-
-
-RESHAPE_FIELDS = ("seq_len", "micro_batch_size", "grad_accum")
-
-
-def check_resume(path: str, cfg, model_dir: str) -> list[str]:
-    """Refuse resuming `path` into a different model or adapter (naming the differing
-    fields); return one note per allowed change of the run's shape."""
-    meta = read_meta(path)
-    saved = meta.get("model_arch")
-    if saved is None and os.path.isfile(os.path.join(path, "hf", "config.json")):
-        saved = model_arch(os.path.join(path, "hf"))  # written before model_arch was recorded
-    diff = []
-    if saved is not None:
-        now = model_arch(model_dir)
-        diff = [f"{k} {saved.get(k)} -> {now.get(k)}" for k in ARCH_FIELDS if saved.get(k) != now.get(k)]
-    old = meta.get("config") or {}
-    old_lora = old.get("lora") or {}
-    for key, before, after in (("tuner", old.get("tuner"), cfg.tuner), ("lora.r", old_lora.get("r"), cfg.lora.r),
-                               ("lora.targets", old_lora.get("targets"), cfg.lora.targets)):
-        if before is not None and before != after and (key == "tuner" or cfg.tuner != "full"):
-            diff.append(f"{key} {before} -> {after}")
-    if diff:
-        raise ShardwiseError(f"--resume {path}: the checkpoint was trained with a different model: {', '.join(diff)}; "
-                             f"resume with the model and tuner it was saved with (--model {old.get('model', '?')}), "
-                             "or start a new run in another --output-dir")
-    tp_before = old.get("tensor_parallel", 1) if old else cfg.tensor_parallel
-    if tp_before != cfg.tensor_parallel and not optimizer_is_flat(path):
-        raise ShardwiseError(f"--resume {path}: the checkpoint was saved with tensor_parallel {tp_before}, this run has "
-                             f"{cfg.tensor_parallel}, and it was written before checkpoints keyed the optimizer's "
-                             f"state by parameter name (its parameter groups differ per degree); resume with "
-                             f"--tensor-parallel {tp_before}")
-    changed = [f"{k} {old[k]} -> {getattr(cfg, k)}" for k in RESHAPE_FIELDS if k in old and old[k] != getattr(cfg, k)]
-    if changed:
-        return [(f"resuming {path} with a changed run shape ({', '.join(changed)}); the data order and the "
-                 "loss trajectory differ from an uninterrupted run")]
-    return []
