@@ -462,7 +462,7 @@ def locked(output_dir: str) -> bool:
 def quiet_libraries(transformers: bool = True) -> None:
     """Progress bars and accelerator banners of the libraries we drive are noise here. `transformers=False` sets
     the environment only (transformers reads it when imported): the launcher starts the workers before it imports
-    transformers (launch._begin)."""
+    transformers (launch.prep._begin)."""
     if "TOKENIZERS_PARALLELISM" not in os.environ:  # ours, not the user's: data/encode.py turns it on around batches
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         os.environ["SHARDWISE_TOKENIZERS_PARALLELISM_OURS"] = "1"

@@ -26,7 +26,7 @@ DTYPES = {"no": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "f
 
 def lora_targets(model, targets: str, where: str = "lora.targets") -> str | list[str]:
     """The adapted modules: 'all-linear', or the named linear modules, each of which the model must have (checked on
-    the meta-device model before launch too: launch.check_model)."""
+    the meta-device model before launch too: launch.preflight.check_model)."""
     targets = targets.strip()
     if targets == "all-linear":
         return targets

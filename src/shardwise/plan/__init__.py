@@ -39,7 +39,7 @@ def plan_run(cfg, hw=None, world_size: int | None = None) -> Plan:
         per_node = cfg.nproc_per_node
     replica = presets.replica_world(cfg.strategy, getattr(cfg, "tensor_parallel", 1),
                                     getattr(cfg, "sequence_parallel", 1))
-    if replica is not None:  # one process, or the tp x sp ranks of one replica (launch.resolve_runtime)
+    if replica is not None:  # one process, or the tp x sp ranks of one replica (launch.preflight.resolve_runtime)
         per_node, nodes = replica, 1
     setup = make_setup(hw, nodes=nodes, ranks_per_node=per_node)
     spec = resolve_model(cfg.model)

@@ -77,7 +77,7 @@ def build(args):
     nodes = nodes or cfg.nnodes
     per_node = cfg.nproc_per_node or None
     one = presets.replica_world(cfg.strategy, cfg.tensor_parallel, cfg.sequence_parallel)
-    if one is not None:  # one process, or the tp x sp ranks of one replica (as launch.py runs it)
+    if one is not None:  # one process, or the tp x sp ranks of one replica (as launch/preflight.py runs it)
         if (gpus or one) * nodes != one:
             raise ShardwiseError("strategy 'single' runs one process" + (
                 f" per rank of one tensor_parallel {cfg.tensor_parallel} x sequence_parallel "

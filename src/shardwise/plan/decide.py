@@ -200,7 +200,7 @@ def opts_for(name: str, cfg=None) -> Opts:
 def preset_names(setup: Setup, tp: int = 1, sp: int = 1, float8: bool = False) -> list[str]:
     """The presets `plan` lists; under tensor parallelism only those TP composes with (the fsdp presets, and
     single when tp x sp is the whole world: pure TP, or TP x SP with the gradients averaged over the sequence
-    ranks, as launch.py allows single); with float8 not the DeepSpeed ones (the config refuses them)."""
+    ranks, as launch/preflight.py allows single); with float8 not the DeepSpeed ones (the config refuses them)."""
     settings = {"float8": float8, "tensor_parallel": tp}
     names = [name for name, p in presets.PRESETS.items() if p.planned_for(setup.world, setup.nodes)
              and not presets.check_composition(name, settings)]
@@ -418,7 +418,7 @@ def sp_degrees(spec: ModelSpec, job: Job, world: int) -> list[int]:
 
 def tp_sp_ok(spec: ModelSpec, job: Job, world: int, tp: int) -> bool:
     """Whether tensor parallel `tp` composes with job.sp on `world` ranks: tp x sp divides the ranks, and under
-    --sp-mode ulysses the sp degree divides each tp rank's heads / tp (the engine's check, launch.py)."""
+    --sp-mode ulysses the sp degree divides each tp rank's heads / tp (the engine's check, launch/preflight.py)."""
     return world % (tp * job.sp) == 0 and (job.sp == 1 or job.sp_mode != "ulysses" or (spec.num_heads // tp) % job.sp == 0)
 
 
@@ -454,7 +454,7 @@ def tensor_parallel_rows(spec: ModelSpec, job: Job, setup: Setup, cfg=None) -> l
     """The fsdp presets (and single where tp x sp is every rank) at every tensor-parallel degree the node and the
     model allow (memory.tp_degrees; 1 first, for comparison). With sequence parallelism (job.sp) the degrees whose
     tp x sp divides the ranks and whose heads per tp rank the sp mode takes (tp_sp_ok); single there only where
-    tp x sp is the whole world, as launch.py runs it (its gradients averaged over the sequence ranks, counted in
+    tp x sp is the whole world, as launch/preflight.py runs it (its gradients averaged over the sequence ranks, counted in
     its step: comm.collectives), and those rows also carry the attention exchanges (`exchange_gb_per_step`).
     None for LoRA/QLoRA or float8 (refused before launch) or where no degree divides."""
     degrees = [d for d in tp_degrees(spec, setup.gpus_per_node) if tp_sp_ok(spec, job, setup.world, d)]

@@ -216,7 +216,7 @@ def local_root_params(spec: ModelSpec, tp: int) -> float:
 
 def tp_degrees(spec: ModelSpec, gpus_per_node: int) -> list[int]:
     """Tensor-parallel degrees > 1 a node can take for this model: dividing the GPUs per node (TP stays on the
-    intra-node link), the attention heads, the KV heads and the MLP width (launch.check_tensor_parallel's rule)."""
+    intra-node link), the attention heads, the KV heads and the MLP width (launch.preflight.check_tensor_parallel's rule)."""
     return [d for d in range(2, gpus_per_node + 1)
             if not (gpus_per_node % d or spec.num_heads % d or spec.num_kv_heads % d or spec.intermediate_size % d)]
 

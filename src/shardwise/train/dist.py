@@ -45,7 +45,7 @@ def init_distributed(timeout_s: float = 1800.0, host_collectives: bool = False) 
 def keep_on_loopback() -> None:
     """A group of one rank in this process: no other rank will ever connect, yet gloo's device (and NCCL's
     bootstrap) listen on the address the host name resolves to, which on many machines is a network address.
-    Point both at the loopback interface, as the launcher does for a one-node group (launch.loopback_only); a
+    Point both at the loopback interface, as the launcher does for a one-node group (launch.agent.loopback_only); a
     GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME of the user's own is kept. Set for the rest of the process (and what it
     starts): NCCL reads it when it makes its communicator, at the first collective, not in init_process_group."""
     try:

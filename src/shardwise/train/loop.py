@@ -122,7 +122,7 @@ class Trainer:
         # where the time goes before the first step (summary.json phases_s); in one process the
         # worker starts where the launcher hands over
         marks = self.marks = dict(job.timeline)
-        # a worker the agent started while the launcher prepared (launch._Early) began before `prepared`; its phase
+        # a worker the agent started while the launcher prepared (launch.early._Early) began before `prepared`; its phase
         # then counts from there, and worker_process_start keeps when the process really started
         marks["worker_process_start"] = phases.process_start()
         marks["worker_start"] = max(marks["worker_process_start"], marks.get("prepared", 0.0))

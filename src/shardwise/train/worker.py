@@ -125,7 +125,7 @@ def preload(model: str, compile_blocks: bool = False) -> None:
 
 
 def wait_for_job(pointer: str, model: str, compile_blocks: bool = False, poll_s: float = 0.01) -> str | None:
-    """A worker started before its launcher finished checking and tokenizing (launch._Early): do the imports a
+    """A worker started before its launcher finished checking and tokenizing (launch.early._Early): do the imports a
     job needs (preload), then wait for `pointer` to name the job (None: the launcher's checks failed, nothing to
     run)."""
     import time
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as e:
         # the traceback goes to the output; the launcher's one line names this rank and the exception's first line,
-        # whichever rank the agent reports first (launch._failure_report)
+        # whichever rank the agent reports first (launch.failures._failure_report)
         first = (str(e).strip().splitlines() or [""])[0][:300]
         with contextlib.suppress(OSError):  # a full disk must not hide the exception itself
             os.makedirs(error_dir(out), exist_ok=True)
@@ -178,7 +178,7 @@ def life_marker(output_dir: str, rank: str):
     """Mark this rank as running (error_dir/rankN.alive, its PID) until the returned function removes the mark:
     on every way out of main that Python sees (and phases.exit_deadline's). A mark left behind names a rank that
     ended without a word, killed by a signal (SIGKILL, the out-of-memory killer) or crashed: the launcher's failure
-    report blames it, not a rank that then raised "a collective lost its peer" (launch._failure_report; the agent
+    report blames it, not a rank that then raised "a collective lost its peer" (launch.failures._failure_report; the agent
     of forked workers reports only the first failed rank it finds)."""
     from shardwise import phases
 

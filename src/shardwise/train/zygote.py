@@ -23,7 +23,7 @@ them, torchao by default): where torchao is installed, transformers' model code
 imports its torchao support, and that initialises CUDA on a GPU machine (torch.cuda.current_device()); a worker
 that needs torchao (--float8) imports it itself after the fork. Whatever else might initialise CUDA in the server, a probe forked from it as it starts
 (`start`, `cuda_trouble`) tells the launcher before any worker is forked, and the launcher then starts each worker
-as its own interpreter with one note instead (launch._agent); a worker still checks it was not marked.
+as its own interpreter with one note instead (launch.agent._agent); a worker still checks it was not marked.
 
 On by default on Linux (`enabled`); SHARDWISE_FORKSERVER=0 starts each worker as its own interpreter.
 """
