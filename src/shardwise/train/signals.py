@@ -1,9 +1,9 @@
 """What a second Ctrl-C (or SIGTERM) does while a run stops: it is ignored, with one line, until the stopping
 checkpoint is written.
 
-The first SIGINT/SIGTERM asks every rank to stop at one agreed step and write a checkpoint (train/control.py). A
-further signal while that checkpoint is written used to end the launcher, and the workers die with their launcher
-(train/worker.die_with_launcher): the checkpoint was lost without a word. A scheduler's preemption commonly signals
+The first SIGINT/SIGTERM asks every rank to stop at one agreed step and write a checkpoint (train/control.py). Left to
+itself, a further signal while that checkpoint is written ends the launcher, and the workers die with their launcher
+(train/worker.die_with_launcher): the checkpoint would be lost without a word. A scheduler's preemption commonly signals
 more than once (`scancel` signals every process of the step, the elastic agent forwards its own, a user presses
 Ctrl-C twice), and torchrun already gives the workers 30 s after its own signal before SIGKILL; so further signals
 are ignored and said to be, and kill -9 (or that 30 s bound) remains the way to stop at once."""
