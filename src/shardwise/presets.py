@@ -62,6 +62,11 @@ class StrategySpec:
         """Tensor parallelism inside data-parallel ranks (FSDP x TP); a one-replica family's TP has no such ranks."""
         return "tensor_parallel" in self.composes and not self.one_replica
 
+    def dp_split(self, cfg, dp: int, local_world_size: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard): how the family lays its `dp` data-parallel ranks on the mesh. A family that
+        shards its state shards over every data-parallel rank; any other holds a full replica on each."""
+        return (1, dp) if self.shards_state else (dp, 1)
+
     def shard_ranks(self, world: int, gpus_per_node: int, hybrid: bool = False, shard_group_size: int = 0) -> int:
         """How many ranks share one copy of the sharded state (1: every rank holds all of it)."""
         if not self.shards_state:
@@ -73,6 +78,19 @@ class StrategySpec:
 
 @dataclass(frozen=True)
 class FSDPSpec(StrategySpec):
+    def dp_split(self, cfg, dp: int, local_world_size: int) -> tuple[int, int]:
+        """Shard over every data-parallel rank, or for HSDP (fsdp.hybrid) within groups of fsdp.shard_group_size
+        ranks (a node by default) and replicate across the groups."""
+        f = cfg.fsdp
+        if not f.hybrid:
+            return 1, dp
+        sgs = f.shard_group_size or local_world_size
+        if sgs < 1 or dp % sgs:
+            from shardwise.errors import ShardwiseError
+
+            raise ShardwiseError(f"fsdp.shard_group_size {sgs} must divide the world size {dp}")
+        return dp // sgs, sgs
+
     @staticmethod
     def keeps_gathered(keep_gathered_one_rank: bool, cpu_offload: bool, shard_ranks: int,
                        compute_bytes: int, stored_bytes: int) -> bool:

@@ -58,12 +58,10 @@ class RunPlan:
 
 
 def run_plan(cfg: Config, world: int, model_dir: str, data_file: str, val_file: str = "") -> RunPlan:
-    """The run's plan once its checks passed (the strategy's class is importable: launch.prep checks it first)."""
-    from shardwise import strategies
-
+    """The run's plan once its checks passed; the data-parallel layout is the registration's (torch-free)."""
     tp, sp = cfg.tensor_parallel, cfg.sequence_parallel
     dp = presets.data_parallel_degree(world, tp, sp)
-    replicate, shard = strategies.get(cfg.strategy).dp_split(cfg, dp, cfg.nproc_per_node)
+    replicate, shard = presets.spec_of(cfg.strategy).dp_split(cfg, dp, cfg.nproc_per_node)
     return RunPlan(copy.deepcopy(cfg), world, replicate, shard, sp, tp, model_dir, data_file, val_file)
 
 

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise import presets
 from shardwise.config import Config
 from shardwise.strategies.gradnorm import host_grad_norm, scale_grads_
-from shardwise.strategies.parallel import ParallelDims, replicate_all
+from shardwise.strategies.parallel import ParallelDims
 from shardwise.strategies.parallelize import (
     apply_activation_checkpointing,
     apply_attention,
@@ -61,11 +62,14 @@ class DistEnv:
 
 class Strategy:
     name = "base"
-    # (cfg, data-parallel degree, ranks per node) -> (dp_replicate, dp_shard): how this strategy lays its
-    # data-parallel ranks on the mesh (strategies/parallel.py)
-    dp_split = staticmethod(replicate_all)
     # the compile step traces each block's forward only, its module hooks left eager (models/speed.py compile_blocks)
     compile_hooks_eager = False
+
+    @classmethod
+    def dp_split(cls, cfg: Config, dp: int, local_world_size: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard): how this strategy lays its data-parallel ranks on the mesh, as its registration
+        declares it (presets.StrategySpec.dp_split), which the launcher's RunPlan reads too."""
+        return presets.SPECS[cls.name].dp_split(cfg, dp, local_world_size)
 
     @classmethod
     def parallel_dims(cls, cfg: Config, env: DistEnv, heads: int | None = None) -> ParallelDims:

@@ -23,7 +23,6 @@ import torch
 from shardwise.errors import ShardwiseError
 from shardwise.strategies import ds_json, ds_state
 from shardwise.strategies.base import Strategy
-from shardwise.strategies.parallel import shard_all
 from shardwise.strategies.parallelize import compile_enabled
 
 
@@ -192,7 +191,6 @@ def merge(base: dict, over: dict) -> dict:
 
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
-    dp_split = staticmethod(shard_all)  # ZeRO partitions over every data-parallel rank
 
     def __init__(self, cfg, env):
         super().__init__(cfg, env)

@@ -28,18 +28,6 @@ from shardwise.strategies.base import Strategy
 log = logging.getLogger(__name__)
 
 
-def dp_split(cfg, dp: int, local_world_size: int) -> tuple[int, int]:
-    """(dp_replicate, dp_shard): shard over every data-parallel rank, or for HSDP within groups
-    of fsdp.shard_group_size ranks (a node by default) and replicate across the groups."""
-    f = cfg.fsdp
-    if not f.hybrid:
-        return 1, dp
-    sgs = f.shard_group_size or local_world_size
-    if sgs < 1 or dp % sgs:
-        raise ShardwiseError(f"fsdp.shard_group_size {sgs} must divide the world size {dp}")
-    return dp // sgs, sgs
-
-
 def tied_params(model: nn.Module) -> set[int]:
     """ids of parameters reachable under more than one name (e.g. tied embeddings)."""
     seen: dict[int, int] = {}
@@ -105,7 +93,6 @@ def shard_units(model: nn.Module, units: list[nn.Module], mesh, mp_policy, resha
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
-    dp_split = staticmethod(dp_split)
 
     def __init__(self, cfg, env):
         super().__init__(cfg, env)

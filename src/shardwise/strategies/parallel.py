@@ -215,13 +215,3 @@ class ParallelDims:
     def tp_group(self):
         """The tensor-parallel group: the ranks that split each weight (apply_tensor_parallel uses mesh["tp"])."""
         return self.mesh["tp"].get_group()
-
-
-def replicate_all(cfg, dp: int, local_world_size: int) -> tuple[int, int]:
-    """Every data-parallel rank holds a full replica (single, DDP)."""
-    return dp, 1
-
-
-def shard_all(cfg, dp: int, local_world_size: int) -> tuple[int, int]:
-    """Every data-parallel rank holds a shard (FSDP, ZeRO)."""
-    return 1, dp
