@@ -115,3 +115,28 @@ def test_the_rules_and_the_config_import_no_torch():
             "print(json.dumps([m for m in ('torch', 'transformers') if m in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == []
+
+
+def test_the_plan_is_the_registrys_layout_and_the_workers_mesh_is_the_same():
+    """The data-parallel split is declared once, on the registry: the launcher's plan (torch-free, no strategy class)
+    and the workers' ParallelDims (through the strategy class) lay the same ranks the same way."""
+    from shardwise import strategies
+    from shardwise.strategies.parallel import ParallelDims
+
+    for values, world in (({"strategy": "hybrid", "nproc_per_node": 4, "nnodes": 2, "rdzv_endpoint": "n0:29500"}, 8),
+                          ({"strategy": "zero3", "nproc_per_node": 4}, 4), ({"strategy": "ddp", "nproc_per_node": 4}, 4),
+                          ({"strategy": "fsdp", "sequence_parallel": 2, "nproc_per_node": 4}, 4)):
+        cfg = load(**values).cfg
+        plan = preflight.run_plan(cfg, world, "tiny", "d")
+        dims = ParallelDims.from_config(cfg, world, 0, cfg.nproc_per_node, "cpu", strategies.get(cfg.strategy).dp_split)
+        assert (plan.dp_replicate, plan.dp_shard, plan.sp) == (dims.dp_replicate, dims.dp_shard, dims.sp), values
+
+
+def test_bench_plans_each_strategy_as_the_launcher_lays_it(tmp_path):
+    """bench's preflight is the launcher's plan: the world and degrees it records are the RunPlan's, and a layout
+    the registry refuses (a shard group that does not divide the ranks) is refused before anything launches."""
+    plan = preflight.plan_of(load(strategy="hybrid", nproc_per_node=2, nnodes=2, rdzv_endpoint="n0:29500"))
+    assert (plan.world, plan.dp_replicate, plan.dp_shard) == (4, 2, 2) and plan.model_dir == plan.data_file == ""
+    with pytest.raises(ShardwiseError, match="fsdp.shard_group_size 3 must divide the"):
+        preflight.plan_of(load(strategy="hybrid", nproc_per_node=2, nnodes=2, rdzv_endpoint="n0:29500",
+                               **{"fsdp.shard_group_size": 3}))

@@ -230,15 +230,14 @@ def fault_for(name: str, env: dict | None = None) -> str | None:
 
 
 def preflight(spec: BenchSpec, name: str, output_dir: str):
-    """(Resolved, runtime Config, argv, why it cannot run here or None); ShardwiseError when the
+    """(Resolved, the launcher's RunPlan, argv, why it cannot run here or None); ShardwiseError when the
     config is invalid for this strategy or this machine."""
-    from shardwise.launch.preflight import resolve_runtime
+    from shardwise.launch.preflight import plan_of
 
     path = strategy_config_file(spec, name, output_dir)
     flags = strategy_flags(spec, name, output_dir)
     res = config.load_config(path, flags)
-    cfg = resolve_runtime(res)
-    return res, cfg, train_argv(path, flags), unavailable_reason(name)
+    return res, plan_of(res), train_argv(path, flags), unavailable_reason(name)
 
 
 def run_strategy(spec: BenchSpec, name: str, sample_rss: bool, say=print, run_name: str = "") -> Outcome:
@@ -251,13 +250,13 @@ def run_strategy(spec: BenchSpec, name: str, sample_rss: bool, say=print, run_na
     log_path = os.path.join(out_dir, "bench.log")
     oc = Outcome(name, "unavailable", output_dir=out_dir, log=log_path)
     try:
-        _, cfg, argv, why = preflight(spec, name, out_dir)
+        _, plan, argv, why = preflight(spec, name, out_dir)
     except ShardwiseError as e:
         oc.reason = str(e)
         return oc
-    oc.world_size = cfg.nproc_per_node * cfg.nnodes
-    oc.config = dataclasses.asdict(cfg)
-    oc.prediction = predict(cfg, oc.world_size)
+    oc.world_size = plan.world
+    oc.config = dataclasses.asdict(plan.cfg)
+    oc.prediction = predict(plan.cfg, plan.world)
     if why:
         oc.reason = why
         return oc
@@ -284,7 +283,7 @@ def run_strategy(spec: BenchSpec, name: str, sample_rss: bool, say=print, run_na
                     # a one-rank `single` trains in the `shardwise train` process itself; any other
                     # strategy in agent-started workers, even on one rank
                     sample_worker_peaks(proc.pid, oc.rank_peak_gib,
-                                        root_is_rank0=presets.trains_in_process(cfg.strategy, oc.world_size))
+                                        root_is_rank0=plan.in_process)
                 if time.monotonic() - t0 > spec.timeout_s:
                     timed_out = True
                     stop(proc)

@@ -57,6 +57,14 @@ class RunPlan:
         return presets.trains_in_process(self.strategy, self.world)
 
 
+def plan_of(res: Resolved) -> RunPlan:
+    """The plan a named strategy runs on this machine, judged before its model and data are read (bench plans each
+    strategy so before it launches it): the machine's values filled in, the degrees as the launcher lays them. The
+    model directory and data paths are empty until the launcher prepares the run."""
+    cfg = resolve_runtime(res)
+    return run_plan(cfg, cfg.nproc_per_node * cfg.nnodes, "", "")
+
+
 def run_plan(cfg: Config, world: int, model_dir: str, data_file: str, val_file: str = "") -> RunPlan:
     """The run's plan once its checks passed; the data-parallel layout is the registration's (torch-free)."""
     tp, sp = cfg.tensor_parallel, cfg.sequence_parallel
