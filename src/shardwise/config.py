@@ -191,7 +191,7 @@ FIELDS = {fi.key: fi for fi in fields_info()}
 FLAG_ALIASES = {
     "model": ("--model_name_or_path",),
     "data": ("--dataset",),
-    "tuner": ("--train_type",),
+    "tuner": ("--train_type", "--tuner_type", "--finetuning_type"),
     "seq_len": ("--max_length", "--max_seq_length", "--cutoff_len"),
     "epochs": ("--num_train_epochs",),
     "micro_batch_size": ("--per_device_train_batch_size",),

@@ -71,11 +71,12 @@ def test_help_shows_defaults_and_hf_spellings_are_aliases():
     assert "--max_steps" not in text  # underscore spellings work but do not double the help
     got = flags("--learning_rate", "0.5", "--max_steps", "7", "--per_device_train_batch_size", "3",
                 "--num_train_epochs", "2", "--gradient_accumulation_steps", "4", "--output_dir", "o",
-                "--no_save_final", "--gradient_checkpointing", "--lora_rank", "8", "--fsdp_cpu_offload", "--strategy", "fsdp")
+                "--no_save_final", "--gradient_checkpointing", "--tuner_type", "lora", "--lora_rank", "8",
+                "--fsdp_cpu_offload", "--strategy", "fsdp")
     res = config.load_config(None, got)
     c = res.cfg
     assert (c.lr, c.max_steps, c.micro_batch_size, c.epochs, c.grad_accum, c.output_dir) == (0.5, 7, 3, 2, 4, "o")
-    assert c.save_final is False and c.gradient_checkpointing is True and c.lora.r == 8
+    assert c.save_final is False and c.gradient_checkpointing is True and c.lora.r == 8 and c.tuner == "lora"
     with pytest.raises(ShardwiseError, match=r"flag --learning_rate \(= --lr\): lr must be > 0"):
         config.load_config(None, flags("--learning_rate", "-1"))
     assert flags("--lr", "1")["lr"][1] == "flag --lr"
@@ -250,3 +251,21 @@ def test_deepspeed_alias_contradictions_are_one_line(argv, says):
     with pytest.raises(ShardwiseError) as e:
         config.flags_from_namespace(cli.build_parser().parse_args(["train", "--model", "tiny", *argv]))
     assert str(e.value) == says
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--lora_rank", "8", "--lora_alpha", "32"), r"^flag --lora_alpha \(= --lora-alpha\): lora\.alpha, lora\.r are set "
+                                                 r"but tuner is full, so every weight would train and the LoRA "
+                                                 r"settings be dropped: pass --tuner lora"),
+    (("--tuner", "full", "--lora-targets", "q_proj"), r"^flag --lora-targets: lora\.targets is set but tuner is full"),
+])
+def test_lora_settings_under_a_full_fine_tune_are_refused(argv, message):
+    """ms-swift's default tuner is LoRA, so `--lora_rank 8` alone means LoRA there; here it would have trained every
+    weight and dropped the rank without a word."""
+    with pytest.raises(ShardwiseError, match=message):
+        config.load_config(None, flags(*argv))
+
+
+@pytest.mark.parametrize("spelling", ["--tuner_type", "--finetuning_type", "--train_type"])
+def test_ms_swift_and_llama_factory_spell_the_tuner_their_way(spelling):
+    assert config.load_config(None, flags(spelling, "lora", "--lora_rank", "8")).cfg.tuner == "lora"

@@ -103,7 +103,8 @@ def test_a_collective_timeout_too_large_for_the_process_group_is_refused():
 def test_empty_lora_targets_are_refused_with_lora(targets):
     with pytest.raises(ShardwiseError, match=r"^flag --lora-targets: lora.targets is empty"):
         config.load_config(None, flags("--tuner", "lora", "--lora-targets", targets))
-    config.load_config(None, flags("--lora-targets", targets))  # unused without a LoRA tuner
+    with pytest.raises(ShardwiseError, match=r"^flag --lora-targets: lora.targets is set but tuner is full"):
+        config.load_config(None, flags("--lora-targets", targets))  # never dropped without a word
 
 
 def test_a_missing_deepspeed_config_is_refused_before_launch(tmp_path):

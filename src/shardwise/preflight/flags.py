@@ -257,7 +257,14 @@ def strategy_options(res) -> Refusal | None:
 
 def tuner(res) -> Refusal | None:
     c, clash = res.cfg, _clash(res.cfg)
+    # LoRA settings given for a full fine-tune would be dropped while every weight trains (ms-swift's default tuner
+    # is lora, so `--lora_rank 8` alone means LoRA there)
+    lora = [k for k in sorted(res.origins) if k.startswith("lora.") and res.explicit(k)]
     return first([
+        (c.tuner != "full" or not lora, lora[0] if lora else "tuner",
+         f"{', '.join(lora)} {'is' if len(lora) == 1 else 'are'} set but tuner is full, so every weight would train "
+         "and the LoRA settings be dropped: pass --tuner lora (ms-swift's --tuner_type, LLaMA-Factory's "
+         "finetuning_type) or drop the LoRA settings"),
         ("tuner" not in clash, "tuner", clash.get("tuner", "")),
         (not c.merge_lora or c.tuner == "lora", "merge_lora",
          "merge_lora needs --tuner lora (a full fine-tune is already a full model; a 4-bit QLoRA base is not merged)"),
