@@ -309,6 +309,9 @@ def _deepspeed_alias(value: str, out: dict[str, tuple[Any, str]]) -> None:
         stage = zero.get("stage")
     except (OSError, ValueError, AttributeError):
         return
+    if isinstance(stage, int) and not isinstance(stage, bool) and stage == 0:  # LLaMA-Factory's ds_z0_config.json
+        raise ShardwiseError(f"{where}: its zero_optimization.stage 0 is plain data parallelism (no ZeRO sharding); "
+                             "use --strategy ddp without the DeepSpeed file, or a file of stage 1, 2 or 3")
     if not (isinstance(stage, int) and not isinstance(stage, bool) and stage in (1, 2, 3)):
         return  # "auto" or none: validation asks for a ZeRO strategy
     src = f"{where} (its zero_optimization.stage {stage})"

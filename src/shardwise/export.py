@@ -44,6 +44,8 @@ def resolve_checkpoint(path: str) -> str:
                                  f"already a Hugging Face directory: use {final} as it is (shardwise chat {final})")
         raise ShardwiseError(f"{path}: this run saved no checkpoint (it ran without --save-every) and no final "
                              "model; nothing to export: train with --save-every N (or without --no-save-final)")
+    if not os.path.lexists(path):
+        raise ShardwiseError(f"{path} does not exist; give a checkpoints/step_N directory or a run directory")
     raise ShardwiseError(f"{path}: not a shardwise checkpoint (no meta.json) nor a run directory holding one")
 
 

@@ -165,6 +165,9 @@ def _resume_source(cfg: Config, res: Resolved) -> str | None:
     resume_from = None
     if cfg.resume not in ("auto", "none"):
         cfg.resume = os.path.abspath(cfg.resume)
+        if not os.path.lexists(cfg.resume):
+            raise ShardwiseError(f"{res.where('resume')}: {cfg.resume} does not exist; give a checkpoints/step_N "
+                                 "directory of a run, or use --resume auto")
         if not os.path.isfile(os.path.join(cfg.resume, ckpt.META)):
             raise ShardwiseError(f"{res.where('resume')}: {cfg.resume} is not a complete shardwise checkpoint "
                                  "(no meta.json); give a checkpoints/step_N directory or use --resume auto")
