@@ -88,6 +88,17 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(ddp_ref, chat_data, tmp_p
     torch.testing.assert_close(torch.tensor(r1.losses), torch.tensor(ddp_ref.losses[4:]), rtol=RTOL, atol=0)
 
 
+def test_resume_on_one_rank_with_the_saved_accumulation_keeps_the_global_batch(ddp_ref, chat_data, tmp_path):
+    """The 2-rank checkpoint resumed on one process with the run's own micro-batch and accumulation (as a user
+    resumes with config.yaml on fewer GPUs): the accumulation is raised to keep the global batch, so the steps left
+    and the per-step losses are the uninterrupted run's; it halved the batch and doubled the epoch's steps."""
+    one = ("--strategy", "single", "--nproc-per-node", "1", "--micro-batch-size", "2", "--grad-accum", "2")
+    r1 = train(*train_args(tmp_path / "r1", chat_data, *one, "--resume", ddp_ref.ckpt(4), "--no-save-final")[1:])
+    assert ("resuming on 1 data-parallel rank(s) (the checkpoint ran 2): --grad-accum 2 -> 4 keeps its global batch "
+            "of 8 sequences, so its schedule and epoch hold") in r1.stdout
+    torch.testing.assert_close(torch.tensor(r1.losses), torch.tensor(ddp_ref.losses[4:]), rtol=RTOL, atol=0)
+
+
 def test_final_hf_directory_holds_the_trained_weights(ddp_ref, tiny_dir):
     """save -> load: final/ loads with transformers and equals the last checkpoint's model."""
     import torch.distributed.checkpoint as dcp

@@ -423,9 +423,49 @@ def choose_strategy(cfg: Config, res: Resolved) -> Config:
 RESHAPE_FIELDS = ("seq_len", "micro_batch_size", "grad_accum")
 
 
+def keep_global_batch(path: str, cfg: Config, world: int) -> list[str]:
+    """A resume on another number of data-parallel ranks keeps the checkpoint's global batch (sequences per
+    optimizer step), and so its learning-rate schedule and steps per epoch: where the micro-batch and accumulation
+    are the saved ones, the accumulation is raised or lowered to keep it (a note says so); where none keeps it, one
+    line gives the flags that do. A micro-batch or accumulation changed on purpose changes the global batch, and a
+    note says what follows (the steps per epoch and the schedule's length)."""
+    from shardwise.train import checkpoint as ckpt
+
+    meta = ckpt.read_meta(path)
+    old = meta.get("config") or {}
+    keys = ("micro_batch_size", "grad_accum", "tensor_parallel", "sequence_parallel")
+    if not isinstance(meta.get("world_size"), int) or not all(isinstance(old.get(k, 1), int) for k in keys):
+        return []
+    old_dp = presets.data_parallel_degree(meta["world_size"], old.get("tensor_parallel", 1),
+                                          old.get("sequence_parallel", 1))
+    dp = presets.data_parallel_degree(world, cfg.tensor_parallel, cfg.sequence_parallel)
+    mbs, ga = old.get("micro_batch_size"), old.get("grad_accum")
+    if not (mbs and ga) or old_dp < 1 or dp < 1:
+        return []
+    saved, now = mbs * ga * old_dp, cfg.micro_batch_size * cfg.grad_accum * dp
+    if saved == now:
+        return []
+    if (cfg.micro_batch_size, cfg.grad_accum) != (mbs, ga):  # changed on purpose
+        return [f"the global batch changes from {saved} to {now} sequences a step (micro-batch {mbs} x grad-accum "
+                f"{ga} x {old_dp} data-parallel rank(s) -> {cfg.micro_batch_size} x {cfg.grad_accum} x {dp}): the "
+                "steps per epoch and the learning-rate schedule's length follow the new batch"]
+    per_step = cfg.micro_batch_size * dp
+    if saved % per_step == 0:
+        was, cfg.grad_accum = cfg.grad_accum, saved // per_step
+        return [f"resuming on {dp} data-parallel rank(s) (the checkpoint ran {old_dp}): --grad-accum {was} -> "
+                f"{cfg.grad_accum} keeps its global batch of {saved} sequences, so its schedule and epoch hold"]
+    fits = [(m, saved // (m * dp)) for m in range(1, saved + 1) if saved % (m * dp) == 0][-1:]
+    how = (f"--micro-batch-size {fits[0][0]} --grad-accum {fits[0][1]} keeps it" if fits
+           else f"no micro-batch keeps it on {dp} data-parallel ranks: resume on a number of ranks that divides it")
+    raise ShardwiseError(f"--resume {path}: the checkpoint's global batch is {saved} sequences (micro-batch {mbs} x "
+                         f"grad-accum {ga} x {old_dp} data-parallel rank(s)), and on {dp} rank(s) no --grad-accum "
+                         f"keeps it at micro-batch {cfg.micro_batch_size}; {how} (or pass other values to change "
+                         "the batch on purpose)")
+
+
 def check_resume(path: str, cfg, model_dir: str) -> list[str]:
-    """A checkpoint judged against the run that resumes it. Refuse resuming `path` into a different model or adapter (naming the differing
-    fields); return one note per allowed change of the run's shape."""
+    """A checkpoint judged against the run that resumes it. Refuse resuming `path` into a different model or
+    adapter (naming the differing fields); return one note per allowed change of the run's shape."""
     from shardwise.train import checkpoint as ckpt
 
     meta = ckpt.read_meta(path)

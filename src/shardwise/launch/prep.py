@@ -26,6 +26,7 @@ from shardwise.launch.preflight import (
     check_steps_left,
     check_tensor_parallel,
     choose_strategy,
+    keep_global_batch,
     resolve_runtime,
     run_plan,
 )
@@ -202,7 +203,8 @@ def _check_run(res: Resolved, cfg: Config, world: int, force: bool, resume_from:
     check_trackers(cfg.report_to, res.where("report_to"))  # a missing tracker package: one line now
 
     model_dir = check_model(cfg, res)
-    resume_notes = check_resume(resume_from, cfg, model_dir) if resume_from else []
+    resume_notes = check_resume(resume_from, cfg, model_dir) if resume_from else []  # judged as given, then:
+    resume_notes = (keep_global_batch(resume_from, cfg, world) if resume_from else []) + resume_notes
     if resume_from:
         resume_notes += _data_change_notes(resume_from, cfg)
     if not degrees_checked:
