@@ -968,13 +968,46 @@ def set_rows(name: str) -> tuple[list[dict], list[dict]]:
     return [r for r in rows if r not in out], out
 
 
-def _train_rows():
-    """tests/unit/test_plan_measured.py: its ROWS (the `shardwise train` rows) and its `predict` (the CLI's plan)."""
+def _test_module(name: str):
+    """tests/unit/NAME.py, whose rows (and, for the CLI rows, whose `predict`) the tables use."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     import importlib
 
-    return importlib.import_module("tests.unit.test_plan_measured")
+    return importlib.import_module(f"tests.unit.{name}")
+
+
+def _train_rows():
+    """tests/unit/test_plan_measured.py: its ROWS (the `shardwise train` rows) and its `predict` (the CLI's plan)."""
+    return _test_module("test_plan_measured")
+
+
+def _float8_cells(m: dict) -> list[list]:
+    """tests/unit/test_plan_float8.py's runs: each results file's bf16 variants beside their float8 ones (and the
+    anchor under selective checkpointing), planned as that test plans them."""
+    t = _test_module("test_plan_float8")
+    runs = [(*run, "") for run in t.RUNS] + [("float8_runs_h200_2026-12-01-anchor-sac.json", "llama-1.1B", 8, 2048,
+                                              "selective", "+sac")]
+    cells = []
+    for name, model, mb, seq, ckpt, sac in runs:
+        measured = t._measured(name)
+        for strategy in ("single", "fsdp"):
+            for f8 in (False, True):
+                variant = f"{strategy}{sac}{'+float8' if f8 else ''}"
+                if variant not in measured or f"{strategy}{sac}+float8" not in measured:
+                    continue
+                c = case(model, strategy, mb, seq, ckpt is True, "bf16", 1, True, True)
+                sp = plan_case(c, 1, "cuda", float8=f8, **({"selective_checkpointing": True} if sac else {}))
+                step_s, peak = measured[variant]
+                ck = ckpt if isinstance(ckpt, str) else ("on" if ckpt else "off")
+                cells.append([f"`{name}`", model, strategy, f"{mb} × {seq}", ck, "on" if f8 else "off"]
+                             + _checked((peak, sp.memory.peak_tensors / GiB), (f"{step_s:.4f}", f"{sp.timing.step_s:.4f}"),
+                                        sp.timing.step_s / step_s - 1, m, None))
+    return cells
+
+
+FLOAT8_HEAD = ["results file", "model", "strategy", "micro-batch × seq", "ckpt", "float8", "measured GiB", "planned GiB",
+               "error", "measured step s", "planned step s", "error"]
 
 
 def _code(text: str) -> str:
@@ -1118,6 +1151,13 @@ def accuracy_blocks() -> dict[str, str]:
     blocks[f"accuracy {name}"] = "\n\n".join([_set_heading(name, m, f"{m['hardware']}, {m['date']}", m["source"]),
                                               _markdown(TRAIN_HEAD + ["within bounds"], cells), _summary(cells, True)])
     blocks["accuracy archived"] = archived
+    name = "h200_float8"
+    m = calibration.measured_set(name)
+    cells = _float8_cells(m)
+    blocks[f"accuracy {name}"] = "\n\n".join([
+        _set_heading(name, m, f"{m['hardware']}, {m['date']}", m["source"]) + " Every row: compiled blocks, bf16 "
+        "autocast over fp32 weights, the fused head, one rank.",
+        _markdown(FLOAT8_HEAD + ["within bounds"], cells), _summary(cells, True)])
     return blocks
 
 

@@ -50,6 +50,5 @@ def test_docs_planner_generated_blocks_match_the_planner_and_the_data():
 def test_every_measured_set_has_a_table_on_the_page():
     page = calibration.page_blocks((ROOT / "docs" / "planner.md").read_text(encoding="utf-8"))
     for name in calibration._load()["measured_sets"]:
-        if name != "h200_float8":  # its rows are pairs of runs (bf16, float8): tests/unit/test_plan_float8.py
-            assert f"accuracy {name}" in page, name
+        assert f"accuracy {name}" in page, name
     assert "accuracy archived" in page and "constants" in page
