@@ -36,6 +36,7 @@ allowance).
     python benchmarks/plan_accuracy.py --gpu --device cpu --json OUT.json   # the GPU list, tiny, on CPU
     python benchmarks/plan_accuracy.py --gpu --dry-run                      # list the GPU cases
     python benchmarks/plan_accuracy.py --table OUT.json                     # re-print with today's planner
+    PYTHONPATH=src python -m shardwise.plan.calibration docs/planner.md     # the page's tables (accuracy_blocks)
 
 `--gpu` runs in this process as one rank (a one-rank NCCL group, as torchrun would give
 it) on cuda:0, one case after another, freeing memory between cases; an OOM or error is
@@ -924,9 +925,7 @@ def table_steps(rows: list[dict]) -> str:
 
 ROOT = os.path.dirname(HERE)
 ARCHIVE = os.path.join(HERE, "results", "plan_measured_archived.json")
-# the row fields that name a row in a set's wider bounds and in its archived keys
-ROW_KEYS = {"h200_presets_tuners_checkpointing": ("model", "strategy", "tuner", "ckpt", "compile"),
-            "h200_zero3_whole_blocks": ("model", "tuner", "ckpt", "compile")}
+# the row fields that name a row in an archived group's keys (a set's wider bounds: its `row_key`)
 ARCHIVED_KEYS = {"h200_head_two_chunks": ("model", "strategy", "tuner", "ckpt", "compile"),
                  "h200_zero3_torch_linear": ("model", "tuner", "ckpt", "compile", "torch_linear")}
 RESULT_SETS = ("cpu_presets", "h200_presets_one_rank", "h200_presets_tuners_checkpointing", "h200_zero3_whole_blocks",
@@ -1082,7 +1081,7 @@ def _case_table(rows: list[dict], name: str) -> tuple[str, list[list]]:
         sp = plan_case(r, r["world"], "cuda" if r.get("device") == "cuda" else "cpu")
         # on CPU ranks offloaded state stays in the measured memory (host = device)
         pred = sp.memory.peak_tensors + (sp.memory.host if r.get("device", "cpu") == "cpu" else 0.0)
-        wide = calibration.wide_bounds(name).get(tuple(_field(r, f) for f in ROW_KEYS.get(name, ())))
+        wide = calibration.wide_bounds(name).get(tuple(_field(r, f) for f in m.get("row_key", ())))
         step = None if m["step_tol"] is None else (f"{r['measured_step_s']:.3f}", f"{sp.timing.step_s:.3f}")
         err = 0.0 if step is None else sp.timing.step_s / r["measured_step_s"] - 1
         cells.append([str(f(r)) for _, f in cols] + _checked((r["measured"] / div, pred / div), step, err, m, wide))
@@ -1119,7 +1118,9 @@ def _meta_line(rows: list[dict], m: dict) -> str:
 
 
 def _set_heading(name: str, m: dict, hardware: str, source: str) -> str:
-    wide = "; ".join(f"{' '.join(map(str, w['row']))} to {w['step_tol']:.0%} ({w['why']})" for w in m["wide"])
+    from shardwise.plan import calibration
+
+    wide = "; ".join(f"{calibration.row_name(m, w['row'])} to {w['step_tol']:.0%} ({w['why']})" for w in m["wide"])
     step = (f"step time within {m['step_tol']:.0%}{' (wider: ' + wide + ')' if wide else ''}"
             if m["step_tol"] is not None else "step time not bounded")
     return (f"**`{name}`**: {hardware}; rows {_code(source)}; checked by {_code(m['test'])}. Bounds: peak within "

@@ -43,12 +43,20 @@ def wide_bounds(name: str) -> dict[tuple, float]:
     return {tuple(w["row"]): w["step_tol"] for w in measured_set(name)["wide"]}
 
 
+def row_name(m: dict, key: list) -> str:
+    """A row of a measured set in words, from its key's values and the set's `row_key` (the fields they are)."""
+    words = []
+    for field, v in zip(m.get("row_key", [None] * len(key)), key):
+        words.append(f"{field} {'on' if v else 'off'}" if isinstance(v, bool) else str(v))
+    return " ".join(words)
+
+
 def markdown_sets() -> str:
     """One row per set of measured rows the planner is checked against, with its bounds."""
     lines = ["| measured rows | hardware | peak within | step time within | rows with a wider bound | archived |",
              "|---|---|---|---|---|---|"]
     for name, m in _load()["measured_sets"].items():
-        wide = "; ".join(f"{' '.join(map(str, w['row']))}: {w['step_tol']:.0%} ({w['why']})" for w in m["wide"])
+        wide = "; ".join(f"{row_name(m, w['row'])}: {w['step_tol']:.0%} ({w['why']})" for w in m["wide"])
         lines.append(f"| `{name}` ({_cell(m['source'])}; {_cell(m['test'])}) | {_cell(m['hardware'])} | "
                      f"{m['mem_tol']:.0%} | {'-' if m['step_tol'] is None else format(m['step_tol'], '.0%')} | "
                      f"{_cell(wide) or '-'} | "
