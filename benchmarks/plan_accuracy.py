@@ -942,15 +942,16 @@ def _archive() -> dict:
 
 
 def _result_rows(m: dict) -> list[dict]:
-    """A set's measured rows, as the planner predicts them: a zero3 row that records no fetch unit ran before
-    whole-block fetch existed, with DeepSpeed's per-submodule fetch. Where the set says so (`freed_leak`: its rows
-    ran in one process, in file order), a leak freed during a case is added back to its measured peak."""
+    """A set's measured rows, as the planner predicts them: zero3 rows that record no fetch unit ran with the set's
+    `zero3_fetch` where it names one (rows measured before whole-block fetch: DeepSpeed's per-submodule fetch). Where
+    the set says so (`freed_leak`: its rows ran in one process, in file order), a leak freed during a case is added
+    back to its measured peak."""
     with open(os.path.join(ROOT, m["source"])) as fh:
         rows = json.load(fh)
     if m.get("freed_leak"):
         rows = [{**r, "measured": r["measured"] + f, "freed_leak": f} if f else r for r, f in zip(rows, freed_leak(rows))]
-    return [{"ds_fetch": "module", **r} if r["strategy"].startswith("zero3") else r
-            for r in rows if not r.get("error")]
+    fetch = {"ds_fetch": m["zero3_fetch"]} if m.get("zero3_fetch") else {}
+    return [{**fetch, **r} if r["strategy"].startswith("zero3") else r for r in rows if not r.get("error")]
 
 
 def set_rows(name: str) -> tuple[list[dict], list[dict]]:
