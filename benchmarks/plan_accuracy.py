@@ -36,6 +36,7 @@ allowance).
     python benchmarks/plan_accuracy.py --gpu --device cpu --json OUT.json   # the GPU list, tiny, on CPU
     python benchmarks/plan_accuracy.py --gpu --dry-run                      # list the GPU cases
     python benchmarks/plan_accuracy.py --table OUT.json                     # re-print with today's planner
+    PYTHONPATH=src python -m shardwise.plan.calibration docs/planner.md     # the page's tables (accuracy_blocks)
 
 `--gpu` runs in this process as one rank (a one-rank NCCL group, as torchrun would give
 it) on cuda:0, one case after another, freeing memory between cases; an OOM or error is
@@ -915,6 +916,271 @@ def table_steps(rows: list[dict]) -> str:
                      f"{statistics.mean(step_errs):.1f}%, max {max(step_errs):.1f}%, within 20%: "
                      f"{sum(e <= STEP_GOAL for e in step_errs)}/{len(step_errs)}; both: {ok}/{len(mem_errs)}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- docs/planner.md's accuracy tables
+# Each set of measured rows that calibration.json's measured_sets names is printed with today's predictions, its
+# bounds and whether each row is within them. The rows and their selection are the ones the measured-row tests read
+# (the results files, the archive, tests/unit/test_plan_measured.py's ROWS), so the page shows what the tests check.
+
+ROOT = os.path.dirname(HERE)
+ARCHIVE = os.path.join(HERE, "results", "plan_measured_archived.json")
+# the row fields that name a row in an archived group's keys (a set's wider bounds: its `row_key`)
+ARCHIVED_KEYS = {"h200_head_two_chunks": ("model", "strategy", "tuner", "ckpt", "compile"),
+                 "h200_zero3_torch_linear": ("model", "tuner", "ckpt", "compile", "torch_linear")}
+RESULT_SETS = ("cpu_presets", "h200_presets_one_rank", "h200_presets_tuners_checkpointing", "h200_zero3_whole_blocks",
+               "h200_fused_head_one_chunk")
+
+
+def _field(r: dict, f: str):
+    return r.get(f, "full") if f == "tuner" else r.get(f)
+
+
+def _archive() -> dict:
+    with open(ARCHIVE) as fh:
+        return json.load(fh)
+
+
+def _result_rows(m: dict) -> list[dict]:
+    """A set's measured rows, as the planner predicts them: zero3 rows that record no fetch unit ran with the set's
+    `zero3_fetch` where it names one (rows measured before whole-block fetch: DeepSpeed's per-submodule fetch). Where
+    the set says so (`freed_leak`: its rows ran in one process, in file order), a leak freed during a case is added
+    back to its measured peak."""
+    with open(os.path.join(ROOT, m["source"])) as fh:
+        rows = json.load(fh)
+    if m.get("freed_leak"):
+        rows = [{**r, "measured": r["measured"] + f, "freed_leak": f} if f else r for r, f in zip(rows, freed_leak(rows))]
+    fetch = {"ds_fetch": m["zero3_fetch"]} if m.get("zero3_fetch") else {}
+    return [{**fetch, **r} if r["strategy"].startswith("zero3") else r for r in rows if not r.get("error")]
+
+
+def set_rows(name: str) -> tuple[list[dict], list[dict]]:
+    """(checked, archived) rows of a results-file set of calibration.json's measured_sets."""
+    from shardwise.plan import calibration
+
+    m = calibration.measured_set(name)
+    rows = _result_rows(m)
+    if not m["archived"]:
+        return rows, []
+    fields = ARCHIVED_KEYS[m["archived"]]
+    keys = {tuple(k) for k in _archive()[m["archived"]]["keys"]}
+    out = [r for r in rows if tuple(_field(r, f) for f in fields) in keys]
+    return [r for r in rows if r not in out], out
+
+
+def _test_module(name: str):
+    """tests/unit/NAME.py, whose rows (and, for the CLI rows, whose `predict`) the tables use."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    import importlib
+
+    return importlib.import_module(f"tests.unit.{name}")
+
+
+def _train_rows():
+    """tests/unit/test_plan_measured.py: its ROWS (the `shardwise train` rows) and its `predict` (the CLI's plan)."""
+    return _test_module("test_plan_measured")
+
+
+def _float8_cells(m: dict) -> list[list]:
+    """tests/unit/test_plan_float8.py's runs: each results file's bf16 variants beside their float8 ones (and the
+    anchor under selective checkpointing), planned as that test plans them."""
+    t = _test_module("test_plan_float8")
+    runs = [(*run, "") for run in t.RUNS] + [("float8_runs_h200_2026-12-01-anchor-sac.json", "llama-1.1B", 8, 2048,
+                                              "selective", "+sac")]
+    cells = []
+    for name, model, mb, seq, ckpt, sac in runs:
+        measured = t._measured(name)
+        for strategy in ("single", "fsdp"):
+            for f8 in (False, True):
+                variant = f"{strategy}{sac}{'+float8' if f8 else ''}"
+                if variant not in measured or f"{strategy}{sac}+float8" not in measured:
+                    continue
+                c = case(model, strategy, mb, seq, ckpt is True, "bf16", 1, True, True)
+                sp = plan_case(c, 1, "cuda", float8=f8, **({"selective_checkpointing": True} if sac else {}))
+                step_s, peak = measured[variant]
+                ck = ckpt if isinstance(ckpt, str) else ("on" if ckpt else "off")
+                cells.append([f"`{name}`", model, strategy, f"{mb} × {seq}", ck, "on" if f8 else "off"]
+                             + _checked((peak, sp.memory.peak_tensors / GiB), (f"{step_s:.4f}", f"{sp.timing.step_s:.4f}"),
+                                        sp.timing.step_s / step_s - 1, m, None))
+    return cells
+
+
+FLOAT8_HEAD = ["results file", "model", "strategy", "micro-batch × seq", "ckpt", "float8", "measured GiB", "planned GiB",
+               "error", "measured step s", "planned step s", "error"]
+
+
+def _code(text: str) -> str:
+    """A path as code; a sentence (a page and its section) as it is."""
+    return f"`{text}`" if " " not in text else text
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f}%"
+
+
+def _checked(mem: tuple, step: tuple | None, step_err: float, m: dict, wide: float | None) -> list:
+    """The numeric cells of one row: peak measured, planned, error; step measured, planned, error (sets that bound the
+    step time); within bounds."""
+    mem_err = mem[1] / mem[0] - 1
+    cells = [f"{mem[0]:.2f}", f"{mem[1]:.2f}", _pct(mem_err)]
+    ok = abs(mem_err) <= m["mem_tol"]
+    if m["step_tol"] is not None:
+        bound = wide if wide is not None else m["step_tol"]
+        ok = ok and abs(step_err) <= bound
+        cells += [step[0], step[1], _pct(step_err)]
+    within = ("yes" if ok else "**NO**") + (f" (step time held to {wide:.0%})" if wide is not None else "")
+    return cells + [within]
+
+
+def _markdown(head: list[str], rows: list[list]) -> str:
+    lines = [head, ["---"] * len(head), *rows]
+    return "\n".join("| " + " | ".join(map(str, cells)) + " |" for cells in lines)
+
+
+def _summary(cells: list[list], steps: bool) -> str:
+    def stats(i):
+        e = [abs(float(c[i].rstrip("%"))) for c in cells]
+        return f"mean |error| {statistics.mean(e):.1f}%, max {max(e):.1f}%"
+
+    ok = sum(c[-1].startswith("yes") for c in cells)
+    return (f"{len(cells)} rows: peak {stats(-5 if steps else -2)}"
+            f"{'; step time ' + stats(-2) if steps else ''}; within bounds: {ok}/{len(cells)}.")
+
+
+# a results row's label columns: (header, its cell); a column whose cell is the same on every row of a table is said
+# once above the table instead
+CASE_COLUMNS = [
+    ("model", lambda r: r["model"]),
+    ("strategy", lambda r: r["strategy"] + (" (per-submodule fetch)" if r.get("ds_fetch") == "module" else "")),
+    ("tuner", lambda r: r.get("tuner", "full") + (f" r{r.get('lora_r', LORA_R)}" if r.get("tuner", "full") != "full"
+                                                  else "") + (" (ran torch's linear)" if r.get("torch_linear") else "")),
+    ("ranks", lambda r: f"{r['world']} ({r.get('device', 'cpu')})"),
+    ("micro-batch × seq", lambda r: f"{r['micro_batch']} × {r['seq_len']}"),
+    ("ckpt", lambda r: "on" if r["ckpt"] else "off"),
+    ("compute", lambda r: r["compute"]),
+    ("accum", lambda r: r["grad_accum"]),
+    ("loss head", lambda r: "fused" if r["fused_loss"] else "plain"),
+    ("compile", lambda r: "on" if r["compile"] else "off"),
+]
+
+
+def _case_table(rows: list[dict], name: str) -> tuple[str, list[list]]:
+    """(the line of what every row shares + the table, its rows' cells), predicted with today's planner."""
+    from shardwise.plan import calibration
+
+    m = calibration.measured_set(name)
+    same = [(h, f(rows[0])) for h, f in CASE_COLUMNS if len({str(f(r)) for r in rows}) == 1]
+    cols = [(h, f) for h, f in CASE_COLUMNS if h not in dict(same)]
+    cpu = all(r.get("device", "cpu") == "cpu" for r in rows)
+    unit, div = ("MiB", MiB) if cpu else ("GiB", GiB)
+    head = [h for h, _ in cols] + [f"measured {unit}", f"planned {unit}", "error"]
+    if m["step_tol"] is not None:
+        head += ["measured step s", "planned step s", "error"]
+    cells = []
+    for r in rows:
+        sp = plan_case(r, r["world"], "cuda" if r.get("device") == "cuda" else "cpu")
+        # on CPU ranks offloaded state stays in the measured memory (host = device)
+        pred = sp.memory.peak_tensors + (sp.memory.host if r.get("device", "cpu") == "cpu" else 0.0)
+        wide = calibration.wide_bounds(name).get(tuple(_field(r, f) for f in m.get("row_key", ())))
+        step = None if m["step_tol"] is None else (f"{r['measured_step_s']:.3f}", f"{sp.timing.step_s:.3f}")
+        err = 0.0 if step is None else sp.timing.step_s / r["measured_step_s"] - 1
+        cells.append([str(f(r)) for _, f in cols] + _checked((r["measured"] / div, pred / div), step, err, m, wide))
+        if r.get("freed_leak"):
+            cells[-1][len(cols)] += " ᶠ"
+    shared = "Every row: " + ", ".join(f"{h} {v}" for h, v in same) + "." if same else ""
+    notes = m.get("freed_leak", "") if any(r.get("freed_leak") for r in rows) else ""
+    return "\n\n".join(x for x in (shared, _markdown(head + ["within bounds"], cells), notes) if x), cells
+
+
+TRAIN_HEAD = ["job", "strategy", "measured GiB", "planned GiB", "error", "measured tokens/s", "planned tokens/s",
+              "step-time error"]
+
+
+def _train_row(label: str, argv: list, strategy: str, tps: float, peak: float, tmp: str, m: dict) -> list:
+    from pathlib import Path
+
+    p_tps, p_peak = _train_rows().predict(argv, strategy, Path(tmp))
+    # the same tokens per step on both sides: the step-time error is measured / planned tokens/s - 1
+    return [label, strategy] + _checked((peak, p_peak), (f"{tps / 1e3:.1f}k", f"{p_tps / 1e3:.1f}k"), tps / p_tps - 1,
+                                        m, None)
+
+
+def _meta_line(rows: list[dict], m: dict) -> str:
+    """The hardware, dates and versions the rows record (their `meta`; else the set's own in calibration.json)."""
+    metas = [r.get("meta") or {} for r in rows]
+    if not any(metas):
+        return f"{m['hardware']}, {m['date']}"
+    devices = sorted({f"{m.get('device', '?')} × {r['world']}" for m, r in zip(metas, rows)})
+    days = sorted({m["date"][:10] for m in metas if m.get("date")})
+    versions = sorted({", ".join(f"{k} {m[k]}" for k in ("torch", "transformers", "deepspeed", "peft") if m.get(k))
+                       for m in metas})
+    return f"{'; '.join(devices)}, {' and '.join(days) or 'date not recorded'} ({'; '.join(versions)})"
+
+
+def _set_heading(name: str, m: dict, hardware: str, source: str) -> str:
+    from shardwise.plan import calibration
+
+    wide = "; ".join(f"{calibration.row_name(m, w['row'])} to {w['step_tol']:.0%} ({w['why']})" for w in m["wide"])
+    step = (f"step time within {m['step_tol']:.0%}{' (wider: ' + wide + ')' if wide else ''}"
+            if m["step_tol"] is not None else "step time not bounded")
+    return (f"**`{name}`**: {hardware}; rows {_code(source)}; checked by {_code(m['test'])}. Bounds: peak within "
+            f"{m['mem_tol']:.0%}, {step}."
+            f"{' Archived rows: `' + m['archived'] + '` (below).' if m['archived'] else ''}")
+
+
+def accuracy_blocks() -> dict[str, str]:
+    """docs/planner.md's generated accuracy blocks, by name: one per measured set, and the archived rows."""
+    from shardwise.plan import calibration
+
+    blocks = {}
+    for name in RESULT_SETS:
+        m = calibration.measured_set(name)
+        rows, _ = set_rows(name)
+        table_, cells = _case_table(rows, name)
+        blocks[f"accuracy {name}"] = "\n\n".join([_set_heading(name, m, _meta_line(rows, m), m["source"]), table_,
+                                                  _summary(cells, m["step_tol"] is not None)])
+    name = "shardwise_train_h200"
+    m = calibration.measured_set(name)
+    old = os.environ.get("SHARDWISE_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["SHARDWISE_CACHE_DIR"] = os.path.join(tmp, "cache")  # no doctor.json: the flags' hardware only
+        try:
+            cells = [_train_row(*row, tmp, m) for row in _train_rows().ROWS]
+            archived = _archived_block(tmp)
+        finally:
+            os.environ.pop("SHARDWISE_CACHE_DIR") if old is None else os.environ.update(SHARDWISE_CACHE_DIR=old)
+    blocks[f"accuracy {name}"] = "\n\n".join([_set_heading(name, m, f"{m['hardware']}, {m['date']}", m["source"]),
+                                              _markdown(TRAIN_HEAD + ["within bounds"], cells), _summary(cells, True)])
+    blocks["accuracy archived"] = archived
+    name = "h200_float8"
+    m = calibration.measured_set(name)
+    cells = _float8_cells(m)
+    blocks[f"accuracy {name}"] = "\n\n".join([
+        _set_heading(name, m, f"{m['hardware']}, {m['date']}", m["source"]) + " Every row: compiled blocks, bf16 "
+        "autocast over fp32 weights, the fused head, one rank.",
+        _markdown(FLOAT8_HEAD + ["within bounds"], cells), _summary(cells, True)])
+    return blocks
+
+
+def _archived_block(tmp: str) -> str:
+    """Every archived row with why it is archived, its measurement and what today's planner predicts for it."""
+    from shardwise.plan import calibration
+
+    owner = {calibration.measured_set(n)["archived"]: n for n in (*RESULT_SETS, "shardwise_train_h200")}
+    parts = []
+    for group, a in _archive().items():
+        if group.startswith("_"):
+            continue
+        parts.append(f"**`{group}`** (from `{owner[group]}`, rows {_code(a['source'])}): archived because {a['why']}.")
+        if "rows" in a:
+            m = calibration.measured_set(owner[group])
+            cells = [_train_row(r["label"], r["argv"], r["strategy"], r["tokens_per_s"], r["peak_gib"], tmp, m)
+                     for r in a["rows"]]
+            parts.append(_markdown(TRAIN_HEAD + ["within the set's bounds"], cells))
+        else:
+            parts.append(_case_table(set_rows(owner[group])[1], owner[group])[0])
+    return "\n\n".join(parts)
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """The planner's fitted constants come from one data file (src/shardwise/plan/calibration.json), installed with the
-package, and docs/planner.md's table of them is generated from it."""
+package; docs/planner.md's table of them and its accuracy tables (today's predictions for every measured set the file
+names, and the archived rows) are generated, and the page must match what the generator writes."""
 
 from __future__ import annotations
 
@@ -35,8 +36,19 @@ def test_the_file_is_package_data():
     assert "plan/*.json" in data and calibration.FILE.parent.name == "plan"
 
 
-def test_docs_planner_table_is_generated_from_the_file():
+def test_docs_planner_generated_blocks_match_the_planner_and_the_data():
+    """Every generated block of the page is what `python -m shardwise.plan.calibration docs/planner.md` writes now: a
+    change to a constant, to the planner's model or to a measured set moves a prediction, and this fails until the
+    page is regenerated."""
     page = (ROOT / "docs" / "planner.md").read_text(encoding="utf-8")
-    start, end = page.index(calibration.BEGIN), page.index(calibration.END) + len(calibration.END)
-    assert page[start:end] == calibration.doc_block(), \
-        "docs/planner.md is stale: PYTHONPATH=src python -m shardwise.plan.calibration docs/planner.md"
+    present, expected = calibration.page_blocks(page), calibration.doc_blocks(ROOT)
+    assert sorted(present) == sorted(expected), "docs/planner.md's generated blocks differ from the generator's names"
+    stale = [name for name in expected if present[name] != expected[name]]
+    assert not stale, f"docs/planner.md is stale ({', '.join(stale)}): {calibration.REGENERATE}"
+
+
+def test_every_measured_set_has_a_table_on_the_page():
+    page = calibration.page_blocks((ROOT / "docs" / "planner.md").read_text(encoding="utf-8"))
+    for name in calibration._load()["measured_sets"]:
+        assert f"accuracy {name}" in page, name
+    assert "accuracy archived" in page and "constants" in page
