@@ -6,7 +6,8 @@ The DeepSpeed config is generated from ours (one source of truth: micro batch, g
 accumulation, clipping, precision, stage, offload); keys in a user's `deepspeed.config`
 JSON override it. The optimizer is ours (torch AdamW, the same groups as every strategy),
 handed to DeepSpeed as a client optimizer, so the loop sets its learning rate through
-`param_groups` as everywhere else. DeepSpeed averages gradients over ranks like DDP/FSDP.
+`param_groups` as everywhere else. DeepSpeed averages gradients over ranks like DDP/FSDP, over the
+mesh's groups (ds_mpu.py).
 
 `deepspeed` is imported only inside methods: selecting `zero*` without it installed fails
 in the registry with an install hint, before any worker starts.
@@ -23,6 +24,7 @@ import torch
 from shardwise.errors import ShardwiseError
 from shardwise.strategies import ds_json, ds_state
 from shardwise.strategies.base import Strategy
+from shardwise.strategies.ds_mpu import MeshGroups
 from shardwise.strategies.parallelize import compile_enabled
 
 
@@ -200,9 +202,9 @@ class DeepSpeedStrategy(Strategy):
 
     def apply_data_parallel(self, model: torch.nn.Module):
         """DeepSpeed's engine around the model and our optimizer (it flattens the groups).
-        Its data-parallel group is the default one, which is dims.grad_group while tp = 1 (the
-        sequence-parallel ranks average gradients with the data-parallel ones); tensor
-        parallelism will have to hand it the mesh's groups."""
+        Its process groups are the mesh's, handed over as its `mpu` (ds_mpu.MeshGroups): data
+        parallelism (ZeRO's partitioning and gradient averaging) over dims.grad_group, the
+        data-parallel and sequence-parallel ranks; model parallelism over dims.tp_group."""
         import_deepspeed()
         import deepspeed
         import deepspeed.ops
@@ -228,7 +230,7 @@ class DeepSpeedStrategy(Strategy):
 
         try:
             engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=self.config,
-                                                           dist_init_required=False)
+                                                           mpu=MeshGroups(self.dims), dist_init_required=False)
         except ValidationError as e:  # a value of the user's --deepspeed-config (ours are DeepSpeed's own types)
             raise ShardwiseError(refused_line(self.cfg.deepspeed.config, self.config, e)) from None
         self.engine = engine
