@@ -5,11 +5,9 @@ Source: docs/measurements.md, section "`shardwise train` measured from the outsi
 weights, tokens/s the median after step 10, peak memory `max_memory_allocated` (metrics.jsonl), the plan
 `shardwise plan --json`'s `peak_tensors` for the same flags. Each row below copies one line of that table
 (its tokens/s, peak GiB and the flags of the job); the planner must predict the step time within 20% and
-the tensor peak within 10% (issue 16). The row measured on "another machine" (25% slower for the same
-job, per the same page) is left out: the page says to compare only within one call.
-
-Run as a script to print the table (predicted vs measured) for docs/planner.md:
-    PYTHONPATH=src python tests/unit/test_plan_measured.py
+the tensor peak within 10% (the bounds: plan/calibration.json's measured_sets). The row measured on "another
+machine" (25% slower for the same job, per the same page) is left out: the page says to compare only within one
+call. docs/planner.md's tables of these rows are generated (python -m shardwise.plan.calibration docs/planner.md).
 """
 
 from __future__ import annotations
