@@ -29,7 +29,8 @@ def test_degrees_that_do_not_multiply_to_the_world_are_one_line_naming_the_flags
 def test_sequence_times_tensor_must_divide_the_world():
     cfg = cfg_of(strategy="ddp")
     cfg.tensor_parallel = 3  # past validation, as a harness could set it
-    with pytest.raises(ShardwiseError, match=r"--sequence-parallel 1 x --tensor-parallel 3 must divide the world size 4"):
+    with pytest.raises(ShardwiseError, match=r"^--tensor-parallel: tensor_parallel 3 must divide the 4 ranks \(nnodes x nproc_per_node\); the rest "
+                                                   r"are data-parallel$"):
         ParallelDims.from_config(cfg, 4, 0, 4, "cpu", strategies.get("ddp").dp_split)
 
 

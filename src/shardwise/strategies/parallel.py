@@ -72,11 +72,14 @@ class ParallelDims:
         split into (replicate, shard) by the strategy's `dp_split(cfg, dp_degree, local_world_size)`.
         `heads`: the model's attention heads, which decide how sp splits into Ulysses x ring
         (`--sp-mode`; with tensor parallelism Ulysses splits each tp rank's heads / tp)."""
+        from shardwise.preflight import degrees
+
         sp, tp = cfg.sequence_parallel, cfg.tensor_parallel
-        if sp < 1 or tp < 1 or world_size % (sp * tp):
-            raise ShardwiseError(
-                f"--sequence-parallel {sp} x --tensor-parallel {tp} must divide the world size {world_size} "
-                "(nnodes x nproc_per_node); the rest of the ranks are data-parallel")
+        if sp < 1 or tp < 1:
+            raise ShardwiseError(f"--sequence-parallel {sp} and --tensor-parallel {tp} must be at least 1")
+        refusal = degrees.world_divides(world_size, tp, sp)  # judged before launch; the one rule, should it be met
+        if refusal is not None:
+            raise ShardwiseError(f"--{refusal.key.replace('_', '-')}: {refusal.message}")
         replicate, shard = dp_split(cfg, world_size // (sp * tp), local_world_size)
         ulysses = sp
         if sp > 1:
