@@ -81,6 +81,12 @@ def test_a_long_tmpdir_still_gets_a_server(tmp_path, monkeypatch):
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", None)
+    # multiprocessing caches its temporary folder for the whole process on first use: one made under the long
+    # $TMPDIR here would outlive the test, and any later forkserver's socket in it would be too long to bind
+    config = process.current_process()._config
+    monkeypatch.setitem(config, "tempdir", config.get("tempdir"))
+    if config["tempdir"] is None:
+        del config["tempdir"]
     try:
         assert zygote.start("", False)
         # only this user can ask the server to fork: the socket 0600 in a folder 0700, of its own

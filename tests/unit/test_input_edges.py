@@ -183,7 +183,7 @@ def test_export_takes_a_tilde_as_the_home_directory(tmp_path, capsys, monkeypatc
     monkeypatch.chdir(tmp_path)
     rc = main(["export", "~/no-checkpoint", "--out", "~/exp"])
     out, err = capsys.readouterr()
-    assert rc == 2 and err.startswith(f"shardwise: error: {tmp_path}/no-checkpoint: not a shardwise checkpoint"), err
+    assert rc == 2 and err.startswith(f"shardwise: error: {tmp_path}/no-checkpoint does not exist"), err
 
 
 # -- a resume never writes over a directory of the user's --------------------------------------------------------

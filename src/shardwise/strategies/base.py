@@ -69,7 +69,8 @@ class Strategy:
     def dp_split(cls, cfg: Config, dp: int, local_world_size: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard): how this strategy lays its data-parallel ranks on the mesh, as its registration
         declares it (presets.StrategySpec.dp_split), which the launcher's RunPlan reads too."""
-        return presets.SPECS[cls.name].dp_split(cfg, dp, local_world_size)
+        spec = presets.SPECS.get(cls.name)  # the base class (a harness's bare strategy) replicates
+        return spec.dp_split(cfg, dp, local_world_size) if spec is not None else (dp, 1)
 
     @classmethod
     def parallel_dims(cls, cfg: Config, env: DistEnv, heads: int | None = None) -> ParallelDims:
