@@ -22,6 +22,15 @@ def benchmark_module(name: str):
     return mod
 
 
+def free_port() -> int:
+    """A free TCP port on the loopback interface (as torchrun's standalone rendezvous picks one)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def listening(pids, descendants: bool = False) -> list[str]:
     """"ip:port" of every TCP socket in LISTEN state owned by these processes (and, with `descendants`, by their
     children's children too); processes gone meanwhile are skipped."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.dist.shared import DDP, RTOL, SINGLE, STEPS, train_args
-from tests.helpers import ConcurrentRuns, losses
+from tests.helpers import ConcurrentRuns, free_port, losses
 from tests.inproc.trainer import train
 
 
@@ -50,16 +50,11 @@ def test_unclipped_run_differs_beyond_tolerance(single_ref, chat_data, tmp_path)
     assert diff > 100 * RTOL
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_two_nodes_over_loopback_match_one_node(ddp_ref, chat_data, tmp_path):
     """Two launcher processes ("nodes", 1 rank each) rendezvous through c10d on loopback."""
     out = tmp_path / "twonode"
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     args = [*train_args(out, chat_data, "--strategy", "ddp", "--nnodes", "2", "--nproc-per-node", "1",
                         "--rdzv-endpoint", endpoint, "--micro-batch-size", "2", "--grad-accum", "2",
                         "--save-every", "4", "--no-save-final")]

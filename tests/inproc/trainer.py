@@ -26,20 +26,13 @@ import io
 import json
 import os
 import signal
-import socket
 import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.helpers import read_metrics
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface (as torchrun's standalone rendezvous picks one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.dist.shared import Run as LaunchedRun
+from tests.helpers import free_port
 
 
 def torchrun_env(port: int | None = None) -> dict[str, str]:
@@ -81,23 +74,9 @@ def worker_process(env: dict | None = None, cwd: str | os.PathLike | None = None
 
 
 @dataclass
-class Run:
-    out: Path
-    stdout: str
-    stderr: str
+class Run(LaunchedRun):
     summary: dict | None = None
     error: BaseException | None = None  # what the run raised (a ShardwiseError: the line the CLI would print)
-
-    @property
-    def metrics(self) -> list[dict]:
-        return read_metrics(str(self.out))
-
-    @property
-    def losses(self) -> list[float]:
-        return [r["loss"] for r in self.metrics]
-
-    def ckpt(self, step: int) -> Path:
-        return self.out / "checkpoints" / f"step_{step:08d}"
 
     def summary_file(self) -> dict:
         return json.loads((self.out / "summary.json").read_text())

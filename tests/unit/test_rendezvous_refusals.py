@@ -10,6 +10,7 @@ import pytest
 
 from shardwise import config
 from shardwise.errors import ShardwiseError
+from tests.helpers import free_port
 
 
 def _load(*argv):
@@ -45,11 +46,6 @@ def _handler(endpoint: str, is_host: bool):
     return agent._rendezvous_handler(params)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_node_0_on_a_port_in_use_says_choose_another():
     with socket.socket() as taken:
@@ -62,7 +58,7 @@ def test_node_0_on_a_port_in_use_says_choose_another():
 
 
 def test_a_worker_node_without_node_0_says_start_node_0_first():
-    port = _free_port()
+    port = free_port()
     with pytest.raises(ShardwiseError, match=rf"^cannot reach node 0 at 127\.0\.0\.1:{port} \(--rdzv-endpoint; "
                                              r"nothing answered .* within 1 s\): start node 0 first, or check the "
                                              r"address$"):

@@ -12,12 +12,7 @@ import pytest
 
 from shardwise.errors import ShardwiseError
 from shardwise.train import dist
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port
 
 
 def test_a_port_in_use_is_one_line_naming_it():
@@ -33,7 +28,7 @@ def test_a_port_in_use_is_one_line_naming_it():
 def test_a_client_waits_for_a_store_that_comes_later_then_uses_it():
     import threading
 
-    port = _free_port()
+    port = free_port()
     served = {}
 
     def serve_later():
@@ -49,7 +44,7 @@ def test_a_client_waits_for_a_store_that_comes_later_then_uses_it():
 
 
 def test_a_store_nobody_serves_is_one_line_after_the_timeout():
-    port = _free_port()
+    port = free_port()
     t0 = time.monotonic()
     with pytest.raises(ShardwiseError, match=rf"^nothing answered at 127\.0\.0\.1:{port} within 1 s$"):
         dist.tcp_store("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
