@@ -58,7 +58,7 @@ def test_a_batch_no_accumulation_keeps_is_refused_with_flags_that_do(tmp_path):
         keep_global_batch(path, cfg, world=2)
     assert str(e.value) == (f"--resume {path}: the checkpoint's global batch is 6 sequences (micro-batch 2 x "
                             "grad-accum 1 x 3 data-parallel rank(s)), and on 2 rank(s) no --grad-accum keeps it at "
-                            "micro-batch 2; --micro-batch-size 3 --grad-accum 1 keeps it (or pass other values to "
+                            "micro-batch 2; --micro-batch-size 1 --grad-accum 3 keeps it (or pass other values to "
                             "change the batch on purpose)")
 
 
@@ -70,3 +70,9 @@ def test_a_batch_changed_on_purpose_is_kept_and_said(tmp_path):
     assert notes == ["the global batch changes from 16 to 32 sequences a step (micro-batch 4 x grad-accum 2 x 2 "
                      "data-parallel rank(s) -> 8 x 2 x 2): the steps per epoch and the learning-rate schedule's "
                      "length follow the new batch"]
+
+
+def test_the_flags_offered_keep_the_micro_batch_at_most_this_runs(tmp_path):
+    path = _ckpt(tmp_path, world=3, mbs=2, ga=1)  # 6 sequences a step; 2 ranks take micro-batch 1 or 3
+    with pytest.raises(ShardwiseError, match=r"--micro-batch-size 3 --grad-accum 1 keeps it"):
+        keep_global_batch(path, _cfg("--micro-batch-size", "4", "--grad-accum", "1"), world=2)

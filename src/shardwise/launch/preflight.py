@@ -454,8 +454,10 @@ def keep_global_batch(path: str, cfg: Config, world: int) -> list[str]:
         was, cfg.grad_accum = cfg.grad_accum, saved // per_step
         return [f"resuming on {dp} data-parallel rank(s) (the checkpoint ran {old_dp}): --grad-accum {was} -> "
                 f"{cfg.grad_accum} keeps its global batch of {saved} sequences, so its schedule and epoch hold"]
-    fits = [(m, saved // (m * dp)) for m in range(1, saved + 1) if saved % (m * dp) == 0][-1:]
-    how = (f"--micro-batch-size {fits[0][0]} --grad-accum {fits[0][1]} keeps it" if fits
+    # the largest micro-batch not above this run's (its memory is known to fit), else the smallest that keeps it
+    fits = [m for m in range(1, saved + 1) if saved % (m * dp) == 0]
+    fits = [max([m for m in fits if m <= cfg.micro_batch_size] or fits[:1])] if fits else []
+    how = (f"--micro-batch-size {fits[0]} --grad-accum {saved // (fits[0] * dp)} keeps it" if fits
            else f"no micro-batch keeps it on {dp} data-parallel ranks: resume on a number of ranks that divides it")
     raise ShardwiseError(f"--resume {path}: the checkpoint's global batch is {saved} sequences (micro-batch {mbs} x "
                          f"grad-accum {ga} x {old_dp} data-parallel rank(s)), and on {dp} rank(s) no --grad-accum "
