@@ -73,6 +73,6 @@ def test_a_batch_changed_on_purpose_is_kept_and_said(tmp_path):
 
 
 def test_the_flags_offered_keep_the_micro_batch_at_most_this_runs(tmp_path):
-    path = _ckpt(tmp_path, world=3, mbs=2, ga=1)  # 6 sequences a step; 2 ranks take micro-batch 1 or 3
-    with pytest.raises(ShardwiseError, match=r"--micro-batch-size 3 --grad-accum 1 keeps it"):
+    path = _ckpt(tmp_path, world=3, mbs=4, ga=1)  # 12 sequences a step; 2 ranks take micro-batch 1, 2, 3 or 6
+    with pytest.raises(ShardwiseError, match=r"--micro-batch-size 3 --grad-accum 2 keeps it"):
         keep_global_batch(path, _cfg("--micro-batch-size", "4", "--grad-accum", "1"), world=2)
