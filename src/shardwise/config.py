@@ -325,6 +325,16 @@ def _deepspeed_alias(value: str, out: dict[str, tuple[Any, str]]) -> None:
 MAX_YAML_VALUES = 10_000  # a config holds a few dozen; more (e.g. through aliases) is refused
 
 
+def bounded_yaml(text: str, path: str) -> tuple[Any, yaml.Node | None]:
+    """(the data, its node tree) of YAML text, read with the safe loader once its nodes passed the bound (merge
+    keys refused, at most MAX_YAML_VALUES values however aliases expand): the CLI's configs and the UI's listing of
+    runs read YAML this one way. YAML errors and RecursionError pass through; the bound is a ShardwiseError."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if node is not None:
+        _check_yaml_nodes(node, path)
+    return yaml.safe_load(text), node
+
+
 def _check_yaml_nodes(root: yaml.Node, path: str) -> None:
     """Refuse merge keys (`<<:`) and documents that expand (through aliases) to more than
     MAX_YAML_VALUES values, before anything is built from them."""
@@ -361,10 +371,7 @@ def _yaml_with_lines(path: str) -> dict[str, tuple[Any, str]]:
         raise ShardwiseError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
                              "save the config as UTF-8")
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        if node is not None:
-            _check_yaml_nodes(node, path)
-        data = yaml.safe_load(text)
+        data, node = bounded_yaml(text, path)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else path

@@ -317,10 +317,7 @@ def read_config(path: str) -> tuple[dict, str | None]:
         return {}, f"config.yaml: larger than {MAX_CONFIG_BYTES:,} bytes; not read"
     try:
         text = raw.decode("utf-8")
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        if node is not None:
-            config._check_yaml_nodes(node, "config.yaml")  # the CLI's bound, before anything is built from it
-        d = yaml.safe_load(text) or {}
+        d = config.bounded_yaml(text, "config.yaml")[0] or {}  # the CLI's bound, before anything is built from it
     except ShardwiseError as e:
         return {}, str(e)
     except UnicodeDecodeError:
