@@ -12,8 +12,13 @@ from shardwise.errors import ShardwiseError
 
 def _train(args) -> int:
     from shardwise import config, launch, rundir
+    from shardwise.models.load import hub_snapshot
 
     res = config.load_config(args.config, config.flags_from_namespace(args))
+    snapshot = hub_snapshot(res.cfg.model, res.where("model"))
+    if snapshot:  # a hub id: the run reads (and records) the cached snapshot's directory
+        res.notes.append(f"model {res.cfg.model}: the Hugging Face cache's snapshot {snapshot}")
+        res.cfg.model = snapshot
     config.check_train_data(res)
     # the default output directory is runs/<strategy>-<time> (named at launch)
     rundir.check_creatable(res.cfg.output_dir or os.path.join("runs", "new"), res.where("output_dir"))
@@ -22,9 +27,9 @@ def _train(args) -> int:
     if res.cfg.output_dir and res.cfg.node_rank == 0:
         rundir.check_resume_target(res.cfg.output_dir, res.cfg.resume, res.where("output_dir"), res.cfg.overwrite,
                                    res.where("resume"))
-    note = config.demo_note(res)
-    if note:
-        print(f"shardwise: {note}", flush=True)
+    for note in [config.demo_note(res), *res.notes]:
+        if note:
+            print(f"shardwise: {note}", flush=True)
     return launch.train(res, force=args.force)
 
 
@@ -94,8 +99,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _bool_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--flag true|false` for every boolean flag: the words before the command by the main parser's flags, those
+    after it by the command's (config.bool_values)."""
+    from shardwise.config import bool_values
+
+    subs = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+    at = next((i for i, a in enumerate(argv) if a in subs), None)
+    if at is None:
+        return bool_values(argv, parser)
+    return bool_values(argv[:at], parser) + [argv[at]] + bool_values(argv[at + 1:], subs[argv[at]])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    try:
+        argv = _bool_values(parser, sys.argv[1:] if argv is None else list(argv))
+    except ShardwiseError as e:
+        print(f"shardwise: error: {e}", file=sys.stderr, flush=True)
+        return 2
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the command's own parser: its flags for "did you mean", its --help
         sub = next((a.choices.get(getattr(args, "command", None)) for a in parser._actions

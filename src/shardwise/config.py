@@ -107,8 +107,13 @@ class Config:
     micro_batch_size: int = _f(4, "Sequences per rank per forward pass.")
     grad_accum: int = _f(1, "Micro-batches per optimizer step (gradients are synchronised only on the last).")
     lr: float = _f(2e-5, "Peak learning rate (AdamW).")
-    warmup_steps: int = _f(0, "Linear warm-up steps, then cosine decay to min_lr_ratio * lr.")
+    warmup_steps: int = _f(0, "Linear warm-up steps, then lr_schedule (cosine decay to min_lr_ratio * lr by default).")
     min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of lr.")
+    # settings under the names LLaMA-Factory and the Hugging Face Trainer give them
+    lr_schedule: str = _f("cosine", "The learning rate after warm-up: cosine or linear decay to min_lr_ratio * lr at the last step, or constant (lr throughout). Also --lr_scheduler_type (constant_with_warmup is constant).", ("cosine", "linear", "constant"))
+    warmup_ratio: float = _f(0.0, "Warm-up as a fraction of the run's optimizer steps (rounded up), as the HF Trainer counts it; give it or warmup_steps, not both.")
+    max_samples: int = _f(0, "Read at most this many records of each data source, the first in the file (LLaMA-Factory's max_samples); 0 reads all. PATH#N samples N instead (data/sources.py).")
+    dataset_dir: str = _f("", "A directory holding LLaMA-Factory's dataset_info.json: the entries of data named there are read as it describes them (file_name, formatting alpaca/sharegpt/openai, columns, tags); other entries stay paths (docs/data.md).")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
     on_nan: str = _f("stop", "On a non-finite loss or gradient: skip the step (and count it) or stop, naming the step, the batch's records and the last good checkpoint.", ("skip", "stop"))
@@ -202,8 +207,141 @@ FLAG_ALIASES = {
     "keep_checkpoints": ("--save_total_limit",),
     "resume": ("--resume_from_checkpoint",),
     "lora.r": ("--lora_rank",),
-    "lora.targets": ("--target_modules",),
+    "lora.targets": ("--target_modules", "--lora_target"),
+    "lr_schedule": ("--lr_scheduler_type",),
+    "eval_every": ("--eval_steps",),
+    "val_split": ("--val_size", "--split_dataset_ratio"),
 }
+
+
+# the words a boolean takes, in a YAML value or after a flag (`--gradient_checkpointing true`, HF scripts' spelling)
+BOOL_WORDS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False, "off": False}
+
+
+def _yaml_aliases() -> dict[str, str]:
+    """YAML keys the same projects write, {name: dotted key}: every underscore alias of FLAG_ALIASES
+    (model_name_or_path, learning_rate, ...) and a section key's flat flag spelling (lora_alpha, fsdp_cpu_offload)."""
+    out = {a[2:]: key for key, names in FLAG_ALIASES.items() for a in names if "-" not in a[2:]}
+    out.update({fi.key.replace(".", "_"): fi.key for fi in FIELDS.values() if "." in fi.key})
+    return out
+
+
+YAML_ALIASES = _yaml_aliases()
+
+# Keys of LLaMA-Factory, ms-swift and HF Trainer configs that change nothing in a shardwise run, with why: taken and
+# named in one note line rather than refused (a config brought over runs as it is)
+IGNORED_KEYS = {
+    "do_train": "train trains", "do_eval": "eval_every/val_split evaluate", "stage": "sft is what train does",
+    "plot_loss": "metrics.jsonl and `shardwise ui` plot the loss",
+    "overwrite_cache": "tokenized data is cached by its content",
+    "preprocessing_num_workers": "tokenizing runs in the launcher", "dataloader_num_workers": "batches are in memory",
+    "dataloader_pin_memory": "batches are in memory", "ddp_timeout": "collective_timeout is the hang timeout",
+    "overwrite_output_dir": "a run over a run needs --overwrite or --resume",
+    "save_only_model": "checkpoints keep the optimizer state for --resume",
+    "per_device_eval_batch_size": "evaluation uses micro_batch_size", "eval_strategy": "eval_every decides",
+    "evaluation_strategy": "eval_every decides", "save_strategy": "save_every decides",
+    "logging_strategy": "log_every decides", "logging_dir": "logs go to output_dir",
+    "flash_attn": "the attention is chosen per model", "model_author": "no self-cognition data is built",
+    "model_name": "no self-cognition data is built",
+}
+# the value keys of those, as flags: `--dataloader_num_workers 4`, `--model_name 'A' 'B'` (ms-swift's two names)
+IGNORED_NARGS = {"model_author": "+", "model_name": "+"}
+# keys whose value is translated: HF precision switches, LLaMA-Factory's template and stage
+TRANSLATED_KEYS = ("bf16", "fp16", "torch_dtype", "template", "stage")
+TORCH_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
+                "float32": "no", "fp32": "no", "float": "no", "auto": "auto"}
+
+
+def _shipped_templates() -> list[str]:
+    folder = resources.files("shardwise").joinpath("data", "templates")
+    return sorted(p.name[:-6] for p in folder.iterdir() if p.name.endswith(".jinja"))
+
+
+def _as_bool(value: Any, where: str, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in BOOL_WORDS:
+        return BOOL_WORDS[value.strip().lower()]
+    raise ShardwiseError(f"{where}: '{name}' must be true or false, got {show(value)}")
+
+
+def _translated(name: str, value: Any, where: str, out: dict[str, tuple[Any, str]]) -> None:
+    """LLaMA-Factory's stage or template into the key it means, in `out`."""
+    if name == "stage":
+        if str(value).strip().lower() != "sft":
+            raise ShardwiseError(f"{where}: stage {show(value)}: only LLaMA-Factory's stage sft (supervised "
+                                 "fine-tuning) is taken from this key; remove it or write stage: sft")
+        return
+    shipped = _shipped_templates()
+    if str(value) not in shipped:
+        raise ShardwiseError(f"{where}: template {show(value)} is LLaMA-Factory's name; shardwise ships the chat "
+                             f"templates {', '.join(shipped)} (chat_template), or takes a Jinja file: give one, "
+                             "or remove the key to keep the tokenizer's own template")
+    _put(out, "chat_template", str(value), f"{where} (= chat_template)")
+
+
+def _precision(items: list[tuple[str, Any, str]], out: dict[str, tuple[Any, str]]) -> None:
+    """HF's bf16 / fp16 switches and torch_dtype into mixed_precision: a switch that is on picks the compute dtype;
+    else torch_dtype's (ms-swift's --torch_dtype bfloat16); else both switches off (HF's default) is fp32."""
+    on = [(n, w) for n, v, w in items if n in ("bf16", "fp16") and _as_bool(v, w, n)]
+    if len(on) > 1:
+        raise ShardwiseError(f"{on[1][1]}: bf16 and fp16 are both on ({on[0][1]}); keep one")
+    dtype = [(v, w) for n, v, w in items if n == "torch_dtype"]
+    if on:
+        mp, where = on[0][0], on[0][1]
+    elif dtype:
+        mp, where = TORCH_DTYPES.get(str(dtype[0][0]).strip().lower()), dtype[0][1]
+        if mp is None:
+            raise ShardwiseError(f"{where}: torch_dtype {show(dtype[0][0])} is not one of {', '.join(TORCH_DTYPES)}")
+    else:
+        mp, where = "no", items[0][2]
+    _put(out, "mixed_precision", mp, f"{where} (= mixed_precision {mp})")
+
+
+def _put(out: dict[str, tuple[Any, str]], key: str, value: Any, where: str) -> None:
+    """`out[key]`, refusing a second spelling of a key already set in the same layer (model and
+    model_name_or_path), which one of the two would override silently."""
+    if key in out:
+        raise ShardwiseError(f"{where}: '{key}' is also given by {out[key][1]}; keep one of them")
+    out[key] = (value, where)
+
+
+def foreign_keys(layer: dict[str, tuple[Any, str]]) -> dict[str, tuple[Any, str]]:
+    """A layer ({key: (value, where)}, a YAML file's or the flags') with the other projects' keys in shardwise's
+    terms; a key of IGNORED_KEYS becomes 'ignored:NAME' (load_config names them in a note). Other unknown keys pass
+    through (they are refused as unknown)."""
+    out: dict[str, tuple[Any, str]] = {}
+    later = []
+    for name, (value, where) in layer.items():
+        if name in FIELDS or name.startswith("alias:"):
+            _put(out, name, value, where)
+        elif name in YAML_ALIASES:
+            key = YAML_ALIASES[name]
+            if key == "resume" and value is None:  # resume_from_checkpoint: null
+                value = "none"
+            _put(out, key, value, f"{where} ({name} = {key})")
+        elif name in IGNORED_KEYS and (name != "stage" or str(value).strip().lower() == "sft"):
+            out["ignored:" + name] = (IGNORED_KEYS[name], where)
+        elif name in TRANSLATED_KEYS:
+            later.append((name, value, where))
+        else:
+            out[name] = (value, where)
+    for name, value, where in later:
+        if name in ("stage", "template"):
+            _translated(name, value, where, out)
+    precision = [t for t in later if t[0] in ("bf16", "fp16", "torch_dtype")]
+    if precision:
+        _precision(precision, out)
+    if "val_split" in out and not isinstance(out["val_split"][0], bool) and isinstance(out["val_split"][0], int) \
+            and out["val_split"][0] >= 1:
+        raise ShardwiseError(f"{out['val_split'][1]}: a number of validation records ({out['val_split'][0]}) is not "
+                             "taken; give the fraction to hold out, e.g. 0.1")
+    if out.get("lora.targets", (None,))[0] == "all":  # LLaMA-Factory's lora_target: all
+        out["lora.targets"] = ("all-linear", out["lora.targets"][1])
+    if "alias:deepspeed" in out:  # LLaMA-Factory's `deepspeed: ds_z3_config.json`, as --deepspeed
+        value, where = out.pop("alias:deepspeed")
+        _deepspeed_alias(str(value), out, where)
+    return out
 
 
 def _default_text(fi: FieldInfo) -> str:
@@ -215,9 +353,9 @@ def _default_text(fi: FieldInfo) -> str:
 class _Given(argparse.Action):
     """Stores the value and remembers which spelling the user typed (for error messages)."""
 
-    def __init__(self, option_strings, dest, const=None, **kw):
+    def __init__(self, option_strings, dest, const=None, nargs=None, **kw):
         self.const_value = const
-        super().__init__(option_strings, dest, nargs=0 if const is not None else None, **kw)
+        super().__init__(option_strings, dest, nargs=0 if const is not None else nargs, **kw)
 
     def __call__(self, parser, ns, values, option_string=None):
         setattr(ns, self.dest, self.const_value if self.const_value is not None else values)
@@ -267,7 +405,29 @@ def add_flags(parser: argparse.ArgumentParser, only: list[str] | None = None) ->
             for flag in dict.fromkeys(hidden + hidden_named):
                 if flag in taken or flag == fi.flag:
                     continue
-                parser.add_argument(flag, dest=dest, action=_Given, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+                # ms-swift's --dataset takes several sources one after another (joined as --data A,B)
+                parser.add_argument(flag, dest=dest, action=_Given, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                                    nargs="+" if flag == "--dataset" else None)
+    if only is None:
+        _foreign_flags(parser, taken)
+
+
+def _foreign_flags(parser: argparse.ArgumentParser, taken: set) -> None:
+    """The other projects' flags that are no config key (hidden; foreign_keys reads them as it reads the YAML keys):
+    --bf16/--fp16 (booleans), --torch_dtype, --template, --stage, and IGNORED_KEYS (each takes its value, if any)."""
+    for name in dict.fromkeys([*TRANSLATED_KEYS, *IGNORED_KEYS]):
+        flag = "--" + name
+        if flag in taken or name in FIELDS:
+            continue
+        dest = "foreign:" + name
+        if name in ("bf16", "fp16"):
+            parser.add_argument(flag, dest=dest, action=_Given, const=True, default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
+            parser.add_argument("--no_" + name, dest=dest, action=_Given, const=False, default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                                nargs=IGNORED_NARGS.get(name, "?" if name in IGNORED_KEYS else None))
 
 
 def flags_from_namespace(ns: argparse.Namespace) -> dict[str, tuple[Any, str]]:
@@ -279,15 +439,20 @@ def flags_from_namespace(ns: argparse.Namespace) -> dict[str, tuple[Any, str]]:
             key = k[4:]
             typed = given.get("flag:" + key) or FIELDS[key].flag
             where = f"flag {FIELDS[key].flag}" if typed == FIELDS[key].flag else f"flag {typed} (= {FIELDS[key].flag})"
+            if isinstance(v, list):  # --dataset A B
+                v = ",".join(v)
             out[key] = (v, where)
+        elif k.startswith("foreign:"):
+            out[k[8:]] = (v, f"flag --{k[8:]}")
     if "alias:deepspeed" in given:
         _deepspeed_alias(str(given["alias:deepspeed"]), out)
-    return out
+    return foreign_keys(out) if any(k.startswith("foreign:") for k in given) else out
 
 
-def _deepspeed_alias(value: str, out: dict[str, tuple[Any, str]]) -> None:
-    """`--deepspeed NAME|FILE` into the keys it means (see DEEPSPEED_NAMES), refusing a contradiction in one line."""
-    where = f"flag --deepspeed {value}"
+def _deepspeed_alias(value: str, out: dict[str, tuple[Any, str]], where: str = "") -> None:
+    """`--deepspeed NAME|FILE` (or a YAML `deepspeed: FILE`) into the keys it means (see DEEPSPEED_NAMES), refusing a
+    contradiction in one line."""
+    where = where or f"flag --deepspeed {value}"
     name = value.strip().lower().replace("-", "_").replace("default_", "default-")
     if name in ("zero0", "default-zero0"):
         raise ShardwiseError(f"{where}: ms-swift's zero0 is plain data parallelism; use --strategy ddp")
@@ -320,6 +485,48 @@ def _deepspeed_alias(value: str, out: dict[str, tuple[Any, str]]) -> None:
         device = zero.get(sub, {}).get("device") if isinstance(zero.get(sub), dict) else None
         if isinstance(device, str) and device != "auto" and key not in out:
             out[key] = (device != "none", f"{where} (its zero_optimization.{sub}.device {device})")
+
+
+def _sets(action: argparse.Action, option: str) -> Any:
+    """The value a flag that takes no value stores (None: not such a flag)."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return not option.startswith("--no-")
+    if isinstance(action, _Given):
+        return action.const_value
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        return action.const
+    return None
+
+
+def bool_values(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """argv with `--flag true|false` and `--flag=true|false` (how HF scripts write booleans) as the spelling argparse
+    takes (`--flag`, `--no-flag`, or nothing for a false store_true flag), for every flag of `parser` that takes no
+    value; a word after such a flag that is no boolean stays an argument of its own."""
+    options = parser._option_string_actions
+    out, i = [], 0
+    while i < len(argv):
+        tok = argv[i]
+        i += 1
+        if tok == "--":
+            return out + [tok] + argv[i:]
+        name, eq, word = tok.partition("=")
+        act = options.get(name) if tok.startswith("--") else None
+        said = _sets(act, name) if act is not None else None
+        if not isinstance(said, bool):
+            out.append(tok)
+            continue
+        if not eq:
+            if i >= len(argv) or argv[i].lower() not in BOOL_WORDS:
+                out.append(tok)
+                continue
+            word, i = argv[i], i + 1
+        if word.lower() not in BOOL_WORDS:
+            raise ShardwiseError(f"flag {name}: {show(word)} is not true or false; write {name} true, {name} false "
+                                 f"or {name} alone")
+        want = said if BOOL_WORDS[word.lower()] else not said
+        spelled = [o for a in parser._actions if a.dest == act.dest for o in a.option_strings if _sets(a, o) is want]
+        out += sorted(spelled, key=lambda o: (o.replace("_", "-") != name.replace("_", "-"), len(o)))[:1]
+    return out
 
 
 MAX_YAML_VALUES = 10_000  # a config holds a few dozen; more (e.g. through aliases) is refused
@@ -407,6 +614,8 @@ def _yaml_with_lines(path: str) -> dict[str, tuple[Any, str]]:
                         raise ShardwiseError(f"{path}:{sk.start_mark.line + 1}: a config key must be a plain name")
                     once(f"{key}.{sk.value}", sk)
                     out[f"{key}.{sk.value}"] = (section[sk.value], f"{path}:{sk.start_mark.line + 1}")
+            elif key == "deepspeed" and isinstance(data[key], str):  # a DeepSpeed JSON, as LLaMA-Factory gives it
+                out["alias:deepspeed"] = (data[key], where)
             elif not (isinstance(vnode, yaml.ScalarNode) and data[key] is None):
                 raise ShardwiseError(f"{where}: key '{key}' must be a mapping of {key} options")
         else:
@@ -467,7 +676,7 @@ STRUCTURED = {"data": _data_list, "columns": _columns_map}
 
 # string keys that hold paths (data: several, comma-separated): a leading `~` is the home directory, as in a
 # shell, also where no shell expands it (a YAML value, `--output-dir=~/runs`), never a directory named `~`
-PATH_KEYS = ("model", "data", "val_data", "output_dir", "resume", "chat_template", "deepspeed.config")
+PATH_KEYS = ("model", "data", "val_data", "output_dir", "resume", "chat_template", "deepspeed.config", "dataset_dir")
 
 
 def _expand_home(value: str) -> str:
@@ -487,8 +696,8 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         if t is bool:
             if isinstance(value, bool):
                 v = value
-            elif isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
-                v = value.lower() in ("true", "yes", "1", "on")
+            elif isinstance(value, str) and value.lower() in BOOL_WORDS:
+                v = BOOL_WORDS[value.lower()]
             else:
                 raise ValueError
         elif t is int:
@@ -533,6 +742,7 @@ class Resolved:
 
     cfg: Config
     origins: dict[str, str]  # dotted key -> "flag --x" / "file.yaml:3" / "preset zero3"
+    notes: list[str] = field(default_factory=list)  # what the run prints once about its config (keys ignored)
 
     def where(self, key: str) -> str:
         return self.origins.get(key, f"key '{key}'")
@@ -555,7 +765,7 @@ def load_config(path: str | None = None, flags: dict[str, tuple[Any, str]] | Non
     file out (those a caller replaces: `shardwise bench` checks the user's file as each strategy runs it)."""
     flags = flags or {}
     layers: list[dict[str, tuple[Any, str]]] = []
-    file_layer = _yaml_with_lines(path) if path else {}
+    file_layer = foreign_keys(_yaml_with_lines(path)) if path else {}
     named = [k for k in ("model", "data") if k in flags and not str(flags[k][1]).startswith("set by")]  # by the user
     if path and not file_layer and not named:
         # nothing but comments, blanks or {}, and no flag names a model or data: the run would be the built-in tiny
@@ -581,13 +791,33 @@ def load_config(path: str | None = None, flags: dict[str, tuple[Any, str]] | Non
         preset_layer = {k: (v, f"preset {strategy}") for k, v in presets.PRESETS[strategy].options.items()}
     cfg = Config()
     origins: dict[str, str] = {}
+    ignored: dict[str, str] = {}
     for layer in [preset_layer] + layers:
         for key, (raw, where) in layer.items():
+            if key.startswith("ignored:"):
+                ignored[key[8:]] = raw
+                continue
             _set(cfg, key, _coerce(key, raw, where))
             origins[key] = where
     res = Resolved(cfg, origins)
+    if ignored:
+        res.notes.append("ignored, as they change nothing here: " + ", ".join(f"{k} ({why})"
+                                                                             for k, why in ignored.items()))
+    _eval_steps_alone(res)
     validate(res)
     return res
+
+
+def _eval_steps_alone(res: Resolved) -> None:
+    """The HF Trainer's eval_steps evaluates nothing without a validation set (its eval_strategy is 'no'): a config
+    brought over with eval_steps and no val_size runs without evaluation, said in a note, where shardwise's own
+    eval_every would be refused without a validation set."""
+    c, where = res.cfg, res.origins.get("eval_every", "")
+    if "eval_steps" in where and not c.val_data and not c.val_split and not c.keep_best:
+        res.notes.append(f"{where}: no validation set (val_size / --val-split), so no evaluation, as the HF "
+                         "Trainer does")
+        c.eval_every = 0
+        del res.origins["eval_every"]
 
 
 def demo_note(res: Resolved) -> str | None:
@@ -640,12 +870,26 @@ def split_source(item: str) -> tuple[str, str]:
     return item, ""
 
 
-def _absolute_sources(spec: str) -> str:
-    """'a.jsonl:0.7,demo:0.3,b/c.jsonl' -> the same with each path absolute (the built-in 'demo' stays)."""
+def dataset_names(dataset_dir: str) -> set[str]:
+    """The names DIR/dataset_info.json (LLaMA-Factory's) defines; none where it cannot be read (reading the data
+    names the problem: data/dataset_info.py)."""
+    try:
+        with open(os.path.join(dataset_dir, "dataset_info.json"), encoding="utf-8") as fh:
+            info = json.load(fh)
+    except (OSError, ValueError):
+        return set()
+    return set(info) if isinstance(info, dict) else set()
+
+
+def _absolute_sources(spec: str, names: set[str] = frozenset()) -> str:
+    """'a.jsonl:0.7,demo:0.3,b/c.jsonl' -> the same with each path absolute (the built-in 'demo' and the dataset_info
+    `names` stay names; a '#N' stays after its path)."""
     out = []
     for item in spec.split(","):
         path, num = split_source(item.strip())
-        out.append((path if path == "demo" or not path else os.path.abspath(path)) + (":" + num if num else ""))
+        bare = re.sub(r"#\d+$", "", path)
+        keep = path == "demo" or not path or bare in names
+        out.append((path if keep else os.path.abspath(path)) + (":" + num if num else ""))
     return ",".join(out)
 
 
@@ -654,7 +898,11 @@ def absolute_paths(d: dict) -> dict:
     job and so every checkpoint's meta.json record (a path as typed means nothing once the directory changes)."""
     if d["model"] != "tiny":
         d["model"] = os.path.abspath(d["model"])
-    d["data"] = _absolute_sources(d["data"])
+    names: set[str] = set()
+    if d.get("dataset_dir"):
+        names = dataset_names(d["dataset_dir"])
+        d["dataset_dir"] = os.path.abspath(d["dataset_dir"])
+    d["data"] = _absolute_sources(d["data"], names)
     if d["val_data"]:
         d["val_data"] = os.path.abspath(d["val_data"])
     ct = d["chat_template"]

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shardwise.config import split_source
+from shardwise.data.dataset_info import entry_source, read_info, retag
 from shardwise.data.formats import (
     BadRecord,
     ReadStats,
@@ -285,9 +286,10 @@ def _json_array_syntax(path: str) -> None:
 
 
 def read_records(path: str, fmt: str = "auto", skip_bad: bool = False, columns: dict | None = None,
-              stats: ReadStats | None = None, flag: str = "--data") -> tuple[list[Record], ReadStats]:
+                 stats: ReadStats | None = None, flag: str = "--data", tags: dict | None = None,
+                 ) -> tuple[list[Record], ReadStats]:
     """All records of one --data path (or of the option `flag` names: --val-data); the first bad one stops, unless
-    skip_bad."""
+    skip_bad. `tags`: a dataset_info entry's sharegpt turn keys and roles (dataset_info.retag)."""
     stats = stats or ReadStats()
     out: list[Record] = []
     with tempfile.TemporaryDirectory(prefix="shardwise-datasets-") as cache:
@@ -295,20 +297,21 @@ def read_records(path: str, fmt: str = "auto", skip_bad: bool = False, columns: 
             stats.files.append(fname)
             kind = file_kind(fname)
             rows = _jsonl_rows(fname) if kind == "jsonl" else _hf_rows(fname, kind, cache)
-            out += _records(rows, None if fmt == "auto" else fmt, skip_bad, columns or {}, stats)
+            out += _records(rows, None if fmt == "auto" else fmt, skip_bad, columns or {}, stats, tags or {})
     if not out:
         extra = f" ({stats.skipped} bad records skipped)" if stats.skipped else ""
         raise ShardwiseError(f"{flag} {path}: no usable records{extra}; check the file and --data-format")
     return out, stats
 
 
-def _records(rows, file_fmt: str | None, skip_bad: bool, columns: dict, stats: ReadStats) -> list[Record]:
+def _records(rows, file_fmt: str | None, skip_bad: bool, columns: dict, stats: ReadStats,
+             tags: dict) -> list[Record]:
     out = []
     for where, obj in rows:
         try:
             if isinstance(obj, BadRecord):
                 raise obj
-            obj = rename(obj, columns)
+            obj = retag(rename(obj, columns), tags)
             if file_fmt is None:
                 file_fmt = detect_format(obj) if isinstance(obj, dict) else None
                 if file_fmt is None:
@@ -334,15 +337,23 @@ class Source:
     path: str
     weight: float | None = None  # share of the mix (weights are relative to each other)
     count: int | None = None  # exactly this many examples (sampled, or repeated when larger)
+    take: int | None = None  # PATH#N (ms-swift's spelling): N records sampled from the source before any mixing
+    name: str = ""  # a dataset_info.json name (its entry gives path, fmt, columns, tags)
+    fmt: str | None = None
+    columns: dict | None = None
+    tags: dict | None = None
 
     def __str__(self) -> str:
         spec = f":{self.weight!r}" if self.weight is not None else (f":{self.count}" if self.count is not None else "")
-        return self.path + spec
+        return (self.name or self.path) + (f"#{self.take}" if self.take else "") + spec
 
 
-def parse_data_spec(spec: str, where: str = "--data") -> list[Source]:
-    """'a.jsonl:0.7,b.parquet:0.3' / 'a.jsonl:1000,b' -> Sources. PATH:N with a decimal point is a
-    weight, an integer N is a count of examples; a bare PATH is taken whole."""
+def parse_data_spec(spec: str, where: str = "--data", info: dict | None = None, dataset_dir: str = "",
+                    ) -> list[Source]:
+    """'a.jsonl:0.7,b.parquet:0.3' / 'a.jsonl:1000,b' / 'a.jsonl#500' -> Sources. PATH:N with a decimal point is
+    a weight, an integer N is a count of examples; PATH#N samples N records of the source first (ms-swift's
+    spelling; repeated when it has fewer), and composes with either; a bare PATH is taken whole. A name that
+    `info` (dataset_dir's dataset_info.json) defines is read as its entry says."""
     out = []
     items = [s.strip() for s in (spec or "").split(",")]
     if not any(items):
@@ -351,11 +362,26 @@ def parse_data_spec(spec: str, where: str = "--data") -> list[Source]:
         if not item:
             raise ShardwiseError(f"{where}: empty entry in '{spec}'; separate sources with single commas")
         path, num = split_source(item)
-        src = Source(path, count=int(num)) if num.isdigit() else Source(path, weight=float(num)) if num else Source(item)
-        if (src.count is not None and src.count < 1) or (src.weight is not None and not src.weight > 0):
-            raise ShardwiseError(f"{where}: '{item}': a count must be >= 1 and a weight > 0")
+        path, take = split_take(path)
+        src = Source(path, count=int(num)) if num.isdigit() else Source(path, weight=float(num)) if num else Source(path)
+        if (src.count is not None and src.count < 1) or (src.weight is not None and not src.weight > 0) or take == 0:
+            raise ShardwiseError(f"{where}: '{item}': a count (:N, #N) must be >= 1 and a weight > 0")
+        src.take = take
+        if info and path in info:
+            entry = entry_source(path, info[path], dataset_dir, where)
+            src.name, src.path, src.fmt, src.columns, src.tags = path, entry["path"], entry["fmt"], \
+                entry["columns"], entry["tags"]
+            src.take = take or entry["take"]
         out.append(src)
     return out
+
+
+def split_take(path: str) -> tuple[str, int | None]:
+    """'a.jsonl#500' -> ('a.jsonl', 500); a path without '#N' -> (path, None)."""
+    head, hash_, num = path.rpartition("#")
+    if hash_ and head and num.isdigit():
+        return head, int(num)
+    return path, None
 
 
 def mix(groups: list[tuple[Source, list[Record]]], seed: int) -> tuple[list[Record], str]:
@@ -376,25 +402,34 @@ def mix(groups: list[tuple[Source, list[Record]]], seed: int) -> tuple[list[Reco
         whole, rest = divmod(n, len(recs))
         picked = list(range(len(recs))) * whole + sorted(rng.sample(range(len(recs)), rest))
         out += [recs[j] for j in picked]
-        parts.append(f"{src.path} {n} of {len(recs)}" + (" (repeated)" if n > len(recs) else ""))
+        parts.append(f"{src.name or src.path} {n} of {len(recs)}" + (" (repeated)" if n > len(recs) else ""))
     return out, "mix: " + ", ".join(parts) + " examples"
 
 
 def load_records(cfg, where=lambda key: f"--{key.replace('_', '-')}") -> tuple[list[Record], ReadStats | None]:
-    """Every record cfg.data names ('demo', a path, or several with weights/counts); `where(key)`
+    """Every record cfg.data names ('demo', a path, a dataset_info name, or several with weights/counts); `where(key)`
     says where a config key was set, for the error lines."""
-    sources = parse_data_spec(cfg.data, where("data"))
+    info = read_info(cfg.dataset_dir, where("dataset_dir")) if cfg.dataset_dir else None
+    sources = parse_data_spec(cfg.data, where("data"), info, cfg.dataset_dir)
     cols = parse_columns(cfg.columns, where("columns"))
-    if len(sources) == 1 and sources[0].path == "demo" and sources[0].weight is None and sources[0].count is None:
+    plain = [s for s in sources if s.weight is None and s.count is None and s.take is None]
+    if len(plain) == len(sources) == 1 and sources[0].path == "demo" and not cfg.max_samples:
         return demo_dataset(), None
     stats, groups = ReadStats(), []
-    for src in sources:
-        if src.path == "demo":
-            groups.append((src, demo_dataset()))
+    for i, src in enumerate(sources):
+        if src.path == "demo" and not src.name:
+            recs = demo_dataset()
         else:
-            recs, _ = read_records(src.path, cfg.data_format, cfg.skip_bad_records, cols, stats)
-            groups.append((src, recs))
-    if len(groups) == 1 and sources[0].weight is None and sources[0].count is None:
+            fmt = src.fmt or cfg.data_format
+            recs, _ = read_records(src.path, fmt, cfg.skip_bad_records, src.columns or cols, stats, tags=src.tags)
+        if cfg.max_samples:  # LLaMA-Factory's: the first N of each source
+            recs = recs[:cfg.max_samples]
+        if src.take is not None and (src.weight is not None or src.count is not None):
+            recs = mix([(Source(str(src), count=src.take), recs)], cfg.seed + i)[0]
+        elif src.take is not None:
+            src.count = src.take
+        groups.append((src, recs))
+    if len(plain) == len(groups) == 1:
         return groups[0][1], stats
     records, stats.mix = mix(groups, cfg.seed)
     return records, stats

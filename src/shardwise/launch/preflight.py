@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
 
 from shardwise import presets, rundir
@@ -205,7 +206,7 @@ def _check_outside_data_dirs(cfg: Config, res: Resolved, out: str, fix: str) -> 
 
 def _data_paths(cfg: Config) -> list[tuple[str, str]]:
     """("data", path) for each source of --data (a mixture's weights dropped)."""
-    return [("data", split_source(item.strip())[0]) for item in cfg.data.split(",")]
+    return [("data", re.sub(r"#\d+$", "", split_source(item.strip())[0])) for item in cfg.data.split(",")]
 
 
 def _check_inputs_outside(cfg: Config, res: Resolved, out: str) -> None:

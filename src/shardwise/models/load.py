@@ -30,6 +30,30 @@ def resolve_model_dir(model: str, seed: int) -> str:
     return path
 
 
+HUB_ID = r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+
+
+def hub_snapshot(model: str, where: str) -> str | None:
+    """A hub id (ORG/NAME) that is no local path -> its snapshot directory in the local Hugging Face cache
+    (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub), looked up offline by huggingface_hub itself;
+    None for anything else (a path, 'tiny'). Not in the cache: one line naming the command that downloads it."""
+    import re
+
+    if model == "tiny" or os.path.exists(os.path.expanduser(model)) or not re.fullmatch(HUB_ID, model):
+        return None
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        path = snapshot_download(model, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise ShardwiseError(f"{where}: {model} is no local directory and is not in the Hugging Face cache "
+                             f"({constants.HF_HUB_CACHE}); download it with `hf download {model}` (or "
+                             f"`huggingface-cli download {model}` with an older huggingface_hub), or give the "
+                             "model's local directory") from None
+    return path
+
+
 # (transformers' availability check, the transformers module that imports the package when it is itself imported):
 # optional packages imported for code a causal LM's training never runs
 LEAN_SKIPS = (

@@ -76,6 +76,10 @@ def training_numbers(res) -> Refusal | None:
         (c.lr > 0, "lr", f"lr must be > 0, got {c.lr}"),
         (c.warmup_steps >= 0, "warmup_steps", f"warmup_steps must be >= 0, got {c.warmup_steps}"),
         (0 <= c.min_lr_ratio <= 1, "min_lr_ratio", f"min_lr_ratio must be in [0, 1], got {c.min_lr_ratio}"),
+        (0 <= c.warmup_ratio < 1, "warmup_ratio", f"warmup_ratio must be in [0, 1), got {c.warmup_ratio}"),
+        (not (c.warmup_ratio and c.warmup_steps), "warmup_ratio",
+         f"give warmup_ratio or warmup_steps, not both (warmup_steps {c.warmup_steps} is also set)"),
+        (c.max_samples >= 0, "max_samples", f"max_samples must be >= 0 (0 reads every record), got {c.max_samples}"),
         (c.max_grad_norm >= 0, "max_grad_norm",
          f"max_grad_norm must be >= 0 (0 disables clipping), got {c.max_grad_norm}"),
     ]))

@@ -64,13 +64,23 @@ class Preempted(Exception):
         self.signum = signum
 
 
+def warmup_steps(cfg: Config, total: int) -> int:
+    """The warm-up's optimizer steps: warmup_steps, or warmup_ratio of the run's steps rounded up (as the HF
+    Trainer counts it)."""
+    return cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total)
+
+
 def lr_at(cfg: Config, step: int, total: int) -> float:
-    """Linear warm-up to lr, then cosine decay to min_lr_ratio * lr at the last step."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(total - cfg.warmup_steps, 1)
-    progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    """Linear warm-up to lr, then lr_schedule: cosine or linear decay to min_lr_ratio * lr at the last step, or
+    constant."""
+    warm = warmup_steps(cfg, total)
+    if warm and step < warm:
+        return cfg.lr * (step + 1) / warm
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = min(max(step - warm, 0) / max(total - warm, 1), 1.0)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1 - progress
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape)
 
 
 loss_sum = token_loss_sum  # summed token cross-entropy in fp32 (models/speed.py; vocabulary-sharded logits too)
