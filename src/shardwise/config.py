@@ -336,6 +336,8 @@ def foreign_keys(layer: dict[str, tuple[Any, str]]) -> dict[str, tuple[Any, str]
             and out["val_split"][0] >= 1:
         raise ShardwiseError(f"{out['val_split'][1]}: a number of validation records ({out['val_split'][0]}) is not "
                              "taken; give the fraction to hold out, e.g. 0.1")
+    if out.get("lr_schedule", (None,))[0] == "constant_with_warmup":  # the HF name of constant (warm-up applies)
+        out["lr_schedule"] = ("constant", out["lr_schedule"][1])
     if out.get("lora.targets", (None,))[0] == "all":  # LLaMA-Factory's lora_target: all
         out["lora.targets"] = ("all-linear", out["lora.targets"][1])
     if "alias:deepspeed" in out:  # LLaMA-Factory's `deepspeed: ds_z3_config.json`, as --deepspeed
@@ -446,7 +448,7 @@ def flags_from_namespace(ns: argparse.Namespace) -> dict[str, tuple[Any, str]]:
             out[k[8:]] = (v, f"flag --{k[8:]}")
     if "alias:deepspeed" in given:
         _deepspeed_alias(str(given["alias:deepspeed"]), out)
-    return foreign_keys(out) if any(k.startswith("foreign:") for k in given) else out
+    return foreign_keys(out)
 
 
 def _deepspeed_alias(value: str, out: dict[str, tuple[Any, str]], where: str = "") -> None:

@@ -364,8 +364,10 @@ def parse_data_spec(spec: str, where: str = "--data", info: dict | None = None, 
         path, num = split_source(item)
         path, take = split_take(path)
         src = Source(path, count=int(num)) if num.isdigit() else Source(path, weight=float(num)) if num else Source(path)
-        if (src.count is not None and src.count < 1) or (src.weight is not None and not src.weight > 0) or take == 0:
-            raise ShardwiseError(f"{where}: '{item}': a count (:N, #N) must be >= 1 and a weight > 0")
+        if (src.count is not None and src.count < 1) or (src.weight is not None and not src.weight > 0):
+            raise ShardwiseError(f"{where}: '{item}': a count must be >= 1 and a weight > 0")
+        if take == 0:
+            raise ShardwiseError(f"{where}: '{item}': #N takes N records, N >= 1")
         src.take = take
         if info and path in info:
             entry = entry_source(path, info[path], dataset_dir, where)
@@ -402,7 +404,7 @@ def mix(groups: list[tuple[Source, list[Record]]], seed: int) -> tuple[list[Reco
         whole, rest = divmod(n, len(recs))
         picked = list(range(len(recs))) * whole + sorted(rng.sample(range(len(recs)), rest))
         out += [recs[j] for j in picked]
-        parts.append(f"{src.name or src.path} {n} of {len(recs)}" + (" (repeated)" if n > len(recs) else ""))
+        parts.append(f"{src.name or src.path}{f'#{src.take}' if src.take else ''} {n} of {len(recs)}" + (" (repeated)" if n > len(recs) else ""))
     return out, "mix: " + ", ".join(parts) + " examples"
 
 
