@@ -112,7 +112,7 @@ def test_a_deepspeed_json_path_as_a_yaml_key(tmp_path):
     ds.write_text('{"train_batch_size": "auto", "zero_optimization": {"stage": 3}}')
     res = config.load_config(write(tmp_path, f"model: tiny\ndeepspeed: {ds}\n"))
     assert (res.cfg.strategy, res.cfg.deepspeed.config) == ("zero3", str(ds))
-    assert res.origins["strategy"].endswith(f"run.yaml:2 (its zero_optimization.stage 3)")
+    assert res.origins["strategy"].endswith("run.yaml:2 (its zero_optimization.stage 3)")
 
 
 def test_eval_steps_without_a_validation_set_evaluates_nothing_and_says_so(tmp_path):
