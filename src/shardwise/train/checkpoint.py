@@ -155,12 +155,19 @@ def save(output_dir: str, step: int, state: dict, meta: dict, rank: int, keep: i
                                      "with --resume auto")
             shutil.rmtree(final)
         os.rename(tmp, final)
-        best = read_best(output_dir)
-        for old in complete_checkpoints(output_dir)[:-keep]:
-            if not (best and os.path.samefile(old, best["checkpoint"])):  # --keep-best's is never rotated out
-                shutil.rmtree(old, ignore_errors=True)
+        rotate(output_dir, keep)
     sdist.barrier()
     return final
+
+
+def rotate(output_dir: str, keep: int) -> None:
+    """Remove the complete checkpoints older than the newest `keep`, except the one best.json names (--keep-best's
+    is never rotated out). Called after each save, and again once best.json names the checkpoint just saved (the
+    previous best, kept at the save, may then go)."""
+    best = read_best(output_dir)
+    for old in complete_checkpoints(output_dir)[:-keep]:
+        if not (best and os.path.samefile(old, best["checkpoint"])):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def read_best(output_dir: str) -> dict | None:

@@ -102,6 +102,7 @@ class Evaluator:
                 if self.env.is_main:
                     _write_json(os.path.join(ckpt.ckpt_root(self.out), ckpt.BEST),
                                 {"step": self.last[0], "val_loss": self.last[1], "checkpoint": path})
+                    ckpt.rotate(self.out, self.cfg.keep_checkpoints)  # the previous best is no longer kept for it
             return path
 
         return save_and_mark
