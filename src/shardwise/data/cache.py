@@ -271,13 +271,13 @@ def _write(path: str, k: str, enc: Encoded, tensors: dict) -> None:
 
 def encode_cached(records: list[Record], tokenizer, model_dir: str, seq_len: int, packing: bool,
                   opts: ChatOptions, enabled: bool = True, note=None, source: str | None = None,
-                  rec_digest: str | None = None) -> tuple[Encoded, dict, bool]:
+                  rec_digest: str | None = None, progress=None) -> tuple[Encoded, dict, bool]:
     """(encoded, its tensors as data.safetensors holds them, whether it came from the cache).
     `note(msg)` is told about an entry that was ignored or could not be written. `source`: the records' source
     key (source_key), indexed to the entry once it was read or written: give it only after the tokenizer's checks
-    passed."""
+    passed. `progress(records done)` is called as it tokenizes."""
     if not enabled:
-        enc = encode(records, tokenizer, seq_len, packing, opts)
+        enc = encode(records, tokenizer, seq_len, packing, opts, progress)
         return enc, enc.to_tensors(), False
     k = key(records, tokenizer_digest(tokenizer, model_dir), seq_len, packing, opts, rec_digest)
     path = os.path.join(cache_dir(), f"{k}.safetensors")
@@ -288,7 +288,7 @@ def encode_cached(records: list[Record], tokenizer, model_dir: str, seq_len: int
         return got[0], got[1], True
     if note and os.path.exists(path):
         note(f"data cache: {path} is unreadable or not this data's; tokenizing again and replacing it")
-    enc = encode(records, tokenizer, seq_len, packing, opts)
+    enc = encode(records, tokenizer, seq_len, packing, opts, progress)
     tensors = enc.to_tensors()
     try:
         _write(path, k, enc, tensors)

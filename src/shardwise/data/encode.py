@@ -337,8 +337,11 @@ def check_pad_id(tokenizer) -> None:
                              f"tokenizer_config.json to a token below {vocab}{hint}")
 
 
+PROGRESS_EVERY = 256  # records between two calls of encode's progress
+
+
 def encode(records: list[Record], tokenizer, seq_len: int, packing: bool,
-           options: ChatOptions | None = None) -> Encoded:
+           options: ChatOptions | None = None, progress=None) -> Encoded:
     """Records -> Encoded rows. A token id the model cannot embed (at or above config.json's vocab_size, which
     load_tokenizer attached to the tokenizer) is refused here, naming the record, before anything is written: the
     ids the data holds, not the tokenizer's size, since a real tokenizer may list ids past the embedding that text
@@ -351,7 +354,9 @@ def encode(records: list[Record], tokenizer, seq_len: int, packing: bool,
     rows_in, rows_tg, sources = [], [], []
     truncated = dropped = nevers = 0
     never = ""  # the first record with no loss token even whole (not a seq_len matter)
-    for rec, (ids, mask, cut) in zip(records, encode_records(tokenizer, records, options, budget)):
+    for i, (rec, (ids, mask, cut)) in enumerate(zip(records, encode_records(tokenizer, records, options, budget))):
+        if progress is not None and i and i % PROGRESS_EVERY == 0:  # progress(records done): the launcher's count
+            progress(i)
         whole = not cut and not any(mask[1:])
         # +1 so the last kept input still has its next token as a target
         if cut or len(ids) > seq_len + 1:

@@ -14,7 +14,7 @@ from shardwise import phases, rundir
 from shardwise.config import Config, Resolved, absolute_paths, split_source, to_yaml
 from shardwise.errors import ShardwiseError
 from shardwise.hardware import use_compile_cache
-from shardwise.launch.common import oversubscribed, say
+from shardwise.launch.common import Progress, oversubscribed, say
 from shardwise.launch.preflight import (
     RunPlan,
     check_fit,
@@ -327,10 +327,17 @@ def _tokenized(cfg: Config, res: Resolved, model_dir: str, records: list, val: l
         tokenizer = load_tokenizer(model_dir, cfg.trust_remote_code)
         use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
         check_options(tokenizer, opts, any(r.kind == "chat" for r in records + val))  # not hidden by a cache hit
-        done = [(g[0], g[1], True) if g is not None else
-                cache.encode_cached(recs, tokenizer, model_dir, cfg.seq_len, packing, opts, use_cache, say,
-                                    source, d)
-                for (recs, packing), source, d, g in zip(sets, sources, digests, got)]
+        done = []
+        for (recs, packing), source, d, g, what in zip(sets, sources, digests, got, ("tokenizing", "validation")):
+            if g is not None:
+                done.append((g[0], g[1], True))
+                continue
+            progress = Progress(what, len(recs), "records")
+            try:
+                done.append(cache.encode_cached(recs, tokenizer, model_dir, cfg.seq_len, packing, opts, use_cache,
+                                                say, source, d, progress))
+            finally:
+                progress.close()
     (encoded, tensors, hit), *rest = done
     if not val:
         return encoded, tensors, hit, None, None

@@ -176,11 +176,18 @@ class Reporter:
         self.fh = open(path, "a" if append else "w")
         for name in parse_report_to(report_to):  # the launcher checked that each is installed
             self.trackers.append(_CLASSES[name](output_dir, config or {}, append))
-        if sys.stdout.isatty():
+        if sys.stdout.isatty():  # a bar with the rate and ETA; the plain step lines elsewhere (a log file, a pipe)
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
-
+            # on stdout, which the test above is about; a terminal that reports no size (a pty of `script`, some CI
+            # consoles) gets a fixed one: tqdm, which asks the terminal (not $COLUMNS), draws nothing in 0 columns
+            try:
+                sized = min(os.get_terminal_size(sys.stdout.fileno())) > 0
+            except (OSError, ValueError):
+                sized = False
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stdout, dynamic_ncols=sized,
+                            ncols=None if sized else 120, nrows=None if sized else 24)
+    
     def log(self, rec: dict) -> None:
         if not self.is_main:
             return
