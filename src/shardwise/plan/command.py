@@ -42,6 +42,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--mfu", metavar="F", help="Model FLOPs utilisation of the forward/backward to assume (default on GPU: 0.57 with "
                    "compiled blocks, 0.42 eager; calibrated on one H200, docs/planner.md).")
     p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
+    p.add_argument("--explain", action="store_true", help="Also print the article's decision tree: the path it "
+                   "takes for this model and hardware, and why the planner agrees or differs (without it, one line "
+                   "says whether they agree; --json always holds it).")
     p.add_argument("--simulate", action="store_true", help="Also measure per-rank memory exactly by running one step of "
                    "the real model under fake tensors and a fake process group (imports torch; slower).")
     p.add_argument("--list-models", action="store_true", help="List the model presets and exit.")
@@ -159,7 +162,7 @@ def run(args) -> int:
         json.dump(d, sys.stdout, indent=2)
         print()
     else:
-        print(render(plan, sim))
+        print(render(plan, sim, explain=getattr(args, "explain", False)))
     return 0
 
 
@@ -179,7 +182,7 @@ def _job_line(plan) -> str:
             f"compile {'on' if j.compile else 'off'}; fused loss {'on' if j.fused_loss else 'off'}")
 
 
-def render(plan, sim=None) -> str:
+def render(plan, sim=None, explain: bool = True) -> str:
     from shardwise.plan import text
     from shardwise.plan.memory import GiB, Opts, block_activations, head_activations
 
@@ -240,13 +243,13 @@ def render(plan, sim=None) -> str:
             lines.append(f"{mark} {r['tp']:>3d} {r['strategy']:14s}{r['mem_gib'] * scale:14.2f}  "
                          f"{'yes' if r['fits'] else 'NO':5s}{r['step_time_s']:9.3f}{r['tokens_per_s']:11,.0f}"
                          f"{r['tp_comm_gb_per_step']:12.2f}")
-    lines += _verdict_lines(plan, sim)
+    lines += _verdict_lines(plan, sim, explain)
     return "\n".join(lines)
 
 
-def _verdict_lines(plan, sim=None) -> list[str]:
-    """The recommendation and its reasons, the article's tree, the configured strategy's advice and lint, the
-    simulation's results and the assumptions."""
+def _verdict_lines(plan, sim=None, explain: bool = True) -> list[str]:
+    """The recommendation and its reasons, the article's tree (its paragraph with `explain`, else one line), the
+    configured strategy's advice and lint, the simulation's results and the assumptions."""
     lines: list[str] = []
     par = plan.parallel
     chosen = ""
@@ -256,13 +259,27 @@ def _verdict_lines(plan, sim=None) -> list[str]:
             if par["sequence_parallel"] > 1 else "")
     lines += ["", f"recommended: {plan.recommended}{chosen}"] + [f"  - {r}" for r in plan.reasons]
     t = plan.tree
-    lines += ["", f"article's decision tree: {t['path']} (says {t['says']}); planner: {t['planner']} — "
+    if not explain:  # one line: the paragraph would repeat itself on every plan (--explain prints it)
+        lines += ["", f"article's decision tree: says {t['says']}; planner: {t['planner']} — "
+                      f"{'agree' if t['agree'] else 'differ'} (--explain: its path and why)"]
+    else:
+        lines += _tree_lines(t)
+    return lines + _configured_lines(plan, sim)
+
+
+def _tree_lines(t: dict) -> list[str]:
+    lines = ["", f"article's decision tree: {t['path']} (says {t['says']}); planner: {t['planner']} — "
                   f"{'agree' if t['agree'] else 'differ'}"] + [f"  - {w}" for w in t["why"]]
     if "parallel" in t:
         tp_ = t["parallel"]
         lines += [f"  and further down: {tp_['path']} (says {tp_['says']}); planner: {tp_['planner']}"] + \
             [f"  - {w}" for w in tp_["why"]]
     lines.append(f"  (the tree comes from {t['source']})")
+    return lines
+
+
+def _configured_lines(plan, sim) -> list[str]:
+    lines: list[str] = []
     if plan.configured:
         from shardwise.plan.decide import fit_advice
 
