@@ -107,8 +107,9 @@ async function act(action, said = {}) {
 
 document.querySelector("#runs tbody").addEventListener("click", e => {
   if (e.target.classList.contains("tick")) {
-    ticked = [...document.querySelectorAll(".tick:checked")].map(x => x.value).slice(-2);
+    ticked = [...document.querySelectorAll(".tick:checked")].map(x => x.value).slice(-MAX_OVERLAY);
     document.getElementById("diff-btn").disabled = ticked.length !== 2;
+    document.getElementById("overlay-btn").disabled = ticked.length < 1;
     return;
   }
   const tr = e.target.closest("tr[data-run]");
@@ -123,6 +124,24 @@ document.getElementById("diff-btn").addEventListener("click", async () => {
     : `<tr><td colspan="3">the two configs are the same</td></tr>`;
   document.getElementById("diff").hidden = false;
 });
+// the loss of every ticked run on one chart, against the step (runs log different steps: x is a number, not a label)
+const MAX_OVERLAY = sw.colors.length;
+async function overlay() {
+  document.getElementById("overlay-msg").textContent = "";
+  const names = [...ticked];
+  let runs;
+  try { runs = await Promise.all(names.map(n => sw.get("/api/run?run=" + encodeURIComponent(n)))); }
+  catch (e) { document.getElementById("overlay-msg").textContent = e.message; return; }
+  const datasets = runs.map((d, i) => ({ label: names[i], borderColor: sw.colors[i], pointRadius: 1, borderWidth: 2,
+    data: d.metrics.filter(r => r.loss != null).map(r => ({ x: r.step, y: r.loss })) }));
+  if (charts.overlay) charts.overlay.destroy();
+  document.getElementById("overlay").hidden = false;
+  charts.overlay = new Chart(document.getElementById("c-overlay"), { type: "line", data: { datasets },
+    options: { animation: false, maintainAspectRatio: false, parsing: true,
+      scales: { x: { type: "linear", title: { display: true, text: "step" } }, y: { title: { display: true, text: "loss" } } },
+      plugins: { legend: { display: true } } } });
+}
+document.getElementById("overlay-btn").addEventListener("click", overlay);
 document.getElementById("stop").addEventListener("click", () => act("stop"));
 document.getElementById("resume").addEventListener("click", () => act("resume"));
 sw.get("/api/runs").then(d => { document.getElementById("runs-dir").textContent = "runs: " + d.runs_dir; renderList(d.runs); });
