@@ -11,7 +11,7 @@ import pytest
 
 from shardwise import cli, config
 from shardwise.errors import ShardwiseError
-from shardwise.train.loop import lr_at
+from shardwise.train.schedule import lr_at
 
 
 def write(tmp_path, text):

@@ -68,8 +68,9 @@ def test_a_batch_changed_on_purpose_is_kept_and_said(tmp_path):
     notes = keep_global_batch(path, cfg, world=2)
     assert (cfg.micro_batch_size, cfg.grad_accum) == (8, 2)
     assert notes == ["the global batch changes from 16 to 32 sequences a step (micro-batch 4 x grad-accum 2 x 2 "
-                     "data-parallel rank(s) -> 8 x 2 x 2): the steps per epoch and the learning-rate schedule's "
-                     "length follow the new batch"]
+                     "data-parallel rank(s) -> 8 x 2 x 2): the run keeps its length and learning-rate schedule as "
+                     "saved, counted in sequences (the workers say the steps left and the learning rate it goes on "
+                     "from)"]
 
 
 def test_the_flags_offered_keep_the_micro_batch_at_most_this_runs(tmp_path):

@@ -428,8 +428,8 @@ def keep_global_batch(path: str, cfg: Config, world: int) -> list[str]:
     """A resume on another number of data-parallel ranks keeps the checkpoint's global batch (sequences per
     optimizer step), and so its learning-rate schedule and steps per epoch: where the micro-batch and accumulation
     are the saved ones, the accumulation is raised or lowered to keep it (a note says so); where none keeps it, one
-    line gives the flags that do. A micro-batch or accumulation changed on purpose changes the global batch, and a
-    note says what follows (the steps per epoch and the schedule's length)."""
+    line gives the flags that do. A micro-batch or accumulation changed on purpose changes the global batch; the run
+    keeps its schedule in sequences (train/schedule.py), and a note says so."""
     from shardwise.train import checkpoint as ckpt
 
     meta = ckpt.read_meta(path)
@@ -449,7 +449,8 @@ def keep_global_batch(path: str, cfg: Config, world: int) -> list[str]:
     if (cfg.micro_batch_size, cfg.grad_accum) != (mbs, ga):  # changed on purpose
         return [f"the global batch changes from {saved} to {now} sequences a step (micro-batch {mbs} x grad-accum "
                 f"{ga} x {old_dp} data-parallel rank(s) -> {cfg.micro_batch_size} x {cfg.grad_accum} x {dp}): the "
-                "steps per epoch and the learning-rate schedule's length follow the new batch"]
+                "run keeps its length and learning-rate schedule as saved, counted in sequences (the workers say "
+                "the steps left and the learning rate it goes on from)"]
     per_step = cfg.micro_batch_size * dp
     if saved % per_step == 0:
         was, cfg.grad_accum = cfg.grad_accum, saved // per_step

@@ -226,9 +226,12 @@ def _encode(res: Resolved, cfg: Config, world: int, model_dir: str, records: lis
     if len(encoded) < global_batch:
         raise ShardwiseError(f"the dataset has {len(encoded)} sequences, fewer than one global batch of "
                              f"{global_batch}; lower --micro-batch-size or --grad-accum, or add data")
-    if resume_from:
-        check_steps_left(cfg, res, resume_from, cfg.max_steps if cfg.max_steps > 0
-                         else cfg.epochs * (len(encoded) // global_batch))
+    if resume_from:  # the run's last step as the workers count it (another global batch: train/schedule.py)
+        from shardwise.train import checkpoint as ckpt
+        from shardwise.train.schedule import resumed
+
+        check_steps_left(cfg, res, resume_from, resumed(cfg, ckpt.read_meta(resume_from), len(encoded),
+                                                        global_batch)[1])
     return encoded, tensors, hit, val, val_tensors
 
 

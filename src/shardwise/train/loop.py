@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import time
@@ -39,6 +38,7 @@ from shardwise.train.evaluate import Evaluator
 from shardwise.train.faults import Faults
 from shardwise.train.metrics import Reporter, Window, flops_per_token, peak_memory_gib
 from shardwise.train.profile import StepProfiler
+from shardwise.train.schedule import Schedule, lr_at, resumed
 
 
 @dataclass
@@ -62,25 +62,6 @@ class Preempted(Exception):
     def __init__(self, path: str, signum: int | None = None):
         super().__init__(path)
         self.signum = signum
-
-
-def warmup_steps(cfg: Config, total: int) -> int:
-    """The warm-up's optimizer steps: warmup_steps, or warmup_ratio of the run's steps rounded up (as the HF
-    Trainer counts it)."""
-    return cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total)
-
-
-def lr_at(cfg: Config, step: int, total: int) -> float:
-    """Linear warm-up to lr, then lr_schedule: cosine or linear decay to min_lr_ratio * lr at the last step, or
-    constant."""
-    warm = warmup_steps(cfg, total)
-    if warm and step < warm:
-        return cfg.lr * (step + 1) / warm
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    progress = min(max(step - warm, 0) / max(total - warm, 1), 1.0)
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1 - progress
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape)
 
 
 loss_sum = token_loss_sum  # summed token cross-entropy in fp32 (models/speed.py; vocabulary-sharded logits too)
@@ -176,6 +157,7 @@ class Trainer:
                                    sp_degree=self.dims.sp, sp_rank=self.dims.sp_rank, padding_free=self.padding_free,
                                    flat_when_it_pays=cfg.padding_free == "auto")
         self.total = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * self.sampler.steps_per_epoch
+        self.schedule = Schedule(self.sampler.global_batch, self.total, self.sampler.global_batch)
         notes = ["ranks held different initial weights; rank 0's were broadcast to all"] if broadcasted else []
         if self.restarted:
             notes.append(f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')} after a worker failure")
@@ -220,6 +202,7 @@ class Trainer:
         self.step, self.tokens_seen = meta["step"], meta.get("tokens_seen", 0)
         self.earlier = {k: meta.get(k, v) for k, v in self.earlier.items()}
         pos = self.pos = DataPosition(**meta["data_position"])
+        self.resume_schedule(meta, notes)
         same_world = meta.get("world_size") == env.world_size
         if same_world:
             ckpt.restore_rng(resume_from, env.rank)
@@ -232,6 +215,19 @@ class Trainer:
                      f"{meta.get('world_size')} ranks; now {cfg.strategy} on {env.world_size})"
                      + ("" if same_world else f"; data continues at row {pos.offset} of epoch {pos.epoch}, "
                         "so no row of the epoch is repeated or skipped; RNG streams restart"))
+
+    def resume_schedule(self, meta: dict, notes: list[str]) -> None:
+        """The schedule where the checkpoint left it (train/schedule.py): with another global batch, kept in
+        sequences, and a note saying exactly what changed."""
+        gb, naive = self.sampler.global_batch, self.total
+        self.schedule, self.total = resumed(self.cfg, meta, len(self.data), gb)
+        s, step = self.schedule, self.step
+        if s.batch == gb and self.total == naive:
+            return
+        notes.append(f"global batch {s.batch} -> {gb} sequences a step: the schedule is kept as saved, in sequences "
+                     f"({s.sequences(step):,} of {s.steps * s.batch:,} trained): the run ends at step {self.total} "
+                     f"(not {naive}), {self.total - step} steps of {gb} left, and the learning rate goes on from "
+                     f"{s.lr(self.cfg, step):.3g} where the saved run would be after as many sequences")
 
     def announce(self, notes: list[str]) -> None:
         env = self.env
@@ -264,7 +260,7 @@ class Trainer:
         self.faults.before_step(step + 1)
         batch, next_pos = self.sampler.next(self.pos)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr_at(cfg, step, self.total)
+            g["lr"] = self.schedule.lr(cfg, step)
         with self.profiler.step(step + 1):  # a null context unless this step is profiled
             step_loss = forward_backward_step(self.model, self.strategy, batch, self.dims.grad_size, self.env.device,
                                               self.faults, step + 1, self.fused_head, loss_replicas=self.dims.tp,
@@ -302,7 +298,7 @@ class Trainer:
         comm = self.profiler.take()
         rec = log_record(self.env, self.cfg, self.window, self.loss_acc, self.loss_n, self.seq_acc, step, self.total,
                          grad_norm, self.pos, self.tokens_seen, self.skipped, self.peak, self.n_params, self.hf_config,
-                         comm)
+                         comm, lr=self.schedule.lr(self.cfg, step - 1))
         self.phase = f"step {step}: validation"
         rec.update(self.evaluator.run(self.model, self.strategy, step, self.fused_head))
         self.rep.log(rec)
@@ -325,7 +321,8 @@ class Trainer:
         return save_checkpoint(self.cfg, self.env, self.strategy, self.model, self.optimizer, self.out, self.step,
                                self.pos, self.tokens_seen, self.job.model_dir, self.tokenizer,
                                first_loss=self.first_loss,
-                               wall_time_s=self.earlier["wall_time_s"] + time.time() - self.t_start)
+                               wall_time_s=self.earlier["wall_time_s"] + time.time() - self.t_start,
+                               schedule=self.schedule.record(self.step))
 
     # -- the loop -----------------------------------------------------------------------------
     def train(self) -> dict:
@@ -517,7 +514,7 @@ def forward_backward_step(model, strategy, batch: StepBatch, dp_size: int, devic
 
 
 def log_record(env, cfg, window, loss_acc, loss_n, seq_acc, step, total, grad_norm, pos, tokens_seen, skipped, peak,
-               n_params, hf_config, comm: dict | None = None) -> dict:
+               n_params, hf_config, comm: dict | None = None, lr: float | None = None) -> dict:
     """The logged metrics; the only host syncs of the loop (besides the non-finite check and
     a profiled step's). `comm`: this rank's times of a profiled step (train/profile.py)."""
     sdist.all_reduce(loss_acc)
@@ -527,7 +524,7 @@ def log_record(env, cfg, window, loss_acc, loss_n, seq_acc, step, total, grad_no
                        dtype=torch.float64, device=env.device)
     sdist.all_reduce(mem, dist.ReduceOp.MAX)
     step_time, tps = window.read()
-    rec = {"step": step, "loss": loss_acc.item() / loss_n if loss_n else float("nan"), "lr": lr_at(cfg, step - 1, total),
+    rec = {"step": step, "loss": loss_acc.item() / loss_n if loss_n else float("nan"), "lr": lr_at(cfg, step - 1, total) if lr is None else lr,
            "grad_norm": float(grad_norm), "tokens_per_s": tps, "step_time_s": step_time,
            "peak_mem_gib": mem[0].item(), "peak_mem_gib_min": -mem[1].item(), "epoch": pos.epoch, "tokens_seen": tokens_seen}
     if skipped:
@@ -564,10 +561,12 @@ def ckpt_sources(data_file: str, rows: list[int]) -> list[str]:
 
 
 def save_checkpoint(cfg, env, strategy, model, optimizer, out, step, pos, tokens_seen, model_dir, tokenizer,
-                    first_loss=None, wall_time_s=0.0) -> str:
+                    first_loss=None, wall_time_s=0.0, schedule: dict | None = None) -> str:
     meta = {"step": step, "data_position": pos.to_dict(), "tokens_seen": tokens_seen,
             "world_size": env.world_size, "strategy": cfg.strategy, "config": dataclasses.asdict(cfg),
             "first_loss": first_loss, "wall_time_s": wall_time_s}
+    if schedule is not None:  # the batch the schedule counts in, its length and the sequences trained
+        meta["schedule"] = schedule
     return ckpt.save(out, step, strategy.state_dict(model, optimizer), meta, env.rank, cfg.keep_checkpoints,
                      model_dir=model_dir,
                      chat_template=(tokenizer.chat_template or "") if cfg.chat_template and tokenizer else "")
