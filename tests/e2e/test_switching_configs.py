@@ -135,3 +135,10 @@ def test_a_stage_other_than_sft_is_one_line(tmp_path):
     one_line_error(run_cli("train", str(tmp_path / "dpo.yaml"), check=False),
                    r"dpo\.yaml:2: stage 'dpo': only LLaMA-Factory's stage sft \(supervised fine-tuning\) is taken "
                    "from this key; remove it or write stage: sft")
+
+
+def test_plan_reads_the_readme_yaml_and_its_cached_model(setup):
+    _, work, snapshot = setup
+    p = run_cli("plan", "qwen_lora_sft.yaml", "--gpus", "2", cwd=str(work),
+                env={"HF_HUB_CACHE": str(work / "hf_home" / "hub")})
+    assert f"{snapshot}/config.json" in p.stdout and "4 layers, hidden 128" in p.stdout, p.stdout

@@ -63,6 +63,17 @@ def _num(value, flag: str, kind=int):
     return v
 
 
+def _cached_hub_model(model: str, where: str) -> str | None:
+    """A hub id's snapshot in the local Hugging Face cache (as `train` reads it), else None: a preset name or the
+    planner's own line for what it cannot read."""
+    from shardwise.models.load import hub_snapshot
+
+    try:
+        return hub_snapshot(model, where)
+    except ShardwiseError:
+        return None
+
+
 def build(args):
     """(plan, resolved config) for parsed arguments."""
     from shardwise import config, presets
@@ -97,7 +108,7 @@ def build(args):
                        inter_gbps=_num(getattr(args, "inter_node_gbps", None), "--inter-node-gbps", float),
                        mfu=_num(getattr(args, "mfu", None), "--mfu", float),
                        ranks_per_node=per_node if gpus is None else None)
-    spec = resolve_model(cfg.model)
+    spec = resolve_model(_cached_hub_model(cfg.model, res.where("model")) or cfg.model)
     job = job_from_config(cfg, setup)
     if job.float8 and not setup.fp8_peak_flops:
         where = setup.device_name if setup.accelerator == "cuda" else "this CPU-only plan"
