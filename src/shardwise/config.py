@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import yaml
 
-from shardwise import preflight, presets
+from shardwise import foreign, preflight, presets
 from shardwise.errors import ShardwiseError
 from shardwise.preflight import flags as flag_rules
 from shardwise.preflight.flags import show
@@ -214,133 +214,16 @@ FLAG_ALIASES = {
 }
 
 
-# the words a boolean takes, in a YAML value or after a flag (`--gradient_checkpointing true`, HF scripts' spelling)
-BOOL_WORDS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False, "off": False}
-
-
-def _yaml_aliases() -> dict[str, str]:
-    """YAML keys the same projects write, {name: dotted key}: every underscore alias of FLAG_ALIASES
-    (model_name_or_path, learning_rate, ...) and a section key's flat flag spelling (lora_alpha, fsdp_cpu_offload)."""
-    out = {a[2:]: key for key, names in FLAG_ALIASES.items() for a in names if "-" not in a[2:]}
-    out.update({fi.key.replace(".", "_"): fi.key for fi in FIELDS.values() if "." in fi.key})
-    return out
-
-
-YAML_ALIASES = _yaml_aliases()
-
-# Keys of LLaMA-Factory, ms-swift and HF Trainer configs that change nothing in a shardwise run, with why: taken and
-# named in one note line rather than refused (a config brought over runs as it is)
-IGNORED_KEYS = {
-    "do_train": "train trains", "do_eval": "eval_every/val_split evaluate", "stage": "sft is what train does",
-    "plot_loss": "metrics.jsonl and `shardwise ui` plot the loss",
-    "overwrite_cache": "tokenized data is cached by its content",
-    "preprocessing_num_workers": "tokenizing runs in the launcher", "dataloader_num_workers": "batches are in memory",
-    "dataloader_pin_memory": "batches are in memory", "ddp_timeout": "collective_timeout is the hang timeout",
-    "overwrite_output_dir": "a run over a run needs --overwrite or --resume",
-    "save_only_model": "checkpoints keep the optimizer state for --resume",
-    "per_device_eval_batch_size": "evaluation uses micro_batch_size", "eval_strategy": "eval_every decides",
-    "evaluation_strategy": "eval_every decides", "save_strategy": "save_every decides",
-    "logging_strategy": "log_every decides", "logging_dir": "logs go to output_dir",
-    "flash_attn": "the attention is chosen per model", "model_author": "no self-cognition data is built",
-    "model_name": "no self-cognition data is built",
-}
-# the value keys of those, as flags: `--dataloader_num_workers 4`, `--model_name 'A' 'B'` (ms-swift's two names)
-IGNORED_NARGS = {"model_author": "+", "model_name": "+"}
-# keys whose value is translated: HF precision switches, LLaMA-Factory's template and stage
-TRANSLATED_KEYS = ("bf16", "fp16", "torch_dtype", "template", "stage")
-TORCH_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
-                "float32": "no", "fp32": "no", "float": "no", "auto": "auto"}
-
-
-def _shipped_templates() -> list[str]:
-    folder = resources.files("shardwise").joinpath("data", "templates")
-    return sorted(p.name[:-6] for p in folder.iterdir() if p.name.endswith(".jinja"))
-
-
-def _as_bool(value: Any, where: str, name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in BOOL_WORDS:
-        return BOOL_WORDS[value.strip().lower()]
-    raise ShardwiseError(f"{where}: '{name}' must be true or false, got {show(value)}")
-
-
-def _translated(name: str, value: Any, where: str, out: dict[str, tuple[Any, str]]) -> None:
-    """LLaMA-Factory's stage or template into the key it means, in `out`."""
-    if name == "stage":
-        if str(value).strip().lower() != "sft":
-            raise ShardwiseError(f"{where}: stage {show(value)}: only LLaMA-Factory's stage sft (supervised "
-                                 "fine-tuning) is taken from this key; remove it or write stage: sft")
-        return
-    shipped = _shipped_templates()
-    if str(value) not in shipped:
-        raise ShardwiseError(f"{where}: template {show(value)} is LLaMA-Factory's name; shardwise ships the chat "
-                             f"templates {', '.join(shipped)} (chat_template), or takes a Jinja file: give one, "
-                             "or remove the key to keep the tokenizer's own template")
-    _put(out, "chat_template", str(value), f"{where} (= chat_template)")
-
-
-def _precision(items: list[tuple[str, Any, str]], out: dict[str, tuple[Any, str]]) -> None:
-    """HF's bf16 / fp16 switches and torch_dtype into mixed_precision: a switch that is on picks the compute dtype;
-    else torch_dtype's (ms-swift's --torch_dtype bfloat16); else both switches off (HF's default) is fp32."""
-    on = [(n, w) for n, v, w in items if n in ("bf16", "fp16") and _as_bool(v, w, n)]
-    if len(on) > 1:
-        raise ShardwiseError(f"{on[1][1]}: bf16 and fp16 are both on ({on[0][1]}); keep one")
-    dtype = [(v, w) for n, v, w in items if n == "torch_dtype"]
-    if on:
-        mp, where = on[0][0], on[0][1]
-    elif dtype:
-        mp, where = TORCH_DTYPES.get(str(dtype[0][0]).strip().lower()), dtype[0][1]
-        if mp is None:
-            raise ShardwiseError(f"{where}: torch_dtype {show(dtype[0][0])} is not one of {', '.join(TORCH_DTYPES)}")
-    else:
-        mp, where = "no", items[0][2]
-    _put(out, "mixed_precision", mp, f"{where} (= mixed_precision {mp})")
-
-
-def _put(out: dict[str, tuple[Any, str]], key: str, value: Any, where: str) -> None:
-    """`out[key]`, refusing a second spelling of a key already set in the same layer (model and
-    model_name_or_path), which one of the two would override silently."""
-    if key in out:
-        raise ShardwiseError(f"{where}: '{key}' is also given by {out[key][1]}; keep one of them")
-    out[key] = (value, where)
+YAML_ALIASES = foreign.yaml_aliases(FIELDS, FLAG_ALIASES)
+BOOL_WORDS = foreign.BOOL_WORDS
+bool_values = foreign.bool_values  # cli.py: `--flag true|false` rewritten before argparse reads argv
 
 
 def foreign_keys(layer: dict[str, tuple[Any, str]]) -> dict[str, tuple[Any, str]]:
-    """A layer ({key: (value, where)}, a YAML file's or the flags') with the other projects' keys in shardwise's
-    terms; a key of IGNORED_KEYS becomes 'ignored:NAME' (load_config names them in a note). Other unknown keys pass
-    through (they are refused as unknown)."""
-    out: dict[str, tuple[Any, str]] = {}
-    later = []
-    for name, (value, where) in layer.items():
-        if name in FIELDS or name.startswith("alias:"):
-            _put(out, name, value, where)
-        elif name in YAML_ALIASES:
-            key = YAML_ALIASES[name]
-            if key == "resume" and value is None:  # resume_from_checkpoint: null
-                value = "none"
-            _put(out, key, value, f"{where} ({name} = {key})")
-        elif name in IGNORED_KEYS and (name != "stage" or str(value).strip().lower() == "sft"):
-            out["ignored:" + name] = (IGNORED_KEYS[name], where)
-        elif name in TRANSLATED_KEYS:
-            later.append((name, value, where))
-        else:
-            out[name] = (value, where)
-    for name, value, where in later:
-        if name in ("stage", "template"):
-            _translated(name, value, where, out)
-    precision = [t for t in later if t[0] in ("bf16", "fp16", "torch_dtype")]
-    if precision:
-        _precision(precision, out)
-    if "val_split" in out and not isinstance(out["val_split"][0], bool) and isinstance(out["val_split"][0], int) \
-            and out["val_split"][0] >= 1:
-        raise ShardwiseError(f"{out['val_split'][1]}: a number of validation records ({out['val_split'][0]}) is not "
-                             "taken; give the fraction to hold out, e.g. 0.1")
-    if out.get("lr_schedule", (None,))[0] == "constant_with_warmup":  # the HF name of constant (warm-up applies)
-        out["lr_schedule"] = ("constant", out["lr_schedule"][1])
-    if out.get("lora.targets", (None,))[0] == "all":  # LLaMA-Factory's lora_target: all
-        out["lora.targets"] = ("all-linear", out["lora.targets"][1])
-    if "alias:deepspeed" in out:  # LLaMA-Factory's `deepspeed: ds_z3_config.json`, as --deepspeed
+    """A YAML file's or the flags' layer with LLaMA-Factory / ms-swift / HF Trainer keys in shardwise's terms
+    (foreign.py), and a DeepSpeed JSON given as `deepspeed: FILE` (LLaMA-Factory's) read as --deepspeed FILE."""
+    out = foreign.foreign_keys(layer, FIELDS, YAML_ALIASES)
+    if "alias:deepspeed" in out:
         value, where = out.pop("alias:deepspeed")
         _deepspeed_alias(str(value), out, where)
     return out
@@ -411,25 +294,7 @@ def add_flags(parser: argparse.ArgumentParser, only: list[str] | None = None) ->
                 parser.add_argument(flag, dest=dest, action=_Given, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
                                     nargs="+" if flag == "--dataset" else None)
     if only is None:
-        _foreign_flags(parser, taken)
-
-
-def _foreign_flags(parser: argparse.ArgumentParser, taken: set) -> None:
-    """The other projects' flags that are no config key (hidden; foreign_keys reads them as it reads the YAML keys):
-    --bf16/--fp16 (booleans), --torch_dtype, --template, --stage, and IGNORED_KEYS (each takes its value, if any)."""
-    for name in dict.fromkeys([*TRANSLATED_KEYS, *IGNORED_KEYS]):
-        flag = "--" + name
-        if flag in taken or name in FIELDS:
-            continue
-        dest = "foreign:" + name
-        if name in ("bf16", "fp16"):
-            parser.add_argument(flag, dest=dest, action=_Given, const=True, default=argparse.SUPPRESS,
-                                help=argparse.SUPPRESS)
-            parser.add_argument("--no_" + name, dest=dest, action=_Given, const=False, default=argparse.SUPPRESS,
-                                help=argparse.SUPPRESS)
-        else:
-            parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
-                                nargs=IGNORED_NARGS.get(name, "?" if name in IGNORED_KEYS else None))
+        foreign.add_flags(parser, FIELDS)
 
 
 def flags_from_namespace(ns: argparse.Namespace) -> dict[str, tuple[Any, str]]:
@@ -487,48 +352,6 @@ def _deepspeed_alias(value: str, out: dict[str, tuple[Any, str]], where: str = "
         device = zero.get(sub, {}).get("device") if isinstance(zero.get(sub), dict) else None
         if isinstance(device, str) and device != "auto" and key not in out:
             out[key] = (device != "none", f"{where} (its zero_optimization.{sub}.device {device})")
-
-
-def _sets(action: argparse.Action, option: str) -> Any:
-    """The value a flag that takes no value stores (None: not such a flag)."""
-    if isinstance(action, argparse.BooleanOptionalAction):
-        return not option.startswith("--no-")
-    if isinstance(action, _Given):
-        return action.const_value
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-        return action.const
-    return None
-
-
-def bool_values(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
-    """argv with `--flag true|false` and `--flag=true|false` (how HF scripts write booleans) as the spelling argparse
-    takes (`--flag`, `--no-flag`, or nothing for a false store_true flag), for every flag of `parser` that takes no
-    value; a word after such a flag that is no boolean stays an argument of its own."""
-    options = parser._option_string_actions
-    out, i = [], 0
-    while i < len(argv):
-        tok = argv[i]
-        i += 1
-        if tok == "--":
-            return out + [tok] + argv[i:]
-        name, eq, word = tok.partition("=")
-        act = options.get(name) if tok.startswith("--") else None
-        said = _sets(act, name) if act is not None else None
-        if not isinstance(said, bool):
-            out.append(tok)
-            continue
-        if not eq:
-            if i >= len(argv) or argv[i].lower() not in BOOL_WORDS:
-                out.append(tok)
-                continue
-            word, i = argv[i], i + 1
-        if word.lower() not in BOOL_WORDS:
-            raise ShardwiseError(f"flag {name}: {show(word)} is not true or false; write {name} true, {name} false "
-                                 f"or {name} alone")
-        want = said if BOOL_WORDS[word.lower()] else not said
-        spelled = [o for a in parser._actions if a.dest == act.dest for o in a.option_strings if _sets(a, o) is want]
-        out += sorted(spelled, key=lambda o: (o.replace("_", "-") != name.replace("_", "-"), len(o)))[:1]
-    return out
 
 
 MAX_YAML_VALUES = 10_000  # a config holds a few dozen; more (e.g. through aliases) is refused
@@ -805,21 +628,9 @@ def load_config(path: str | None = None, flags: dict[str, tuple[Any, str]] | Non
     if ignored:
         res.notes.append("ignored, as they change nothing here: " + ", ".join(f"{k} ({why})"
                                                                              for k, why in ignored.items()))
-    _eval_steps_alone(res)
+    foreign.eval_steps_alone(res)
     validate(res)
     return res
-
-
-def _eval_steps_alone(res: Resolved) -> None:
-    """The HF Trainer's eval_steps evaluates nothing without a validation set (its eval_strategy is 'no'): a config
-    brought over with eval_steps and no val_size runs without evaluation, said in a note, where shardwise's own
-    eval_every would be refused without a validation set."""
-    c, where = res.cfg, res.origins.get("eval_every", "")
-    if "eval_steps" in where and not c.val_data and not c.val_split and not c.keep_best:
-        res.notes.append(f"{where}: no validation set (val_size / --val-split), so no evaluation, as the HF "
-                         "Trainer does")
-        c.eval_every = 0
-        del res.origins["eval_every"]
 
 
 def demo_note(res: Resolved) -> str | None:
@@ -872,17 +683,6 @@ def split_source(item: str) -> tuple[str, str]:
     return item, ""
 
 
-def dataset_names(dataset_dir: str) -> set[str]:
-    """The names DIR/dataset_info.json (LLaMA-Factory's) defines; none where it cannot be read (reading the data
-    names the problem: data/dataset_info.py)."""
-    try:
-        with open(os.path.join(dataset_dir, "dataset_info.json"), encoding="utf-8") as fh:
-            info = json.load(fh)
-    except (OSError, ValueError):
-        return set()
-    return set(info) if isinstance(info, dict) else set()
-
-
 def _absolute_sources(spec: str, names: set[str] = frozenset()) -> str:
     """'a.jsonl:0.7,demo:0.3,b/c.jsonl' -> the same with each path absolute (the built-in 'demo' and the dataset_info
     `names` stay names; a '#N' stays after its path)."""
@@ -902,7 +702,7 @@ def absolute_paths(d: dict) -> dict:
         d["model"] = os.path.abspath(d["model"])
     names: set[str] = set()
     if d.get("dataset_dir"):
-        names = dataset_names(d["dataset_dir"])
+        names = foreign.dataset_names(d["dataset_dir"])
         d["dataset_dir"] = os.path.abspath(d["dataset_dir"])
     d["data"] = _absolute_sources(d["data"], names)
     if d["val_data"]:

@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("shardwise", "shardwise.errors", "shardwise.presets", "shardwise.rundir", "shardwise.phases")),
     ("preflight rules", ("shardwise.preflight", "shardwise.preflight.*")),  # judged on settings; config reads them
-    ("config and hardware", ("shardwise.config", "shardwise.hardware")),
+    ("config and hardware", ("shardwise.config", "shardwise.foreign", "shardwise.hardware")),
     ("planner, models, data (no process group)", ("shardwise.plan", "shardwise.plan.*", "shardwise.models",
                                                    "shardwise.models.*", "shardwise.data", "shardwise.data.*")),
     ("backend adapters", ("shardwise.strategies", "shardwise.strategies.*",
@@ -37,7 +37,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 # never import torch.distributed: the planner needs no process group (plan/simulate, on the adapters' floor, is
 # its opt-in exception), and neither do the floors under it (models/ may: sequence parallelism's attention wrapper)
 NO_TORCH_DISTRIBUTED = ("shardwise", "shardwise.errors", "shardwise.presets", "shardwise.rundir", "shardwise.phases",
-                        "shardwise.preflight", "shardwise.preflight.*", "shardwise.config", "shardwise.hardware", "shardwise.plan", "shardwise.plan.*")
+                        "shardwise.preflight", "shardwise.preflight.*", "shardwise.config", "shardwise.foreign", "shardwise.hardware", "shardwise.plan", "shardwise.plan.*")
 
 # Known exceptions, each named with why it is allowed and when it goes.
 KNOWN_CIRCLES: set[frozenset] = set()
