@@ -29,6 +29,7 @@ def yaml_aliases(keys, flag_aliases: dict[str, tuple[str, ...]]) -> dict[str, st
     out.update({key.replace(".", "_"): key for key in keys if "." in key})
     return out
 
+
 # Keys of LLaMA-Factory, ms-swift and HF Trainer configs that change nothing in a shardwise run, with why: taken and
 # named in one note line rather than refused (a config brought over runs as it is)
 IGNORED_KEYS = {
