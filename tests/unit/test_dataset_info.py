@@ -117,3 +117,12 @@ def test_names_stay_names_in_the_recorded_config(ddir, monkeypatch, tmp_path):
 def test_a_hash_count_must_be_at_least_one():
     with pytest.raises(ShardwiseError, match=r"'a\.json#0': #N takes N records, N >= 1"):
         parse_data_spec("a.json#0")
+
+
+def test_a_hub_dataset_id_names_the_download_command(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ShardwiseError, match=r"^--data AI-ModelScope/alpaca-gpt4-data-en: no such file or directory; "
+                                             r"if it is a hub dataset, shardwise reads local files only: download it "
+                                             r"\(`hf download --repo-type dataset AI-ModelScope/alpaca-gpt4-data-en "
+                                             r"--local-dir DIR`\) and give DIR$"):
+        read("AI-ModelScope/alpaca-gpt4-data-en#500")

@@ -90,6 +90,14 @@ def data_files(path: str, flag: str = "--data") -> list[str]:
                                  ".parquet, .arrow, or a saved `datasets` directory)")
         return sorted(out)
     if not os.path.exists(path):
+        import re
+
+        from shardwise.models.load import HUB_ID
+
+        if re.fullmatch(HUB_ID, path):  # ms-swift's and LLaMA-Factory's hub dataset ids
+            raise ShardwiseError(f"{flag} {path}: no such file or directory; if it is a hub dataset, shardwise reads "
+                                 f"local files only: download it (`hf download --repo-type dataset {path} --local-dir "
+                                 f"DIR`) and give DIR")
         raise ShardwiseError(f"{flag} {path}: no such file or directory; give a data file, a directory of them"
                              + (", or 'demo'" if flag == "--data" else ""))
     if not os.path.isfile(path):
