@@ -331,7 +331,7 @@ def _tokenized(cfg: Config, res: Resolved, model_dir: str, records: list, val: l
         use_chat_template(tokenizer, cfg.chat_template, res.where("chat_template"))
         check_options(tokenizer, opts, any(r.kind == "chat" for r in records + val))  # not hidden by a cache hit
         done = []
-        for (recs, packing), source, d, g, what in zip(sets, sources, digests, got, ("tokenizing", "validation")):
+        for (recs, packing), source, d, g, what in zip(sets, sources, digests, got, ("tokenizing", "tokenizing the validation set")):
             if g is not None:
                 done.append((g[0], g[1], True))
                 continue
