@@ -20,7 +20,7 @@ SHARED_KEYS = ["model", "strategy", "seq_len", "micro_batch_size", "grad_accum",
                "fsdp.reshard_after_forward", "fsdp.keep_gathered_one_rank", "fsdp.hybrid", "fsdp.shard_group_size",
                "fsdp.cpu_offload", "fsdp.wrap", "fsdp.prefetch", "deepspeed.stage", "deepspeed.offload_optimizer",
                "deepspeed.offload_params", "deepspeed.fetch", "compile", "fused_loss", "sequence_parallel", "tensor_parallel", "sp_mode",
-               "activation_checkpointing", "float8"]
+               "activation_checkpointing", "mlp_tiles", "float8"]
 
 
 def add_parser(subparsers) -> None:

@@ -257,6 +257,7 @@ def plan_model(spec: ModelSpec, job: Job, setup: Setup, configured: str | None =
     plans = [plan_strategy(spec, job, setup, n, opts_for(n, cfg)) for n in names]
     plan = Plan(spec, job, setup, plans, "", [], {}, configured)
     plan.recommended, plan.reasons = recommend(plan)
+    plan.reasons += activation_lever_reasons(plan)
     plan.tree = decision_tree(plan)
     if escalate:
         choose_parallel(plan, cfg)
@@ -338,6 +339,10 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
             f"activations {m.activations / GiB:.1f}, buffers {m.buffers / GiB:.1f})")
     if sp.fits:
         return head + f"; fits with {sp.headroom_gib:.1f} GiB headroom"
+    host_need = m.host * plan.setup.gpus_per_node / GiB
+    if host_need > plan.setup.host_mem_gib * 0.9:
+        head += (f"; host RAM: {host_need:.1f} GiB per node to hold, of {plan.setup.host_mem_gib:.0f} GiB "
+                 f"(90% usable){' (offloaded checkpoints)' if plan.job.offload_checkpoints else ''}")
     j = plan.job
     cands: list[tuple[int, str, StrategyPlan]] = []
 
@@ -360,6 +365,9 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
         levers.append(("--param-dtype bf16", {"param_dtype": "bf16"}))
     if not j.checkpointing:
         levers.append(("--gradient-checkpointing", {"checkpointing": True}))
+    # the long-context levers (docs/long-context.md): they keep the strategy, the batch and every state on the device
+    for text, changes in activation_levers(j):
+        add(0, text, dataclasses.replace(j, **changes))
     if j.micro_batch > 1:
         levers.append((f"--micro-batch-size 1 --grad-accum {j.grad_accum * j.micro_batch}",
                        {"micro_batch": 1, "grad_accum": j.grad_accum * j.micro_batch}))
@@ -407,6 +415,44 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
     _, text, best = max((c for c in ok if c[0] == rank), key=lambda c: c[2].tokens_per_s)
     return (head + f"; does not fit. Cheapest change that fits: {text} "
             f"(~{best.memory.total / GiB:.1f} GiB, ~{best.tokens_per_s:,.0f} tokens/s)")
+
+
+def activation_lever_reasons(plan: Plan) -> list[str]:
+    """Where no preset fits without host offload of its states and activations are what does not fit (at least half
+    the leanest such preset's peak), the activation levers (offloaded checkpointing, MLP tiles) that make it fit with
+    the states on the device: said before an optimizer-offload preset is taken (`--strategy auto` prints it)."""
+    plain = [s for s in plan.strategies if not offloads(s.opts)]
+    if not plain or any(s.fits for s in plain):
+        return []
+    lean = min(plain, key=lambda s: s.memory.total)
+    m = lean.memory
+    if m.peak_tensors - m.params - m.grads - m.optimizer < 0.5 * m.peak_tensors:  # the states are the peak
+        return []
+    found = [(text, _variant(plan, lean.strategy, dataclasses.replace(plan.job, **changes)))
+             for text, changes in activation_levers(plan.job)]
+    found = [(t, v) for t, v in found if v.fits]
+    if not found:
+        return []
+    text, v = max(found, key=lambda f: f[1].tokens_per_s)
+    return [f"activations are what does not fit: {lean.strategy} with {text} fits ({_gib(v.memory.total / GiB)} "
+            f"per rank, {v.memory.host * plan.setup.gpus_per_node / GiB:.1f} GiB of host RAM per node, "
+            f"~{v.tokens_per_s:,.0f} tokens/s), keeping every state on the device: prefer it to optimizer offload"]
+
+
+def activation_levers(j: Job) -> list[tuple[str, dict]]:
+    """The single-device activation levers a job does not use yet, alone and together: offloaded checkpointing and
+    MLP tiles (auto), each with the changes to the job."""
+    out: list[tuple[str, dict]] = []
+    offload = ("--activation-checkpointing offload", {"checkpointing": True, "offload_checkpoints": True,
+                                                       "selective_checkpointing": False})
+    tiles = ("--mlp-tiles auto", {"mlp_tiles": 0})
+    if not j.offload_checkpoints:
+        out.append(offload)
+    if j.mlp_tiles == 1 and j.tp == 1:
+        out.append(tiles)
+        if not j.offload_checkpoints:
+            out.append((f"{offload[0]} {tiles[0]}", {**offload[1], **tiles[1]}))
+    return out
 
 
 def sp_degrees(spec: ModelSpec, job: Job, world: int) -> list[int]:
