@@ -366,8 +366,8 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
     if not j.checkpointing:
         levers.append(("--gradient-checkpointing", {"checkpointing": True}))
     # the long-context levers (docs/long-context.md): they keep the strategy, the batch and every state on the device
-    for text, changes in activation_levers(j):
-        add(0, text, dataclasses.replace(j, **changes))
+    for flags, changes in activation_levers(j):
+        add(0, flags, dataclasses.replace(j, **changes))
     if j.micro_batch > 1:
         levers.append((f"--micro-batch-size 1 --grad-accum {j.grad_accum * j.micro_batch}",
                        {"micro_batch": 1, "grad_accum": j.grad_accum * j.micro_batch}))
@@ -428,13 +428,13 @@ def activation_lever_reasons(plan: Plan) -> list[str]:
     m = lean.memory
     if m.peak_tensors - m.params - m.grads - m.optimizer < 0.5 * m.peak_tensors:  # the states are the peak
         return []
-    found = [(text, _variant(plan, lean.strategy, dataclasses.replace(plan.job, **changes)))
-             for text, changes in activation_levers(plan.job)]
-    found = [(t, v) for t, v in found if v.fits]
+    found = [(flags, _variant(plan, lean.strategy, dataclasses.replace(plan.job, **changes)))
+             for flags, changes in activation_levers(plan.job)]
+    found = [(f, v) for f, v in found if v.fits]
     if not found:
         return []
-    text, v = max(found, key=lambda f: f[1].tokens_per_s)
-    return [f"activations are what does not fit: {lean.strategy} with {text} fits ({_gib(v.memory.total / GiB)} "
+    flags, v = max(found, key=lambda f: f[1].tokens_per_s)
+    return [f"activations are what does not fit: {lean.strategy} with {flags} fits ({_gib(v.memory.total / GiB)} "
             f"per rank, {v.memory.host * plan.setup.gpus_per_node / GiB:.1f} GiB of host RAM per node, "
             f"~{v.tokens_per_s:,.0f} tokens/s), keeping every state on the device: prefer it to optimizer offload"]
 

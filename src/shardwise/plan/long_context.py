@@ -10,7 +10,7 @@ import math
 # the smallest tile auto makes: below it the per-tile matmuls get narrow and the kernel launches add up
 MIN_TILE_TOKENS = 1024
 # auto leaves the MLP whole while its intermediates stay under this (short sequences: tiling only costs time)
-AUTO_MLP_FLOOR_BYTES = 256 * 2**20
+AUTO_MLP_FLOOR_BYTES = 2**30
 
 
 def parse_mlp_tiles(value) -> int | str:
@@ -32,7 +32,7 @@ def mlp_intermediate_bytes(tokens: int, width: int, c: int) -> float:
 def auto_mlp_tiles(tokens: int, hidden: int, width: int, c: int) -> int:
     """`mlp_tiles auto`: the fewest tiles (a power of two) that bring one tile's MLP intermediates down to the size
     of the block's residual stream (tokens x hidden x c), the budget a block already spends on its input, so the
-    MLP stops being the peak of a recomputed block; 1 while the whole MLP's intermediates are below 256 MiB, and
+    MLP stops being the peak of a recomputed block; 1 while the whole MLP's intermediates are below 1 GiB (the budget is at least that), and
     never tiles shorter than 1024 tokens."""
     whole = mlp_intermediate_bytes(tokens, width, c)
     if tokens <= MIN_TILE_TOKENS or whole <= AUTO_MLP_FLOOR_BYTES:
