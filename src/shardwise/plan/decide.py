@@ -365,9 +365,10 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
         levers.append(("--param-dtype bf16", {"param_dtype": "bf16"}))
     if not j.checkpointing:
         levers.append(("--gradient-checkpointing", {"checkpointing": True}))
-    # the long-context levers (docs/long-context.md): they keep the strategy, the batch and every state on the device
+    # the long-context levers (docs/long-context.md): they keep the strategy, the batch and every state on the device,
+    # and need host RAM and recompute; ranked with the offload presets and the sequence split (the faster wins)
     for flags, changes in activation_levers(j):
-        add(0, flags, dataclasses.replace(j, **changes))
+        add(1, flags, dataclasses.replace(j, **changes))
     if j.micro_batch > 1:
         levers.append((f"--micro-batch-size 1 --grad-accum {j.grad_accum * j.micro_batch}",
                        {"micro_batch": 1, "grad_accum": j.grad_accum * j.micro_batch}))
