@@ -7,7 +7,8 @@ that checkpoint saves outside its own recompute machinery (the block input, thro
 saves its inputs before it installs its own hooks) is packed into host memory instead:
 
 - forward: the copy out runs on a side stream (pinned host memory on CUDA), after the main stream's work that made the
-  input; the device tensor is released as soon as its copy has finished, checked at every later pack;
+  input; the device tensor is marked as used by the side stream (`record_stream`) and let go at once, so the caching
+  allocator reuses its memory as soon as the copy has run on the GPU, however far ahead the host has queued work;
 - backward: blocks run backward last to first, so when block k unpacks its input (its recompute starts), the copy
   back of block k-1's input starts on the side stream, and runs under block k's recompute and backward: one block
   ahead, two block inputs on the device at a time.
@@ -42,7 +43,6 @@ class HostCheckpoints:
 
     def __init__(self):
         self.entries: list[weakref.ref] = []  # this forward's packed inputs, in block order
-        self.in_flight: list[tuple[object, torch.Tensor]] = []  # (event, device tensor) of copies out not done
         self.stream = None
         self.target: torch.Tensor | None = None  # the input the running block's checkpoint is about to save
         self.copies_out = 0
@@ -57,10 +57,6 @@ class HostCheckpoints:
             self.stream = torch.cuda.Stream(device)
         return self.stream
 
-    def _reap(self) -> None:
-        """Release the device tensors whose copy out has finished."""
-        self.in_flight = [(ev, t) for ev, t in self.in_flight if not ev.query()]
-
     def pack(self, t: torch.Tensor):
         if t is not self.target:  # anything else checkpoint saves outside its recompute stays where it is
             return t
@@ -68,7 +64,6 @@ class HostCheckpoints:
         if not any(r() is not None for r in self.entries):  # a new forward: the last one's inputs are all used
             self.entries = []
         if t.device.type == "cuda":
-            self._reap()
             side = self._side(t.device)
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             side.wait_stream(torch.cuda.current_stream(t.device))
@@ -76,7 +71,7 @@ class HostCheckpoints:
                 host.copy_(t.detach(), non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(side)
-            self.in_flight.append((done, t))
+            t.record_stream(side)  # its memory waits for the copy, not for this reference
         else:
             host, done = t.detach().clone(), None
         packed = _Packed(host, t.device, done, len(self.entries))
