@@ -7,20 +7,12 @@ from __future__ import annotations
 
 import math
 
+from shardwise.preflight.flags import parse_mlp_tiles  # noqa: F401 (the setting's reading, with its check)
+
 # the smallest tile auto makes: below it the per-tile matmuls get narrow and the kernel launches add up
 MIN_TILE_TOKENS = 1024
 # auto leaves the MLP whole while its intermediates stay under this (short sequences: tiling only costs time)
 AUTO_MLP_FLOOR_BYTES = 2**30
-
-
-def parse_mlp_tiles(value) -> int | str:
-    """config `mlp_tiles`: 'auto' or a positive integer; ValueError otherwise."""
-    text = str(value).strip().lower()
-    if text == "auto":
-        return "auto"
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"mlp_tiles must be a positive integer or auto, got {value!r}")
-    return int(text)
 
 
 def mlp_intermediate_bytes(tokens: int, width: int, c: int) -> float:

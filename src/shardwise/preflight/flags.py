@@ -204,10 +204,18 @@ def adapters_and_wrapping(res) -> Refusal | None:
     return first(rules())
 
 
+def parse_mlp_tiles(value) -> int | str:
+    """config `mlp_tiles`: 'auto' or a positive integer; ValueError otherwise."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"mlp_tiles must be a positive integer or auto, got {value!r}")
+    return int(text)
+
+
 def _mlp_tiles(c):
     """mlp_tiles: a positive count or auto; not with tensor parallelism (its MLP input and output are split)."""
-    from shardwise.plan.long_context import parse_mlp_tiles
-
     try:
         parse_mlp_tiles(c.mlp_tiles)
     except ValueError:
