@@ -22,6 +22,7 @@ from shardwise.plan.memory import (
     Memory,
     Opts,
     estimate,
+    mlp_tiles,
     shard_ranks,
     tp_degrees,
 )
@@ -154,7 +155,7 @@ class Plan:
                       "layers": s.num_layers, "hidden": s.hidden_size, "intermediate": s.intermediate_size,
                       "heads": s.num_heads, "kv_heads": s.num_kv_heads, "vocab": s.vocab_size,
                       "tied_embeddings": s.tied_embeddings},
-            "job": dataclasses.asdict(j),
+            "job": {**dataclasses.asdict(j), "mlp_tiles_resolved": mlp_tiles(s, j)},  # mlp_tiles 0 is auto
             "hardware": {"gpus_per_node": h.gpus_per_node, "nodes": h.nodes, "world_size": h.world,
                          "accelerator": h.accelerator, "device": h.device_name,
                          "device_mem_gib": h.device_mem_gib, "host_mem_gib": h.host_mem_gib,
