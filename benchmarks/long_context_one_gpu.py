@@ -72,12 +72,16 @@ class Row:
 
 
 ROWS = {
-    "lora-256k": Row("llama3.1-8b", (*LORA, *OFFLOAD, *TILES), 262144, 2, "LoRA at 256K, offload + tiles"),
+    "lora-256k": Row("llama3.1-8b", (*LORA, *OFFLOAD, *TILES), 262144, 2, "LoRA at 256K, offload + tiles auto"),
     "lora-64k-plain": Row("llama3.1-8b", (*LORA, *FULL_AC), 65536, 3, "LoRA at 64K, full checkpointing"),
-    "lora-64k-levers": Row("llama3.1-8b", (*LORA, *OFFLOAD, *TILES), 65536, 3, "LoRA at 64K, offload + tiles"),
+    # at 64K the run fits without tiles, so auto takes none: the cost rows name the size rule's count
+    "lora-64k-levers": Row("llama3.1-8b", (*LORA, *OFFLOAD, "--mlp-tiles", "8"), 65536, 3,
+                           "LoRA at 64K, offload + 8 tiles"),
     "lora-64k-offload": Row("llama3.1-8b", (*LORA, *OFFLOAD), 65536, 3, "LoRA at 64K, offload"),
-    "lora-64k-tiles": Row("llama3.1-8b", (*LORA, *FULL_AC, *TILES), 65536, 3, "LoRA at 64K, full + tiles"),
-    "lora-128k-levers": Row("llama3.1-8b", (*LORA, *OFFLOAD, *TILES), 131072, 2, "LoRA at 128K, offload + tiles"),
+    "lora-64k-tiles": Row("llama3.1-8b", (*LORA, *FULL_AC, "--mlp-tiles", "8"), 65536, 3,
+                          "LoRA at 64K, full + 8 tiles"),
+    "lora-128k-levers": Row("llama3.1-8b", (*LORA, *OFFLOAD, *TILES), 131072, 2,
+                            "LoRA at 128K, offload + tiles auto"),
     "lora-ladder": Row("llama3.1-8b", (*LORA, *OFFLOAD, *TILES), 0, 1, "LoRA, longest planned to fit"),
     "qlora-256k": Row("llama3.1-8b", ("--tuner", "qlora", "--lora-r", "16", *OFFLOAD, *TILES), 262144, 2,
                       "QLoRA at 256K, offload + tiles"),

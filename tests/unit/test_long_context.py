@@ -237,6 +237,8 @@ def test_plan_256k_fits_one_gpu_only_with_both_levers_and_enough_host_ram():
     assert not one_gpu(262144, offload_checkpoints=True).for_strategy("single").fits
     both = one_gpu(262144, **levers)
     assert both.for_strategy("single").fits
+    assert both.job.mlp_tiles == 16  # auto: the size rule's count where the run does not fit without tiles
+    assert one_gpu(65536, **levers).job.mlp_tiles == 1  # fits without: tiles would only cost time
     tiled = both.for_strategy("single").timing.step_s
     assert tiled > one_gpu(262144, offload_checkpoints=True).for_strategy("single").timing.step_s  # MLP recompute
     advice = fit_advice(one_gpu(262144), "single")

@@ -16,6 +16,7 @@ from shardwise.plan.calibration import value
 from shardwise.plan.comm import Compute, Links, Timing, step_time
 from shardwise.plan.costs import cost_of
 from shardwise.plan.explain import assumptions, decision_tree, sp_mode_label  # noqa: F401 (re-exported)
+from shardwise.plan.long_context import auto_mlp_tiles
 from shardwise.plan.memory import (
     GiB,
     Job,
@@ -255,6 +256,8 @@ def plan_model(spec: ModelSpec, job: Job, setup: Setup, configured: str | None =
     names = preset_names(setup, job.tp, job.sp, job.float8)
     if configured and configured in presets.PRESETS and configured not in names:
         names.append(configured)
+    if job.mlp_tiles == 0 and names:  # --mlp-tiles auto: one count for every row, the configured strategy's
+        job = auto_tiles(spec, job, setup, configured if configured in names else names[0], cfg)
     plans = [plan_strategy(spec, job, setup, n, opts_for(n, cfg)) for n in names]
     plan = Plan(spec, job, setup, plans, "", [], {}, configured)
     plan.recommended, plan.reasons = recommend(plan)
@@ -325,6 +328,8 @@ def recommend(plan: Plan) -> tuple[str, list[str]]:
 def _variant(plan: Plan, name: str, job: Job | None = None, setup: Setup | None = None) -> StrategyPlan:
     job = job or plan.job
     setup = setup or plan.setup
+    if job.mlp_tiles == 0:  # a lever's --mlp-tiles auto: the count it would take for this preset
+        job = auto_tiles(plan.spec, job, setup, name)
     base = plan.for_strategy(name).opts if any(s.strategy == name for s in plan.strategies) else opts_for(name)
     if presets.PRESETS[name].options.get("fsdp.hybrid") and setup.nodes <= 1:  # one node: no replica groups
         base = dataclasses.replace(base, hybrid=False)
@@ -417,6 +422,23 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
     _, text, best = max((c for c in ok if c[0] == rank), key=lambda c: c[2].tokens_per_s)
     return (head + f"; does not fit. Cheapest change that fits: {text} "
             f"(~{best.memory.total / GiB:.1f} GiB, ~{best.tokens_per_s:,.0f} tokens/s)")
+
+
+def auto_tiles(spec: ModelSpec, job: Job, setup: Setup, name: str, cfg=None) -> Job:
+    """`--mlp-tiles auto`: none where preset `name` fits the device without tiles (tiles cost one more MLP forward,
+    the same for any count); else the size rule's count (plan/long_context.py auto_mlp_tiles, the engine's own
+    when it is given auto without a plan), doubled while the run still does not fit and a tile keeps 1024 tokens."""
+    opts = opts_for(name, cfg)
+
+    def fits(n: int) -> bool:
+        return plan_strategy(spec, dataclasses.replace(job, mlp_tiles=n), setup, name, opts).fits
+
+    if fits(1):
+        return dataclasses.replace(job, mlp_tiles=1)
+    n = auto_mlp_tiles(job.tokens, spec.hidden_size, spec.mlp_width, job.c)
+    while not fits(n) and n * 2 <= job.tokens // 1024:
+        n *= 2
+    return dataclasses.replace(job, mlp_tiles=n)
 
 
 def activation_lever_reasons(plan: Plan) -> list[str]:
