@@ -259,3 +259,26 @@ def test_plan_names_the_levers_before_optimizer_offload():
     assert not plan.for_strategy("single").fits
     said = [r for r in plan.reasons if r.startswith("activations are what does not fit")]
     assert len(said) == 1 and "--activation-checkpointing offload" in said[0] and "optimizer offload" in said[0]
+
+
+def test_plan_counts_only_the_copy_time_compute_does_not_hide():
+    """A block input's copy (2 GiB at 256K) against the block's compute: hidden at the planned 20 GB/s host link,
+    exposed (each way, per block) when the link is slower than the block's compute can cover."""
+    from shardwise.plan import resolve_model
+    from shardwise.plan.collective import Links
+    from shardwise.plan.comm import offload_exposed_s
+    from shardwise.plan.memory import Job, Opts
+
+    spec = resolve_model("llama-3.1-8b")
+    job = Job(world=1, seq_len=262144, tuner="lora", checkpointing=True, offload_checkpoints=True, compute="bf16")
+    t_fwd, t_bwd = 32 * 1.0, 32 * 3.0  # one second of forward, three of backward per block
+    assert offload_exposed_s(spec, job, Opts("single"), Links(1e11, 1e10), t_fwd, t_bwd) == 0
+    slow = Links(1e11, 1e10, host_bw=2**30 / 1.5)  # a 2 GiB copy takes 3 s: 2 s exposed in forward, 0 in backward
+    assert abs(offload_exposed_s(spec, job, Opts("single"), slow, t_fwd, t_bwd) - 32 * 2.0) < 1e-6
+    assert offload_exposed_s(spec, replace_job(job, offload_checkpoints=False), Opts("single"), slow, t_fwd, t_bwd) == 0
+
+
+def replace_job(job, **kw):
+    from dataclasses import replace
+
+    return replace(job, **kw)
