@@ -40,10 +40,14 @@ def resolve_mlp_tiles(value, tokens: int, hidden: int, width: int, c: int) -> in
     return auto_mlp_tiles(tokens, hidden, width, c) if parsed == "auto" else parsed
 
 
-def offload_host_bytes(num_layers: int, tokens: int, hidden: int, r: int) -> float:
+def offload_host_bytes(num_layers: int, tokens: int, hidden: int, r: int, pinned: bool = True) -> float:
     """Host bytes per rank that offloaded checkpointing holds at the end of forward: every block's input
-    (tokens x hidden in the residual stream's dtype), in pinned memory on CUDA."""
-    return float(num_layers) * tokens * hidden * r
+    (tokens x hidden in the residual stream's dtype), in pinned memory on CUDA, where torch's pinned-memory cache
+    rounds each allocation up to a power of two (CachingHostAllocator, by default: a 3 GiB input takes 4 GiB)."""
+    block = tokens * hidden * r
+    if pinned and block > 0:
+        block = 1 << (int(block) - 1).bit_length()
+    return float(num_layers) * block
 
 
 def offload_copy_s(tokens: int, hidden: int, r: int, host_link_gbps: float) -> float:

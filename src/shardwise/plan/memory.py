@@ -478,7 +478,8 @@ def activations(spec: ModelSpec, job: Job, o: Opts) -> tuple[float, float, dict]
         # device: the input whose copy out is in flight beside the running block's, or in backward the recomputed
         # block's input and the next one's prefetch
         kept = min(2, spec.num_layers) * block_input
-        host = offload_host_bytes(spec.num_layers, job.tokens, spec.hidden_size, residual_bytes(job, o)) / job.tp
+        host = offload_host_bytes(spec.num_layers, job.tokens // job.tp, spec.hidden_size, residual_bytes(job, o),
+                                  pinned=job.accelerator == "cuda")
     elif job.checkpointing:  # only each block's input is kept; one block is recomputed at a time in backward
         kept = spec.num_layers * block_input
     elif job.selective_checkpointing:
