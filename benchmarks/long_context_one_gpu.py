@@ -265,11 +265,17 @@ def host_gib() -> float:
 
 
 def lengths_for(model: str, row: Row, smoke: bool) -> list[int]:
-    """The lengths to try for a row: its own, or the ladder's longest planned to fit, then the shorter ones."""
+    """The lengths to try for a row: its own, or the ladder's longest planned to fit (its pinned checkpoints within
+    3/4 of the host's RAM, a margin under the plan's 90% for the rest of the machine), then the shorter ones."""
     if row.length:
         return [row.length]
     ladder = SMOKE_LADDER if smoke else LADDER
-    fits = [n for n in ladder if plan(model, n, row.flags, smoke).get("plan_fits")]
+
+    def fits(n: int) -> bool:
+        p = plan(model, n, row.flags, smoke)
+        return bool(p.get("plan_fits")) and p.get("plan_host_gib", 0) <= 0.75 * host_gib()
+
+    fits = [n for n in ladder if fits(n)]
     top = max(fits) if fits else ladder[0]
     return [n for n in reversed(ladder) if n <= top]
 
