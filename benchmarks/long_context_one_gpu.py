@@ -271,11 +271,11 @@ def lengths_for(model: str, row: Row, smoke: bool) -> list[int]:
         return [row.length]
     ladder = SMOKE_LADDER if smoke else LADDER
 
-    def fits(n: int) -> bool:
+    def planned(n: int) -> bool:
         p = plan(model, n, row.flags, smoke)
         return bool(p.get("plan_fits")) and p.get("plan_host_gib", 0) <= 0.75 * host_gib()
 
-    fits = [n for n in ladder if fits(n)]
+    fits = [n for n in ladder if planned(n)]
     top = max(fits) if fits else ladder[0]
     return [n for n in reversed(ladder) if n <= top]
 
