@@ -20,7 +20,7 @@ SHARED_KEYS = ["model", "strategy", "seq_len", "micro_batch_size", "grad_accum",
                "fsdp.reshard_after_forward", "fsdp.keep_gathered_one_rank", "fsdp.hybrid", "fsdp.shard_group_size",
                "fsdp.cpu_offload", "fsdp.wrap", "fsdp.prefetch", "deepspeed.stage", "deepspeed.offload_optimizer",
                "deepspeed.offload_params", "deepspeed.fetch", "compile", "fused_loss", "sequence_parallel", "tensor_parallel", "sp_mode",
-               "activation_checkpointing", "float8"]
+               "activation_checkpointing", "mlp_tiles", "float8"]
 
 
 def add_parser(subparsers) -> None:
@@ -166,6 +166,17 @@ def run(args) -> int:
 # ----------------------------------------------------------------------------- text
 
 
+def _checkpointing(plan) -> str:
+    """The job's checkpointing for the job line, with its long-context levers (MLP tiles as auto resolves them)."""
+    from shardwise.plan.memory import mlp_tiles
+
+    j = plan.job
+    out = ("on, inputs offloaded to host" if j.offload_checkpoints else "on") if j.checkpointing else \
+        "selective" if j.selective_checkpointing else "off"
+    n = mlp_tiles(plan.spec, j)
+    return out + (f"; MLP in {n} tiles{' (auto)' if j.mlp_tiles == 0 else ''}" if n > 1 else "")
+
+
 def _job_line(plan) -> str:
     j = plan.job
     dt = {4: "fp32"}.get(j.c, "fp16" if j.compute == "fp16" else "bf16")
@@ -175,7 +186,7 @@ def _job_line(plan) -> str:
             + (f"; sequence parallel {j.sp} ({j.seq_len // j.sp} tokens per rank)" if j.sp > 1 else "")
             + (f"; tensor parallel {j.tp}" if j.tp > 1 else "")
             + f"; compute {dt}, weights/grads/optimizer "
-            f"{j.param_dtype}; checkpointing {'on' if j.checkpointing else 'off'}; packing {'on' if j.packing else 'off'}; "
+            f"{j.param_dtype}; checkpointing {_checkpointing(plan)}; packing {'on' if j.packing else 'off'}; "
             f"compile {'on' if j.compile else 'off'}; fused loss {'on' if j.fused_loss else 'off'}")
 
 
