@@ -146,20 +146,28 @@ def shards_on_wrap(strategy) -> bool:
     return isinstance(strategy, FSDPStrategy)
 
 
-def rehearsed_wrap(strategy, device):
-    """The strategy's own wrap, with the meta parameters made real at the point where they hold this rank's
-    share: after FSDP's sharding, before a replica's wrap (tensor parallelism's slices are cut before either)."""
-    own = strategy.wrap
+def rehearse_wrap(strategy, device) -> None:
+    """Make the meta parameters real where they hold this rank's share: right after FSDP's sharding (inside its
+    `wrap`, before the optimizer is built over the shards), or just before a replica's data-parallel step
+    (single's and DDP's wrap, DeepSpeed's engine); tensor parallelism's slices are cut before either."""
+    if shards_on_wrap(strategy):
+        own_wrap = strategy.wrap
 
-    def wrap(model):
-        if not shards_on_wrap(strategy):
+        def wrap(model):
+            model = own_wrap(model)
             materialize(model, device)
-            return local_reduction(own(model))
-        model = own(model)
-        materialize(model, device)
-        return model
+            return model
 
-    return wrap
+        strategy.wrap = wrap
+        return
+    own = strategy.apply_data_parallel
+
+    def apply_data_parallel(model):
+        materialize(model, device)
+        model, optimizer = own(model)
+        return local_reduction(model), optimizer
+
+    strategy.apply_data_parallel = apply_data_parallel
 
 
 def local_reduction(model):
@@ -295,10 +303,9 @@ def rehearse(request: dict) -> dict:
         strategy_cls = strategies.get(cfg.strategy)
         env.dims = dims = strategy_cls.parallel_dims(cfg, env, heads)
         strategy = strategy_cls(cfg, env)
-        strategy.wrap = rehearsed_wrap(strategy, env.device)
+        rehearse_wrap(strategy, env.device)
         model_ref = model
         model, optimizer = strategy.setup(model)
-        materialize(model, env.device)  # DeepSpeed's setup builds its engine without `wrap`: nothing is left here
         head = model_ref.get_output_embeddings()
         fused_head = head if getattr(head, "loss_targets", "absent") is None else None
         batch = synthetic_batch(cfg, dims, model_ref.config.vocab_size, cfg.seed)
