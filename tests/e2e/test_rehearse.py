@@ -1,0 +1,78 @@
+"""`shardwise plan --rehearse` through the CLI on the CPU: rank 0 of a fake world of N runs the tiny model's real
+steps (the engine's own wrapping under torch's fake process group) and its measured memory stands beside the plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from tests.helpers import run_cli
+
+pytestmark = pytest.mark.skipif(shutil.which("nvidia-smi") is not None,
+                                reason="the CPU rehearsal (tests/gpu/test_rehearse.py rehearses on the GPU)")
+
+JOB = ["--model", "tiny", "--seq-len", "256", "--micro-batch-size", "2"]
+
+
+def rehearse(tmp_path, *args: str) -> dict:
+    """The plan's JSON with its rehearsal; run in an empty directory, which must stay empty (nothing written)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    p = run_cli("plan", *JOB, *args, "--rehearse", "--json", cwd=str(cwd))
+    assert os.listdir(cwd) == []
+    return json.loads(p.stdout)
+
+
+def test_rehearses_rank0_of_fsdp_with_tensor_and_sequence_parallel_on_a_fake_world_of_8(tmp_path):
+    d = rehearse(tmp_path, "--gpus", "8", "--strategy", "fsdp", "--tensor-parallel", "2", "--sequence-parallel", "2")
+    rh = d["rehearsed"]
+    assert rh["accelerator"] == "cpu" and [r["strategy"] for r in rh["rows"]] == ["fsdp"]
+    (row,) = rh["rows"]
+    assert row["ok"], row
+    # the one mesh with the real world: FSDP over the 2 data-parallel x 2 sequence ranks, tensor parallel 2
+    assert row["world"] == 8 and row["rank"] == 0
+    assert row["dims"] == "dp_replicate 1 x dp_shard 2 x sp 2 x tp 2"
+    assert any(a.startswith("tensor parallel: 4 blocks") for a in row["applied"])
+    assert row["describe"].startswith("fsdp (full shard")
+    assert 0 < row["peak_allocated_gib"] < 1 and row["compute_s"] > 0
+    assert row["predicted_step_s"] == pytest.approx(row["compute_s"] + row["comm_s"])
+    plan_row = next(s for s in d["strategies"] if s["strategy"] == "fsdp")
+    assert row["analytic_tensors_gib"] > 0 and plan_row["fits"] == row["fits"]
+    assert row["disagrees"] == (abs(row["memory_diff_pct"]) > 10)
+
+
+def test_rehearsed_memory_falls_as_the_shards_get_smaller(tmp_path):
+    """fsdp on 8 ranks holds less than fsdp on 2, which holds less than one process with the whole model."""
+    peaks = {}
+    for gpus, strategy in (("8", "fsdp"), ("2", "fsdp"), ("1", "single")):
+        (row,) = rehearse(tmp_path, "--gpus", gpus, "--strategy", strategy)["rehearsed"]["rows"]
+        assert row["ok"] and row["world"] == int(gpus), row
+        peaks[(gpus, strategy)] = row["peak_allocated_gib"]
+    assert peaks[("8", "fsdp")] < peaks[("2", "fsdp")] < peaks[("1", "single")]
+
+
+def test_text_shows_the_rehearsal_and_says_where_it_disagrees(tmp_path):
+    """LoRA on the tiny model: the plan's tensor peak and the rehearsed one differ by more than 10% (the adapters'
+    small tensors); the text says so and its fits is the rehearsal's."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    p = run_cli("plan", *JOB, "--gpus", "2", "--strategy", "ddp", "--tuner", "lora", "--rehearse", cwd=str(cwd))
+    assert os.listdir(cwd) == []
+    out = p.stdout
+    assert "rehearsed on cpu, 3 steps of one rank each" in out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("ddp ") and "%" in ln)
+    diff = float(line.split("%")[0].split()[-1])
+    said = "ddp: rehearsal and plan disagree by" in out
+    assert said == (abs(diff) > 10)
+    assert said, f"expected this LoRA job to disagree by more than 10%:\n{out}"
+    assert "fits is the rehearsal's: yes" in out
+
+
+def test_a_real_model_on_a_cpu_only_machine_is_one_line(tmp_path):
+    p = run_cli("plan", "--model", "llama-3.1-8b", "--gpus", "8", "--rehearse", check=False, cwd=str(tmp_path))
+    assert p.returncode != 0 and p.stdout == ""
+    assert p.stderr.count("\n") == 1 and "--rehearse: this machine has no GPU" in p.stderr
+    assert "--model tiny" in p.stderr
