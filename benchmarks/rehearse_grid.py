@@ -116,14 +116,14 @@ def plan_argv(r: dict, tmp: str, args) -> list[str]:
     return argv
 
 
-def measure(r: dict, tmp: str, args) -> dict:
+def measure(r: dict, tmp: str, args, timeout_s: float) -> dict:
     argv = plan_argv(r, tmp, args)
     t0 = time.time()
     try:
         p = subprocess.run([sys.executable, "-m", "shardwise", *argv], capture_output=True, text=True,
-                           timeout=args.row_timeout)
+                           timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return {**r, "ok": False, "error": f"did not finish within {args.row_timeout} s", "seconds": args.row_timeout}
+        return {**r, "ok": False, "error": f"did not finish within {timeout_s:.0f} s", "seconds": round(timeout_s)}
     out = {**r, "argv": argv, "seconds": round(time.time() - t0, 1)}
     if p.returncode != 0:
         return {**out, "ok": False, "error": (p.stderr.strip().splitlines() or ["?"])[-1][:400]}
@@ -182,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", help="comma-separated row names (default: every row, in the grid's order)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join("benchmarks", "results"))
     ap.add_argument("--tag", default="")
-    ap.add_argument("--budget-s", type=float, default=450, help="start no row after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=420,
+                    help="end by this many seconds: a row starts only where about 1.2 x the slowest row so far is "
+                         "left, and is stopped at the end")
     ap.add_argument("--row-timeout", type=int, default=170)
     ap.add_argument("--compile", action="store_true", help="compiled blocks (the default job on a GPU)")
     ap.add_argument("--smoke", action="store_true", help="the tiny model on the CPU for a few rows' shapes")
@@ -208,11 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     start, rows = time.time(), []
     with tempfile.TemporaryDirectory(prefix="rehearse-grid-") as tmp:
         for name in names:
-            elapsed = time.time() - start
-            if rows and elapsed + max(r["seconds"] for r in rows if "seconds" in r) > args.budget_s:
-                print(f"budget: {elapsed:.0f} s spent; {len(names) - len(rows)} rows left for another call", flush=True)
+            left = args.budget_s - (time.time() - start)
+            slowest = max((r["seconds"] for r in rows), default=0)
+            if left < max(20.0, 1.2 * slowest):
+                print(f"budget: {args.budget_s - left:.0f} s spent; rows left for another call: "
+                      f"{','.join(names[len(rows):])}", flush=True)
                 break
-            r = measure(by_name[name], tmp, args)
+            r = measure(by_name[name], tmp, args, min(args.row_timeout, left))
             rows.append(r)
             got = (f"{r['rehearsed']['need_gib']:.2f} GiB (plan {r['plan']['total_gib']:.2f}), compute "
                    f"{r['rehearsed']['compute_s']:.3f} s (plan {r['plan']['compute_s']:.3f})" if r["ok"]

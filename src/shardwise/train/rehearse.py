@@ -161,9 +161,11 @@ def rehearse_wrap(strategy, device) -> None:
         strategy.wrap = wrap
         return
     own = strategy.apply_data_parallel
+    # QLoRA's 4-bit layers quantise their weights as the wrap moves them to the GPU: made on the host first
+    where = "cpu" if strategy.cfg.tuner == "qlora" else device
 
     def apply_data_parallel(model):
-        materialize(model, device)
+        materialize(model, where)
         model, optimizer = own(model)
         return local_reduction(model), optimizer
 
@@ -317,8 +319,8 @@ def rehearse(request: dict) -> dict:
             if step == 1:
                 meter.steady()
             start = time.perf_counter()
-            forward_backward_step(model, strategy, batch, dims.grad_size, env.device, faults, step + 1, fused_head,
-                                  loss_replicas=dims.tp)
+            loss = forward_backward_step(model, strategy, batch, dims.grad_size, env.device, faults, step + 1,
+                                         fused_head, loss_replicas=dims.tp)
             strategy.step(model, optimizer)
             strategy.take_nonfinite()
             meter.sync()
@@ -329,7 +331,9 @@ def rehearse(request: dict) -> dict:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    return {"ok": True, "rank": rank, "world": world, "dims": dims.describe(), "steps": steps,
+    # this rank's share of the last step's loss (finite: the random init is at a trainable scale; under sequence
+    # parallelism the fake exchange leaves other ranks' slices unwritten, so it may not be)
+    return {"ok": True, "rank": rank, "world": world, "dims": dims.describe(), "steps": steps, "loss": float(loss),
             "step_s": statistics.median(times[1:]), "first_step_s": times[0], "seconds": time.time() - t0,
             "device": torch.cuda.get_device_name(0) if env.device.type == "cuda" else "cpu",
             "applied": strategy.applied, "describe": strategy.describe(), **mem}
