@@ -54,6 +54,15 @@ def test_tensor_and_sequence_parallel_rehearse_on_the_gpu(tmp_path):
     assert row["dims"] == "dp_replicate 1 x dp_shard 2 x sp 2 x tp 2"
 
 
+def test_compiled_blocks_rehearse_as_the_default_gpu_job_runs_them(tmp_path):
+    """compile on (the GPU default): the first step compiles, the measured ones run the compiled blocks."""
+    d = rehearse(tmp_path, "--gpus", "8", "--strategy", "fsdp", "--compile", "on")
+    (row,) = d["rehearsed"]["rows"]
+    assert row["ok"], row
+    assert any(a.startswith("compile: 16 blocks") for a in row["applied"])
+    assert row["first_step_s"] > row["compute_s"]
+
+
 def test_a_rank_too_large_for_this_gpu_is_one_line_with_the_plans_prediction(tmp_path):
     """The 70B shape on one process: its full model cannot be made on any one GPU."""
     p = run_cli("plan", "--model", "llama-3.1-70b", "--gpus", "1", "--strategy", "single", "--seq-len", "2048",
