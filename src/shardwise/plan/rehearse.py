@@ -32,10 +32,10 @@ RANK_WHY = "rank 0: torch.chunk gives the first ranks the larger FSDP / tensor-p
 COMPUTE = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
-def row_config(cfg, name: str, job, accelerator: str):
+def row_config(cfg, name: str, job):
     """The config a row's job trains with: the preset's options over the user's (the configured strategy keeps
-    the user's own, as opts_for plans it), the plan's compute dtype; on the CPU the blocks run eager (inductor's
-    CPU build would time the compiler, not the step)."""
+    the user's own, as opts_for plans it), the plan's compute dtype and compile (which the worker turns off on a
+    CPU: inductor's CPU build would time the compiler, not the step)."""
     from shardwise import presets
 
     c = dataclasses.replace(cfg, fsdp=dataclasses.replace(cfg.fsdp), deepspeed=dataclasses.replace(cfg.deepspeed),
@@ -46,7 +46,7 @@ def row_config(cfg, name: str, job, accelerator: str):
             sec, attr = key.split(".", 1)
             setattr(getattr(c, sec), attr, value)
     c.mixed_precision = COMPUTE[job.compute]
-    c.compile = "on" if job.compile and accelerator == "cuda" else "off"
+    c.compile = "on" if job.compile else "off"
     c.output_dir = ""  # nothing is written: the worker has no run directory
     return c
 
@@ -56,14 +56,6 @@ def model_source(cfg, spec) -> dict:
     if os.path.isdir(str(cfg.model)):
         return {"model_dir": os.path.abspath(cfg.model)}
     return {"hf_config": spec.to_hf_config()}
-
-
-def local_accelerator() -> tuple[str, str, float]:
-    """(cuda|cpu, device name, GiB) of this machine, without importing torch."""
-    from shardwise import hardware
-
-    hw = hardware.detect_light()
-    return hw.accelerator, hw.device_name, hw.memory_gib if hw.accelerator == "cuda" else 0.0
 
 
 def rows_to_rehearse(plan, only: str | None) -> list:
@@ -134,32 +126,33 @@ def refused(sp, result: dict) -> dict:
     return row
 
 
-def check_local(plan, accelerator: str) -> None:
-    """A real model's rank needs a GPU; the tiny model rehearses on the CPU."""
-    if accelerator != "cuda" and plan.spec.name != "tiny":
-        raise ShardwiseError(f"--rehearse: this machine has no GPU, and one rank of {plan.spec.name} runs on a GPU; "
-                             "rehearse on a machine with one (the tiny model, --model tiny, rehearses on the CPU)")
+NO_GPU = ("--rehearse: this machine has no GPU, and one rank of {model} runs on a GPU; rehearse on a machine with one "
+          "(the tiny model, --model tiny, rehearses on the CPU)")
 
 
 def rehearse_plan(plan, cfg, only: str | None = None, steps: int = STEPS, timeout_s: float | None = None) -> dict:
-    """Rehearse the plan's rows; trust the rehearsal for "fits" where it disagrees with the plan in memory."""
+    """Rehearse the plan's rows; trust the rehearsal for "fits" where it disagrees with the plan in memory. The
+    worker says what it ran on (torch's view of the machine); a real model on a machine without a GPU is refused
+    by the first row's worker."""
     from shardwise.plan.memory import estimate
 
-    accelerator, device, gib = local_accelerator()
-    check_local(plan, accelerator)
-    results = []
+    results, where = [], {"accelerator": "cpu", "device": "cpu", "device_gib": 0.0}
     source = model_source(cfg, plan.spec)
-    same_device = accelerator == plan.setup.accelerator and (
-        accelerator == "cpu" or plan.setup.device_name.lower() in device.lower())
-    # on the CPU the blocks run eager: compared with the eager plan of the same job
-    eager = dataclasses.replace(plan.job, compile=False) if accelerator != "cuda" and plan.job.compile else None
+    eager_job = dataclasses.replace(plan.job, compile=False)
     for sp in rows_to_rehearse(plan, only):
-        request = {"config": dataclasses.asdict(row_config(cfg, sp.strategy, plan.job, accelerator)),
+        request = {"config": dataclasses.asdict(row_config(cfg, sp.strategy, plan.job)),
                    "world": plan.setup.world, "gpus_per_node": plan.setup.gpus_per_node, "rank": RANK,
-                   "steps": steps, **source}
+                   "steps": steps, "needs_gpu": plan.spec.name != "tiny", **source}
         result = run_worker(request, timeout_s)
-        mem = estimate(plan.spec, eager, sp.opts) if eager is not None else sp.memory
-        row = compare(sp, result, accelerator, mem, same_device) if result.get("ok") else refused(sp, result)
+        if result.get("no_gpu"):
+            raise ShardwiseError(NO_GPU.format(model=plan.spec.name))
+        if "accelerator" in result:
+            where = {k: result[k] for k in where}
+        cuda = where["accelerator"] == "cuda"
+        # on the CPU the blocks run eager: compared with the eager plan of the same job
+        mem = sp.memory if cuda or not plan.job.compile else estimate(plan.spec, eager_job, sp.opts)
+        row = (compare(sp, result, where["accelerator"], mem, same_device(plan, where)) if result.get("ok")
+               else refused(sp, result))
         if row["ok"] and row["disagrees"] and row["fits"] != sp.fits:
             sp.notes.append(f"fits by the rehearsal ({row['need_gib']:.2f} GiB measured against "
                             f"{sp.memory.total / GiB:.2f} GiB planned)")
@@ -169,12 +162,20 @@ def rehearse_plan(plan, cfg, only: str | None = None, steps: int = STEPS, timeou
         from shardwise.plan.decide import recommend
 
         plan.recommended, plan.reasons = recommend(plan)
-    return {"device": device if accelerator == "cuda" else "cpu", "device_gib": gib, "accelerator": accelerator,
-            "steps": steps, "rows": results, "same_device": same_device, "eager": eager is not None,
+    cuda = where["accelerator"] == "cuda"
+    return {**where, "steps": steps, "rows": results, "same_device": same_device(plan, where),
+            "eager": not cuda and plan.job.compile,
             "note": "one rank of each job through torch's fake process group: the engine's own wrapping, buffers "
                     "and activations, no communication; predicted step = measured compute + the planner's exposed "
-                    "communication" + ("; on the CPU the blocks run eager and memory is live tensor bytes"
-                                       if accelerator != "cuda" else "")}
+                    "communication" + ("" if cuda else "; on the CPU the blocks run eager and memory is live "
+                                                        "tensor bytes")}
+
+
+def same_device(plan, where: dict) -> bool:
+    """Whether the rehearsal ran on the planned device (a CPU plan on the CPU, or the planned GPU model)."""
+    if where["accelerator"] != plan.setup.accelerator:
+        return False
+    return where["accelerator"] == "cpu" or plan.setup.device_name.lower() in where["device"].lower()
 
 
 def render(rehearsal: dict) -> list[str]:

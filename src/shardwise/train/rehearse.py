@@ -51,19 +51,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def machine() -> dict:
+    """What this process runs on, as torch sees it: the plan compares like with like by it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"accelerator": "cpu", "device": "cpu", "device_gib": 0.0}
+    dev = torch.cuda.get_device_properties(0)
+    return {"accelerator": "cuda", "device": dev.name, "device_gib": dev.total_memory / 2**30}
+
+
 def failure(e: BaseException) -> dict:
     """One line for what stopped the rehearsal: out of memory apart (the plan says what it predicts)."""
     import torch
 
     first = (str(e).strip().splitlines() or [""])[0][:300]
     if isinstance(e, torch.OutOfMemoryError) or "out of memory" in first.lower():
-        dev = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
-        return {"ok": False, "oom": True, "device": dev.name if dev else "cpu",
-                "device_gib": dev.total_memory / 2**30 if dev else None, "error": first}
+        return {"ok": False, "oom": True, "error": first, **machine()}
     from shardwise.errors import ShardwiseError
 
     what = first if isinstance(e, ShardwiseError) else f"{type(e).__name__}: {first}".rstrip(": ")
-    return {"ok": False, "oom": False, "error": what}
+    return {"ok": False, "oom": False, "error": what, **machine()}
 
 
 # ----------------------------------------------------------------------------- the model
@@ -287,6 +295,9 @@ class Meter:
 
 
 def rehearse(request: dict) -> dict:
+    where = machine()
+    if request.get("needs_gpu") and where["accelerator"] != "cuda":
+        return {"ok": False, "no_gpu": True, **where}
     import torch
 
     from shardwise import strategies
@@ -295,6 +306,8 @@ def rehearse(request: dict) -> dict:
     from shardwise.train.loop import forward_backward_step
 
     cfg = from_dict(request["config"])
+    if where["accelerator"] != "cuda":
+        cfg.compile = "off"  # eager on the CPU: inductor's CPU build would time the compiler, not the step
     rank, world, steps = request.get("rank", 0), request["world"], max(2, request.get("steps", STEPS))
     t0 = time.time()
     env = join_fake_group(rank, world, request["gpus_per_node"])
@@ -335,8 +348,7 @@ def rehearse(request: dict) -> dict:
     # parallelism the fake exchange leaves other ranks' slices unwritten, so it may not be)
     return {"ok": True, "rank": rank, "world": world, "dims": dims.describe(), "steps": steps, "loss": float(loss),
             "step_s": statistics.median(times[1:]), "first_step_s": times[0], "seconds": time.time() - t0,
-            "device": torch.cuda.get_device_name(0) if env.device.type == "cuda" else "cpu",
-            "applied": strategy.applied, "describe": strategy.describe(), **mem}
+            **where, "applied": strategy.applied, "describe": strategy.describe(), **mem}
 
 
 if __name__ == "__main__":
