@@ -302,6 +302,7 @@ def rehearse(request: dict) -> dict:
 
     from shardwise import strategies
     from shardwise.config import from_dict
+    from shardwise.models.moe import aux_loss_weight
     from shardwise.train.faults import Faults
     from shardwise.train.loop import forward_backward_step
 
@@ -319,7 +320,7 @@ def rehearse(request: dict) -> dict:
         env.dims = dims = strategy_cls.parallel_dims(cfg, env, heads)
         strategy = strategy_cls(cfg, env)
         rehearse_wrap(strategy, env.device)
-        model_ref = model
+        model_ref, aux = model, aux_loss_weight(model)  # a mixture of experts' router loss, as the loop adds it
         model, optimizer = strategy.setup(model)
         head = model_ref.get_output_embeddings()
         fused_head = head if getattr(head, "loss_targets", "absent") is None else None
@@ -333,7 +334,7 @@ def rehearse(request: dict) -> dict:
                 meter.steady()
             start = time.perf_counter()
             loss = forward_backward_step(model, strategy, batch, dims.grad_size, env.device, faults, step + 1,
-                                         fused_head, loss_replicas=dims.tp)
+                                         fused_head, loss_replicas=dims.tp, aux_weight=aux)
             strategy.step(model, optimizer)
             strategy.take_nonfinite()
             meter.sync()
