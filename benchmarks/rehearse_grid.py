@@ -96,10 +96,14 @@ BY_NAME_ONLY = {"70b-ddp8-qlora-8k"}
 SMOKE = ["8b-fsdp8-8k", "8b-fsdp8-tp2-8k", "8b-fsdp8-sp2-8k", "qwen7b-zero3-8-8k"]  # their shapes as the tiny model
 
 
-def model_arg(model: str, tmp: str, smoke: bool) -> str:
+def model_arg(model: str, tmp: str | None, smoke: bool) -> str:
+    """--model for a row: a preset, the tiny model (--smoke), or the MoE shape's directory written under `tmp`
+    (None: only named, as --list shows it)."""
     if smoke:
         return "tiny"
     if model == "qwen-moe":
+        if tmp is None:
+            return "TMPDIR/qwen-moe"
         path = os.path.join(tmp, "qwen-moe")
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "config.json"), "w") as fh:
@@ -108,7 +112,7 @@ def model_arg(model: str, tmp: str, smoke: bool) -> str:
     return model
 
 
-def plan_argv(r: dict, tmp: str, args) -> list[str]:
+def plan_argv(r: dict, tmp: str | None, args) -> list[str]:
     seq = 256 if args.smoke else r["seq_len"]
     argv = ["plan", "--model", model_arg(r["model"], tmp, args.smoke), "--gpus", str(r["gpus"]), "--nodes",
             str(r["nodes"]), "--strategy", r["strategy"], "--seq-len", str(seq), "--micro-batch-size", "1",
@@ -201,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown rows {unknown}; --list lists them")
     if args.list:
         for r in GRID:
-            print(r["name"], " ".join(plan_argv(r, "TMP", args)))
+            print(r["name"], " ".join(plan_argv(r, None, args)))
         return 0
     v = versions()
     device = v.get("gpu") or "cpu"
