@@ -86,3 +86,13 @@ def test_a_real_model_on_a_cpu_only_machine_is_one_line(tmp_path):
     assert p.returncode != 0 and p.stdout == ""
     assert p.stderr.count("\n") == 1 and "--rehearse: this machine has no GPU" in p.stderr
     assert "--model tiny" in p.stderr
+
+
+@pytest.mark.parametrize("strategy,wrapped", [("ddp", "ddp"), ("zero3", "deepspeed ZeRO-3")])
+def test_ddp_and_deepspeed_run_on_the_fake_group(tmp_path, strategy, wrapped):
+    """DDP's reducer under the fake group needs the rehearsal's hand-back hook; DeepSpeed's engine runs as it is
+    (its bucket buffers are real, so the plan's DeepSpeed buffers are checked too)."""
+    (row,) = rehearse(tmp_path, "--gpus", "8", "--strategy", strategy)["rehearsed"]["rows"]
+    assert row["ok"], row
+    assert row["world"] == 8 and row["describe"].startswith(wrapped)
+    assert abs(row["memory_diff_pct"]) <= 10, row
