@@ -198,6 +198,11 @@ SUITES: dict[str, Suite] = {
         "(ARGS --gpus 1,2 on two GPUs)", "nvidia-h200-x8",
         (script("scaling.py", "--gpus", "1,2,4,8", "--jobs", "anchor", "--timeout", "150", "--tag", "anchor",
                 "--out", OUT),)),
+    "rehearse-grid": Suite(
+        "issue 41's planner grid by `plan --rehearse` (rank 0 of 8- and 64-GPU jobs of the 8B/70B/Qwen/MoE shapes on "
+        "one GPU), most important rows first, as many as the budget allows (ARGS: --rows NAMES, --compile)",
+        "nvidia-h200",
+        (script("rehearse_grid.py", "--out", OUT, "--budget-s", "420", timeout_s=450),)),
     "auto-sweep": Suite(
         "`--strategy auto` against every fitting preset measured, on two GPUs", "nvidia-h200-x2",
         (script("auto_sweep.py", "--quick", "--out", OUT, timeout_s=590),)),

@@ -44,6 +44,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     p.add_argument("--simulate", action="store_true", help="Also measure per-rank memory exactly by running one step of "
                    "the real model under fake tensors and a fake process group (imports torch; slower).")
+    p.add_argument("--rehearse", action="store_true", help="Also run a few real steps of rank 0 of each job that fits "
+                   "(or the configured strategy's) on the local GPU through a fake process group, and show its "
+                   "measured memory and compute beside the plan (a real model needs a GPU; the tiny model runs on "
+                   "the CPU). Nothing is written or downloaded.")
     p.add_argument("--list-models", action="store_true", help="List the model presets and exit.")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     config.add_flags(p, only=SHARED_KEYS)
@@ -152,14 +156,21 @@ def run(args) -> int:
         from shardwise.plan.simulate import simulate_plan
 
         sim = simulate_plan(plan)
+    rehearsal = None
+    if getattr(args, "rehearse", False):
+        from shardwise.plan.rehearse import rehearse_plan
+
+        rehearsal = rehearse_plan(plan, res.cfg, only=plan.configured)
     if getattr(args, "json", False):
         d = plan.to_json()
         if sim is not None:
             d["simulated"] = sim
+        if rehearsal is not None:
+            d["rehearsed"] = rehearsal
         json.dump(d, sys.stdout, indent=2)
         print()
     else:
-        print(render(plan, sim))
+        print(render(plan, sim, rehearsal))
     return 0
 
 
@@ -190,7 +201,7 @@ def _job_line(plan) -> str:
             f"compile {'on' if j.compile else 'off'}; fused loss {'on' if j.fused_loss else 'off'}")
 
 
-def render(plan, sim=None) -> str:
+def render(plan, sim=None, rehearsal=None) -> str:
     from shardwise.plan import text
     from shardwise.plan.memory import GiB, Opts, block_activations, head_activations
 
@@ -251,6 +262,10 @@ def render(plan, sim=None) -> str:
             lines.append(f"{mark} {r['tp']:>3d} {r['strategy']:14s}{r['mem_gib'] * scale:14.2f}  "
                          f"{'yes' if r['fits'] else 'NO':5s}{r['step_time_s']:9.3f}{r['tokens_per_s']:11,.0f}"
                          f"{r['tp_comm_gb_per_step']:12.2f}")
+    if rehearsal is not None:
+        from shardwise.plan.rehearse import render as rehearsal_lines
+
+        lines += rehearsal_lines(rehearsal)
     lines += _verdict_lines(plan, sim)
     return "\n".join(lines)
 
