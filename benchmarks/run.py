@@ -181,6 +181,11 @@ SUITES: dict[str, Suite] = {
         "limit), on two GPUs", "nvidia-h200-x2",
         (script("long_context.py", "--lengths", "65536,131072", "--sp", "2,1", "--steps", "3", "--stop-after-oom",
                 "--timeout", "240", "--tag", "min", "--out", OUT),)),
+    "long-context-1gpu": Suite(
+        "one GPU past 128K tokens: offloaded checkpointing and MLP tiles on the Llama-3.1-8B shape (LoRA at 256K, "
+        "then the 64K cost against plain checkpointing), the plan beside every row; ARGS --rows ... for others "
+        "(benchmarks/long_context_one_gpu.py)", "nvidia-h100-x1",
+        (script("long_context_one_gpu.py", "--budget-s", "470", "--out", OUT, timeout_s=500),)),
     "tensor-parallel": Suite(
         "the Llama-3.1-8B shape at 8k tokens: tensor parallel 2 against fsdp on two GPUs, the same global batch",
         "nvidia-h200-x2",
@@ -193,6 +198,11 @@ SUITES: dict[str, Suite] = {
         "(ARGS --gpus 1,2 on two GPUs)", "nvidia-h200-x8",
         (script("scaling.py", "--gpus", "1,2,4,8", "--jobs", "anchor", "--timeout", "150", "--tag", "anchor",
                 "--out", OUT),)),
+    "rehearse-grid": Suite(
+        "issue 41's planner grid by `plan --rehearse` (rank 0 of 8- and 64-GPU jobs of the 8B/70B/Qwen/MoE shapes on "
+        "one GPU), most important rows first, as many as the budget allows (ARGS: --rows NAMES, --compile)",
+        "nvidia-h200",
+        (script("rehearse_grid.py", "--out", OUT, "--budget-s", "420", timeout_s=450),)),
     "auto-sweep": Suite(
         "`--strategy auto` against every fitting preset measured, on two GPUs", "nvidia-h200-x2",
         (script("auto_sweep.py", "--quick", "--out", OUT, timeout_s=590),)),

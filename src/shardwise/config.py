@@ -124,7 +124,8 @@ class Config:
     gradient_checkpointing: bool = _f(False, "Recompute each block's activations in backward (non-reentrant): less memory, ~20-30% more compute; the same as activation_checkpointing full.")
     compile: str = _f("auto", "torch.compile each decoder block: on, off, or auto (on with CUDA, off on the CPU).", ("auto", "on", "off"))
     fused_loss: bool = _f(True, "Compute the output projection and cross-entropy in chunks, gradients included, so the full fp32 logits never exist.")
-    activation_checkpointing: str = _f("off", "What each decoder block keeps for backward: off (everything), full (only its input; the block runs forward again in backward, as gradient_checkpointing true), or selective (op-level: the outputs of its matmuls and attention are kept, the norms, rotary and activation functions between them recomputed; memory between the two, almost no extra FLOPs).", ("off", "full", "selective"))
+    activation_checkpointing: str = _f("off", "What each decoder block keeps for backward: off (everything), full (only its input; the block runs forward again in backward, as gradient_checkpointing true), selective (op-level: the outputs of its matmuls and attention are kept, the norms, rotary and activation functions between them recomputed; memory between the two, almost no extra FLOPs), or offload (full, with each block's kept input in host memory: copied out on a side stream in forward and back one block ahead in backward; the device holds about two block inputs instead of all; needs host RAM for them: shardwise plan says how much; docs/long-context.md).", ("off", "full", "selective", "offload"))
+    mlp_tiles: str = _f("1", "Run each block's MLP over N tiles of the sequence, each tile checkpointed, so the MLP's intermediates (3 x tokens x intermediate size) exist for one tile at a time, in forward and in backward (recomputed per tile; costs one more MLP forward). 1 = off; auto: none where the planner fits the run without (on GPUs; the launcher prints its choice), else tiles that keep one tile's intermediates under the block's residual stream (none where the MLP is small). Not with tensor_parallel > 1 (TP splits the MLP already).")
     float8: bool = _f(False, "Run the decoder blocks' large linears as float8 matmuls with dynamic tensorwise scaling (torchao's float8 training; weights, gradients and optimizer states stay as they are); needs a CUDA GPU of compute capability 8.9+ (Ada, Hopper) and `pip install 'shardwise[float8]'`; full fine-tuning with single, ddp or fsdp.")
     # outputs
     output_dir: str = _f("", "Where the run writes; empty means runs/<strategy>-<date>-<time>.")
@@ -664,7 +665,7 @@ def get(cfg: Config, key: str) -> Any:
 
 
 def checkpointing_mode(cfg: Config) -> str:
-    """off, full or selective: activation_checkpointing, with gradient_checkpointing true meaning full."""
+    """off, full, selective or offload: activation_checkpointing, with gradient_checkpointing true meaning full."""
     return "full" if cfg.gradient_checkpointing and cfg.activation_checkpointing == "off" else cfg.activation_checkpointing
 
 

@@ -421,6 +421,30 @@ def choose_strategy(cfg: Config, res: Resolved) -> Config:
     return dataclasses.replace(cfg, strategy=plan.recommended, **degrees)
 
 
+def choose_mlp_tiles(cfg: Config) -> Config:
+    """--mlp-tiles auto on GPUs: the planner's count for this run (plan/decide.py auto_tiles: none where it fits
+    without, else the size rule's), said and written into the run's config. On a machine without CUDA (or without
+    the planner) the engine's size rule decides (models/tiles.py)."""
+    if str(cfg.mlp_tiles).strip().lower() != "auto":
+        return cfg
+    import torch
+
+    if not torch.cuda.is_available():
+        return cfg
+    try:
+        from shardwise.plan import plan_run
+    except ImportError:
+        return cfg
+    plan = plan_run(cfg, None, cfg.nproc_per_node * cfg.nnodes)
+    n = plan.job.mlp_tiles
+    row = plan.for_strategy(cfg.strategy)
+    why = ("the run fits without tiles" if n == 1 else
+           f"the run does not fit without; with them {row.memory.total / 2**30:.1f} of "
+           f"{plan.setup.device_mem_gib:.1f} GiB per GPU" if row.fits else "the run does not fit even with them")
+    say(f"--mlp-tiles auto chose {n} ({why})")
+    return dataclasses.replace(cfg, mlp_tiles=str(n))
+
+
 RESHAPE_FIELDS = ("seq_len", "micro_batch_size", "grad_accum")
 
 

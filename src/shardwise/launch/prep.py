@@ -25,6 +25,7 @@ from shardwise.launch.preflight import (
     check_sequence_parallel,
     check_steps_left,
     check_tensor_parallel,
+    choose_mlp_tiles,
     choose_strategy,
     keep_global_batch,
     resolve_runtime,
@@ -72,6 +73,7 @@ def _begin(res: Resolved) -> tuple[Config, rundir.RunLock | None, float]:
         use_compile_cache()  # before the workers start: they inherit it
     if cfg.strategy == "auto":
         cfg = choose_strategy(cfg, res)
+    cfg = choose_mlp_tiles(cfg)
     lock = rundir.RunLock(cfg.output_dir) if cfg.node_rank == 0 else None
     try:
         if lock is not None:

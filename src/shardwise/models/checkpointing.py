@@ -1,4 +1,4 @@
-"""Activation checkpointing of the decoder blocks, full or selective (the `apply_activation_checkpointing`
+"""Activation checkpointing of the decoder blocks, full, selective or offload (the `apply_activation_checkpointing`
 step of a strategy's parallelize pipeline, strategies/parallelize.py).
 
 Full: a block keeps only its input and runs forward again in backward (transformers' own non-reentrant
@@ -9,7 +9,8 @@ them in backward. The memory lands between full and none, and the recompute cost
 almost no FLOPs. It is torch's `create_selective_checkpoint_contexts` under a non-reentrant
 `torch.utils.checkpoint`, installed as the block's `forward` so parameter names stay as they are and
 torch.compile of the block (the next step) traces the checkpoint into its graph, where the partitioner
-follows the same save/recompute choice.
+follows the same save/recompute choice. Offload is full checkpointing whose kept block inputs live in host memory
+(models/offload.py).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def is_checkpointing(model: nn.Module) -> bool:
 
 
 def checkpoint_blocks(model: nn.Module, mode: str) -> str:
-    """Apply `mode` (off, full, selective) to the model's decoder blocks; returns what was done."""
+    """Apply `mode` (off, full, selective, offload) to the model's decoder blocks; returns what was done."""
     from shardwise.models.speed import decoder_blocks
 
     if mode == "off":
@@ -93,9 +94,14 @@ def checkpoint_blocks(model: nn.Module, mode: str) -> str:
     if mode == "full":
         enable_full(model)
         return "activation checkpointing: every block (full)"
+    blocks = decoder_blocks(model)
+    if mode == "offload":
+        from shardwise.models.offload import offload_blocks
+
+        model.host_checkpoints = offload_blocks(blocks)
+        return f"activation checkpointing: every block (full), inputs offloaded to host memory, in {len(blocks)} blocks"
     if mode != "selective":
         raise ValueError(mode)
-    blocks = decoder_blocks(model)
     for block in blocks:
         checkpoint_selectively(block)
     return f"activation checkpointing: selective (matmul and attention outputs kept) in {len(blocks)} blocks"

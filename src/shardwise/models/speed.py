@@ -234,7 +234,9 @@ def compile_blocks(model: nn.Module, hooks_eager: bool = False) -> int:
     cut loses its gradient (torch 2.13: the embedding then gets none, silently)."""
     blocks = decoder_blocks(model)
     for b in blocks:
-        if hooks_eager:
+        if hasattr(b, "checkpointed_forward"):  # offloaded checkpointing (models/offload.py): its hooks stay eager
+            b.checkpointed_forward = torch.compile(b.checkpointed_forward)
+        elif hooks_eager:
             b.forward = torch.compile(b.forward)
         else:
             b.compile()

@@ -20,6 +20,8 @@ from shardwise.plan.memory import (
     float8_linears,
     local_params,
     local_root_params,
+    mlp_tiles,
+    residual_bytes,
 )
 from shardwise.plan.model_spec import ModelSpec
 
@@ -222,7 +224,20 @@ def flops_per_microbatch(spec: ModelSpec, job: Job) -> tuple[float, float]:
         bwd += 2 * (P - spec.root_params) * T + attn_f
     elif job.selective_checkpointing:
         bwd += selective_recompute_flops(spec, job)
+    if mlp_tiles(spec, job) > 1:  # each tile's MLP runs forward once more in backward (models/tiles.py)
+        bwd += 2 * 3 * spec.hidden_size * spec.mlp_width * spec.num_layers * T
     return fwd / job.tp, bwd / job.tp
+
+
+def offload_exposed_s(spec: ModelSpec, job: Job, o: Opts, links: Links, t_fwd: float, t_bwd: float) -> float:
+    """Seconds per micro-batch that offloaded checkpointing's copies add (models/offload.py): each block input goes
+    out during the next block's forward and comes back during the later block's recompute and backward, on a side
+    stream; only what a copy takes beyond its block's compute is exposed."""
+    if not (job.checkpointing and job.offload_checkpoints) or job.accelerator != "cuda" or not spec.num_layers:
+        return 0.0
+    L = spec.num_layers
+    copy = job.tokens * spec.hidden_size * residual_bytes(job, o) / job.tp / links.host_bw
+    return L * (max(0.0, copy - t_fwd / L) + max(0.0, copy - t_bwd / L))
 
 
 def selective_recompute_flops(spec: ModelSpec, job: Job) -> float:
@@ -305,6 +320,7 @@ def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, co
     exposed += sum(max(0.0, coll_time(cl, links) - attn_phase[cl.phase]) * cl.per_step
                    for cl in exchanges if cl.op == "ring")
     exposed = cost.exposed(spec, job, o, net, links, t_fwd, t_bwd, exposed)
+    exposed += ga * offload_exposed_s(spec, job, o, links, t_fwd, t_bwd)
     for cl in colls:
         if cl.where == "host":
             other += coll_time(cl, links) * cl.per_step

@@ -20,7 +20,7 @@ SHARED_KEYS = ["model", "strategy", "seq_len", "micro_batch_size", "grad_accum",
                "fsdp.reshard_after_forward", "fsdp.keep_gathered_one_rank", "fsdp.hybrid", "fsdp.shard_group_size",
                "fsdp.cpu_offload", "fsdp.wrap", "fsdp.prefetch", "deepspeed.stage", "deepspeed.offload_optimizer",
                "deepspeed.offload_params", "deepspeed.fetch", "compile", "fused_loss", "sequence_parallel", "tensor_parallel", "sp_mode",
-               "activation_checkpointing", "float8"]
+               "activation_checkpointing", "mlp_tiles", "float8"]
 
 
 def add_parser(subparsers) -> None:
@@ -47,6 +47,10 @@ def add_parser(subparsers) -> None:
                    "says whether they agree; --json always holds it).")
     p.add_argument("--simulate", action="store_true", help="Also measure per-rank memory exactly by running one step of "
                    "the real model under fake tensors and a fake process group (imports torch; slower).")
+    p.add_argument("--rehearse", action="store_true", help="Also run a few real steps of rank 0 of each job that fits "
+                   "(or the configured strategy's) on the local GPU through a fake process group, and show its "
+                   "measured memory and compute beside the plan (a real model needs a GPU; the tiny model runs on "
+                   "the CPU). Nothing is written or downloaded.")
     p.add_argument("--list-models", action="store_true", help="List the model presets and exit.")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     config.add_flags(p, only=SHARED_KEYS)
@@ -166,18 +170,36 @@ def run(args) -> int:
         from shardwise.plan.simulate import simulate_plan
 
         sim = simulate_plan(plan)
+    rehearsal = None
+    if getattr(args, "rehearse", False):
+        from shardwise.plan.rehearse import rehearse_plan
+
+        rehearsal = rehearse_plan(plan, res.cfg, only=plan.configured)
     if getattr(args, "json", False):
         d = plan.to_json()
         if sim is not None:
             d["simulated"] = sim
+        if rehearsal is not None:
+            d["rehearsed"] = rehearsal
         json.dump(d, sys.stdout, indent=2)
         print()
     else:
-        print(render(plan, sim, explain=getattr(args, "explain", False)))
+        print(render(plan, sim, rehearsal, explain=getattr(args, "explain", False)))
     return 0
 
 
 # ----------------------------------------------------------------------------- text
+
+
+def _checkpointing(plan) -> str:
+    """The job's checkpointing for the job line, with its long-context levers (MLP tiles as auto resolves them)."""
+    from shardwise.plan.memory import mlp_tiles
+
+    j = plan.job
+    out = ("on, inputs offloaded to host" if j.offload_checkpoints else "on") if j.checkpointing else \
+        "selective" if j.selective_checkpointing else "off"
+    n = mlp_tiles(plan.spec, j)
+    return out + (f"; MLP in {n} tiles{' (auto)' if j.mlp_tiles == 0 else ''}" if n > 1 else "")
 
 
 def _job_line(plan) -> str:
@@ -189,11 +211,11 @@ def _job_line(plan) -> str:
             + (f"; sequence parallel {j.sp} ({j.seq_len // j.sp} tokens per rank)" if j.sp > 1 else "")
             + (f"; tensor parallel {j.tp}" if j.tp > 1 else "")
             + f"; compute {dt}, weights/grads/optimizer "
-            f"{j.param_dtype}; checkpointing {'on' if j.checkpointing else 'off'}; packing {'on' if j.packing else 'off'}; "
+            f"{j.param_dtype}; checkpointing {_checkpointing(plan)}; packing {'on' if j.packing else 'off'}; "
             f"compile {'on' if j.compile else 'off'}; fused loss {'on' if j.fused_loss else 'off'}")
 
 
-def render(plan, sim=None, explain: bool = True) -> str:
+def render(plan, sim=None, rehearsal=None, explain: bool = True) -> str:
     from shardwise.plan import text
     from shardwise.plan.memory import GiB, Opts, block_activations, head_activations
 
@@ -254,6 +276,10 @@ def render(plan, sim=None, explain: bool = True) -> str:
             lines.append(f"{mark} {r['tp']:>3d} {r['strategy']:14s}{r['mem_gib'] * scale:14.2f}  "
                          f"{'yes' if r['fits'] else 'NO':5s}{r['step_time_s']:9.3f}{r['tokens_per_s']:11,.0f}"
                          f"{r['tp_comm_gb_per_step']:12.2f}")
+    if rehearsal is not None:
+        from shardwise.plan.rehearse import render as rehearsal_lines
+
+        lines += rehearsal_lines(rehearsal)
     lines += _verdict_lines(plan, sim, explain)
     return "\n".join(lines)
 

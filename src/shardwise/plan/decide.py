@@ -16,12 +16,14 @@ from shardwise.plan.calibration import value
 from shardwise.plan.comm import Compute, Links, Timing, step_time
 from shardwise.plan.costs import cost_of
 from shardwise.plan.explain import assumptions, decision_tree, sp_mode_label  # noqa: F401 (re-exported)
+from shardwise.plan.long_context import auto_mlp_tiles
 from shardwise.plan.memory import (
     GiB,
     Job,
     Memory,
     Opts,
     estimate,
+    mlp_tiles,
     shard_ranks,
     tp_degrees,
 )
@@ -154,7 +156,7 @@ class Plan:
                       "layers": s.num_layers, "hidden": s.hidden_size, "intermediate": s.intermediate_size,
                       "heads": s.num_heads, "kv_heads": s.num_kv_heads, "vocab": s.vocab_size,
                       "tied_embeddings": s.tied_embeddings},
-            "job": dataclasses.asdict(j),
+            "job": {**dataclasses.asdict(j), "mlp_tiles_resolved": mlp_tiles(s, j)},  # mlp_tiles 0 is auto
             "hardware": {"gpus_per_node": h.gpus_per_node, "nodes": h.nodes, "world_size": h.world,
                          "accelerator": h.accelerator, "device": h.device_name,
                          "device_mem_gib": h.device_mem_gib, "host_mem_gib": h.host_mem_gib,
@@ -254,9 +256,12 @@ def plan_model(spec: ModelSpec, job: Job, setup: Setup, configured: str | None =
     names = preset_names(setup, job.tp, job.sp, job.float8)
     if configured and configured in presets.PRESETS and configured not in names:
         names.append(configured)
+    if job.mlp_tiles == 0 and names:  # --mlp-tiles auto: one count for every row, the configured strategy's
+        job = auto_tiles(spec, job, setup, configured if configured in names else names[0], cfg)
     plans = [plan_strategy(spec, job, setup, n, opts_for(n, cfg)) for n in names]
     plan = Plan(spec, job, setup, plans, "", [], {}, configured)
     plan.recommended, plan.reasons = recommend(plan)
+    plan.reasons += activation_lever_reasons(plan)
     plan.tree = decision_tree(plan)
     if escalate:
         choose_parallel(plan, cfg)
@@ -323,6 +328,8 @@ def recommend(plan: Plan) -> tuple[str, list[str]]:
 def _variant(plan: Plan, name: str, job: Job | None = None, setup: Setup | None = None) -> StrategyPlan:
     job = job or plan.job
     setup = setup or plan.setup
+    if job.mlp_tiles == 0:  # a lever's --mlp-tiles auto: the count it would take for this preset
+        job = auto_tiles(plan.spec, job, setup, name)
     base = plan.for_strategy(name).opts if any(s.strategy == name for s in plan.strategies) else opts_for(name)
     if presets.PRESETS[name].options.get("fsdp.hybrid") and setup.nodes <= 1:  # one node: no replica groups
         base = dataclasses.replace(base, hybrid=False)
@@ -338,6 +345,10 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
             f"activations {m.activations / GiB:.1f}, buffers {m.buffers / GiB:.1f})")
     if sp.fits:
         return head + f"; fits with {sp.headroom_gib:.1f} GiB headroom"
+    host_need = m.host * plan.setup.gpus_per_node / GiB
+    if host_need > plan.setup.host_mem_gib * 0.9:
+        head += (f"; host RAM: {host_need:.1f} GiB per node to hold, of {plan.setup.host_mem_gib:.0f} GiB "
+                 f"(90% usable){' (offloaded checkpoints)' if plan.job.offload_checkpoints else ''}")
     j = plan.job
     cands: list[tuple[int, str, StrategyPlan]] = []
 
@@ -360,6 +371,10 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
         levers.append(("--param-dtype bf16", {"param_dtype": "bf16"}))
     if not j.checkpointing:
         levers.append(("--gradient-checkpointing", {"checkpointing": True}))
+    # the long-context levers (docs/long-context.md): they keep the strategy, the batch and every state on the device,
+    # and need host RAM and recompute; ranked with the offload presets and the sequence split (the faster wins)
+    for flags, changes in activation_levers(j):
+        add(1, flags, dataclasses.replace(j, **changes))
     if j.micro_batch > 1:
         levers.append((f"--micro-batch-size 1 --grad-accum {j.grad_accum * j.micro_batch}",
                        {"micro_batch": 1, "grad_accum": j.grad_accum * j.micro_batch}))
@@ -407,6 +422,61 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
     _, text, best = max((c for c in ok if c[0] == rank), key=lambda c: c[2].tokens_per_s)
     return (head + f"; does not fit. Cheapest change that fits: {text} "
             f"(~{best.memory.total / GiB:.1f} GiB, ~{best.tokens_per_s:,.0f} tokens/s)")
+
+
+def auto_tiles(spec: ModelSpec, job: Job, setup: Setup, name: str, cfg=None) -> Job:
+    """`--mlp-tiles auto`: none where preset `name` fits the device without tiles (tiles cost one more MLP forward,
+    the same for any count); else the size rule's count (plan/long_context.py auto_mlp_tiles, the engine's own
+    when it is given auto without a plan), doubled while the run still does not fit and a tile keeps 1024 tokens."""
+    opts = opts_for(name, cfg)
+
+    def fits(n: int) -> bool:
+        return plan_strategy(spec, dataclasses.replace(job, mlp_tiles=n), setup, name, opts).fits
+
+    if fits(1):
+        return dataclasses.replace(job, mlp_tiles=1)
+    n = auto_mlp_tiles(job.tokens, spec.hidden_size, spec.mlp_width, job.c)
+    while not fits(n) and n * 2 <= job.tokens // 1024:
+        n *= 2
+    return dataclasses.replace(job, mlp_tiles=n)
+
+
+def activation_lever_reasons(plan: Plan) -> list[str]:
+    """Where no preset fits without host offload of its states and activations are what does not fit (at least half
+    the leanest such preset's peak), the activation levers (offloaded checkpointing, MLP tiles) that make it fit with
+    the states on the device: said before an optimizer-offload preset is taken (`--strategy auto` prints it)."""
+    plain = [s for s in plan.strategies if not offloads(s.opts)]
+    if not plain or any(s.fits for s in plain):
+        return []
+    lean = min(plain, key=lambda s: s.memory.total)
+    m = lean.memory
+    if m.peak_tensors - m.params - m.grads - m.optimizer < 0.5 * m.peak_tensors:  # the states are the peak
+        return []
+    found = [(flags, _variant(plan, lean.strategy, dataclasses.replace(plan.job, **changes)))
+             for flags, changes in activation_levers(plan.job)]
+    found = [(f, v) for f, v in found if v.fits]
+    if not found:
+        return []
+    flags, v = max(found, key=lambda f: f[1].tokens_per_s)
+    return [f"activations are what does not fit: {lean.strategy} with {flags} fits ({_gib(v.memory.total / GiB)} "
+            f"per rank, {v.memory.host * plan.setup.gpus_per_node / GiB:.1f} GiB of host RAM per node, "
+            f"~{v.tokens_per_s:,.0f} tokens/s), keeping every state on the device: prefer it to optimizer offload"]
+
+
+def activation_levers(j: Job) -> list[tuple[str, dict]]:
+    """The single-device activation levers a job does not use yet, alone and together: offloaded checkpointing and
+    MLP tiles (auto), each with the changes to the job."""
+    out: list[tuple[str, dict]] = []
+    offload = ("--activation-checkpointing offload", {"checkpointing": True, "offload_checkpoints": True,
+                                                       "selective_checkpointing": False})
+    tiles = ("--mlp-tiles auto", {"mlp_tiles": 0})
+    if not j.offload_checkpoints:
+        out.append(offload)
+    if j.mlp_tiles == 1 and j.tp == 1:
+        out.append(tiles)
+        if not j.offload_checkpoints:
+            out.append((f"{offload[0]} {tiles[0]}", {**offload[1], **tiles[1]}))
+    return out
 
 
 def sp_degrees(spec: ModelSpec, job: Job, world: int) -> list[int]:

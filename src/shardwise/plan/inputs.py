@@ -47,12 +47,24 @@ def job_from_config(cfg, setup: Setup) -> Job:
     return Job(world=setup.world, nodes=setup.nodes, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
                grad_accum=cfg.grad_accum, tuner=cfg.tuner, lora_r=cfg.lora.r, lora_targets=cfg.lora.targets,
                lora_dropout=cfg.lora.dropout, compute=compute_dtype(cfg.mixed_precision, setup.accelerator),
-               param_dtype=cfg.param_dtype, checkpointing=_ac(cfg) == "full", packing=cfg.packing,
+               param_dtype=cfg.param_dtype, checkpointing=_ac(cfg) in ("full", "offload"), packing=cfg.packing,
                device_mem_gib=setup.device_mem_gib, host_mem_gib=setup.host_mem_gib, accelerator=setup.accelerator,
                fused_loss=cfg.fused_loss, compile=compile_on(cfg.compile, setup.accelerator),
                sp=getattr(cfg, "sequence_parallel", 1), tp=getattr(cfg, "tensor_parallel", 1),
                sp_mode=getattr(cfg, "sp_mode", "auto"),
-               selective_checkpointing=_ac(cfg) == "selective", float8=bool(getattr(cfg, "float8", False)))
+               selective_checkpointing=_ac(cfg) == "selective", float8=bool(getattr(cfg, "float8", False)),
+               offload_checkpoints=_ac(cfg) == "offload", mlp_tiles=_tiles(cfg))
+
+
+def _tiles(cfg) -> int:
+    """config `mlp_tiles` for the planner's Job: the count, 0 for auto (resolved per job: memory.mlp_tiles)."""
+    from shardwise.plan.long_context import parse_mlp_tiles
+
+    try:
+        n = parse_mlp_tiles(getattr(cfg, "mlp_tiles", "1"))
+    except ValueError:
+        return 1  # the config's own check refuses it
+    return 0 if n == "auto" else n
 
 
 def _check_flags(gpus, nodes, gpu_memory, intra_gbps, inter_gbps, mfu) -> None:

@@ -39,6 +39,7 @@ from shardwise.plan.facts import (  # noqa: F401 (DDP_BUCKET_BYTES and the DS_* 
     FLOAT8_NARROW_OUT,
     FUSED_LOSS_CHUNK,
 )
+from shardwise.plan.long_context import auto_mlp_tiles, offload_host_bytes
 from shardwise.plan.model_spec import ModelSpec
 
 GiB = 2**30
@@ -85,6 +86,9 @@ class Job:
     # op-level selective checkpointing (config activation_checkpointing selective; `checkpointing` is the full one)
     selective_checkpointing: bool = False
     float8: bool = False  # the blocks' large linears as torchao float8 linears (config `float8`; float8_linears)
+    # full checkpointing with the kept block inputs in host memory (config activation_checkpointing offload)
+    offload_checkpoints: bool = False
+    mlp_tiles: int = 1  # the MLP over this many sequence tiles (config `mlp_tiles`); 0 = auto (plan/long_context.py)
 
     @property
     def gpus_per_node(self) -> int:
@@ -224,6 +228,13 @@ def tp_degrees(spec: ModelSpec, gpus_per_node: int) -> list[int]:
 # ----------------------------------------------------------------------------- activations
 
 
+def mlp_tiles(spec: ModelSpec, job: Job) -> int:
+    """The MLP tile count of the job (auto resolved as the engine resolves it: models/tiles.py)."""
+    if job.mlp_tiles >= 1:
+        return job.mlp_tiles
+    return auto_mlp_tiles(job.tokens, spec.hidden_size, spec.mlp_width, job.c)
+
+
 def uses_ds_linear(job: Job, o: Opts) -> bool:
     """Whether the linears save their uncast input and weight, as DeepSpeed's LinearFunctionForZeroStage3 does: it
     saves the linear's input and weight as passed and casts inside, so no autocast weight copies are kept and
@@ -253,17 +264,20 @@ def layer_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     kv = spec.kv_dim if gqa_native else spec.q_dim
     nrm = spec.norms_per_layer
     full = job.tuner == "full"
+    n = mlp_tiles(spec, job)
     d = {}
     # RMSNorm: fp32 copy of the input (saved by pow/mul) + normalised value (saved by weight*x when the weight trains)
     d["norms"] = nrm * T * h * (4 + (r if full else 0)) / tp
     # inputs of the projections: q/k/v share the first norm's output, gate/up the second's (3+2 casts under autocast)
     lin_in = {"qkv": T * h * (3 * c if autocast else r), "o": T * spec.q_dim * c / tp,
-              "gate_up": T * h * (2 * c if autocast else r), "down": T * i * c / tp}
+              "gate_up": T * h * (2 * c if autocast else r), "down": T * i * c / tp / n}
     # attention: rotated q, k, v (repeated to all heads when a mask is used), SDPA output, its contiguous copy
     # (the o_proj input, counted above) and the fp32 log-sum-exp
     d["attention"] = (T * c * (spec.q_dim + 2 * kv + spec.q_dim) + 4 * spec.num_heads * job.tokens) / tp
     # gated MLP: gate (silu input), up, silu(gate) (mul inputs); the product is the down_proj input
-    d["mlp"] = 3 * T * i * c / tp
+    # tiled (models/tiles.py): each tile's interior exists alone, in forward and in the recomputed backward; saved
+    # for backward is only the tile input (a view of gate/up's input), so 1/n is an upper bound without checkpointing
+    d["mlp"] = 3 * T * i * c / tp / n
     if spec.num_experts:  # routing: each token's copy for each of its k experts (the experts' gate/up input) and
         # each expert's output before it is weighted and summed back (the weighting multiply saves it), plus the
         # router's fp32 logits and softmax; measured on transformers' Mixtral block (tests/unit/test_moe.py)
@@ -458,13 +472,22 @@ def activations(spec: ModelSpec, job: Job, o: Opts) -> tuple[float, float, dict]
     """(bytes alive at the end of forward, bytes of one block's activations, detail)."""
     per_layer = block_activations(spec, job, o)
     head = head_activations(spec, job, o)
-    if job.checkpointing:  # only each block's input is kept; one block is recomputed at a time in backward
-        kept = spec.num_layers * job.tokens * spec.hidden_size * residual_bytes(job, o) / job.tp
+    block_input = job.tokens * spec.hidden_size * residual_bytes(job, o) / job.tp
+    host = 0.0
+    if job.checkpointing and job.offload_checkpoints:  # the inputs live in host memory (models/offload.py); on the
+        # device: the input whose copy out is in flight beside the running block's, or in backward the recomputed
+        # block's input and the next one's prefetch
+        kept = min(2, spec.num_layers) * block_input
+        host = offload_host_bytes(spec.num_layers, job.tokens // job.tp, spec.hidden_size, residual_bytes(job, o),
+                                  pinned=job.accelerator == "cuda")
+    elif job.checkpointing:  # only each block's input is kept; one block is recomputed at a time in backward
+        kept = spec.num_layers * block_input
     elif job.selective_checkpointing:
         kept = spec.num_layers * min(per_layer, selective_block_activations(spec, job, o))
     else:
         kept = spec.num_layers * per_layer
-    detail = {"per_layer": per_layer, "layers_kept": kept, **{f"head.{k}": v for k, v in head.items()}}
+    detail = {"per_layer": per_layer, "layers_kept": kept, "host_checkpoints": host,
+              **{f"head.{k}": v for k, v in head.items()}}
     return kept + sum(head.values()), per_layer, detail
 
 
@@ -526,7 +549,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     moment_a = states + act_end + sum(extraA.values()) + accum_grads
     # end of backward: all grads, the first block's activations and their gradients (or the recomputed block)
     # a block's backward: its saved activations (recomputed under checkpointing) plus the gradients in flight
-    workspace = (per_layer + job.tokens * (3 * spec.mlp_width * job.c + 8 * spec.hidden_size) / job.tp
+    workspace = (per_layer + job.tokens * (3 * spec.mlp_width * job.c / mlp_tiles(spec, job) + 8 * spec.hidden_size) / job.tp
                  + float8_backward_bytes(spec, job))
     g = 0.0 if st.grads_persist else grads
     moment_b = states + g + max(workspace + sum(extraB.values()), st.root_bwd)  # the fused AdamW: no temporaries
@@ -540,7 +563,8 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     if job.checkpointing and spec.num_layers and ((g == 0 and not st.grads_persist) or job.tuner != "full"):
         bwd = sum(v for k, v in extraB.items() if k != "fp32_grad_partition")
         accumulated = extraA.get("unsharded_accumulated_grads", 0.0) + accum_grads  # earlier micro-batches'
-        moment_b0 = (states + act_detail["layers_kept"] * (spec.num_layers - 1) / spec.num_layers + workspace + bwd
+        others = 1.0 if job.offload_checkpoints else (spec.num_layers - 1) / spec.num_layers  # offload: in flight only
+        moment_b0 = (states + act_detail["layers_kept"] * others + workspace + bwd
                      + accumulated)
     moment_c, phase_c, extraC = cost.extra_moment(spec, job, o, N, st, states, per_layer, act_detail)
     peak = max(moment_a, moment_b, moment_b0, moment_c)
@@ -561,4 +585,5 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
               "trainable_params": P_t if job.tp == 1 else trainable(spec, dataclasses.replace(job, tp=1))[0],
               "shard_ranks": N, **({"tp_local_params": P_t} if job.tp > 1 else {})}
     return Memory(params=st.params, grads=grads, optimizer=st.opt, activations=act_end, buffers=buffers,
-                  peak_tensors=peak, allowance=allowance, host=st.host, phase=phase, detail=detail)
+                  peak_tensors=peak, allowance=allowance, host=st.host + act_detail["host_checkpoints"], phase=phase,
+                  detail=detail)

@@ -203,8 +203,31 @@ def adapters_and_wrapping(res) -> Refusal | None:
         yield (not (c.gradient_checkpointing and c.activation_checkpointing == "selective"), "activation_checkpointing",
                "activation_checkpointing selective contradicts gradient_checkpointing true (full checkpointing); "
                "set one of them")
+        yield from _mlp_tiles(c)
 
     return first(rules())
+
+
+def parse_mlp_tiles(value) -> int | str:
+    """config `mlp_tiles`: 'auto' or a positive integer; ValueError otherwise."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"mlp_tiles must be a positive integer or auto, got {value!r}")
+    return int(text)
+
+
+def _mlp_tiles(c):
+    """mlp_tiles: a positive count or auto; not with tensor parallelism (its MLP input and output are split)."""
+    try:
+        parse_mlp_tiles(c.mlp_tiles)
+    except ValueError:
+        yield False, "mlp_tiles", f"mlp_tiles must be a positive integer (1 = off) or auto, got '{c.mlp_tiles}'"
+        return
+    yield (str(c.mlp_tiles).strip() == "1" or c.tensor_parallel == 1, "mlp_tiles",
+           f"mlp_tiles {c.mlp_tiles} with tensor_parallel {c.tensor_parallel} is not built (tensor parallelism splits "
+           "the MLP's width and gathers its sequence already); use mlp_tiles 1 or tensor_parallel 1")
 
 
 def float8(res) -> Refusal | None:

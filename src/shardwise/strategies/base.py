@@ -13,7 +13,7 @@ The training loop calls only these methods and never branches on the strategy:
     full = strategy.full_model_state_dict(model)      # rank 0: full tensors on the CPU
 
 `setup` runs the strategy's parallelize pipeline, in this order (strategies/parallelize.py):
-float8 -> tensor parallel -> activation checkpointing -> compile -> data-parallel wrapping (`wrap`, or
+float8 -> tensor parallel -> MLP tiles -> activation checkpointing -> compile -> data-parallel wrapping (`wrap`, or
 DeepSpeed's engine) + the optimizer. Every degree, rank and group comes from `env.dims`
 (strategies/parallel.py), which owns the one device mesh; no strategy builds its own.
 
@@ -39,6 +39,7 @@ from shardwise.strategies.parallelize import (
     apply_compile,
     apply_float8,
     apply_loss_head,
+    apply_mlp_tiles,
     apply_tensor_parallel,
 )
 
@@ -103,6 +104,7 @@ class Strategy:
         done = [apply_float8(model, cfg, self.env.device)]
         apply_attention(model, cfg, self.dims)
         done += [apply_tensor_parallel(model, self.dims),
+                 apply_mlp_tiles(model, cfg, self.dims, self.env.device),
                  apply_activation_checkpointing(model, cfg),
                  apply_compile(model, cfg, self.dims, hooks_eager=self.compile_hooks_eager)]
         # what is on, for the run's header (the loop prints it): "compile: 16 blocks", "activation checkpointing: ..."

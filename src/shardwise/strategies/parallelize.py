@@ -2,7 +2,7 @@
 small function that does one thing to the module tree and says what it did. The strategy
 composes them in a fixed order (`Strategy.parallelize`):
 
-    loss head -> float8 -> attention -> tensor parallel -> activation checkpointing -> compile
+    loss head -> float8 -> attention -> tensor parallel -> MLP tiles -> activation checkpointing -> compile
     -> data-parallel wrapping
 
 The loss head (the fused linear + cross-entropy, models/speed.py) changes what the head returns, not its module
@@ -10,7 +10,8 @@ or parameters, so every later step sees the model as loaded. Float8 swaps module
 names), so it goes before anything wraps or splits them. The attention step routes attention through the sequence
 group (Ulysses / ring) or a document mask; it replaces the attention function only.
 Tensor parallelism comes next because it replaces weights by DTensors over the `tp` mesh
-dimension, and the later steps must see those; checkpointing wraps the (parallel) blocks;
+dimension, and the later steps must see those; the MLP tiles (models/tiles.py) replace the MLPs' forward inside
+the blocks, so the block checkpoint that comes next recomputes them tile by tile; checkpointing wraps the (parallel) blocks;
 compile traces each block with its checkpointing inside; the data-parallel wrapper (FSDP, DDP,
 DeepSpeed) goes around the compiled blocks (FSDP's per-block units and DDP's buckets, see
 strategies/ddp.py, are laid over whole compiled blocks). The order is torchtitan's.
@@ -186,9 +187,24 @@ def apply_attention(model: nn.Module, cfg, dims: ParallelDims) -> str:
     return apply_sequence_parallel(base, dims if cfg.sequence_parallel > 1 else None, cfg.sp_mode)
 
 
+def apply_mlp_tiles(model: nn.Module, cfg, dims: ParallelDims, device: torch.device) -> str:
+    """--mlp-tiles: each block's MLP over sequence tiles, each checkpointed (models/tiles.py); auto resolves the
+    count for this rank's tokens (a 1/sp slice of each sequence) and the compute dtype."""
+    if str(cfg.mlp_tiles).strip() == "1":
+        return "mlp tiles: off"
+    from shardwise.models.tiles import tile_blocks
+    from shardwise.plan.inputs import compute_dtype
+
+    c = 4 if compute_dtype(cfg.mixed_precision, device.type) == "fp32" and cfg.param_dtype == "fp32" else 2
+    tokens = cfg.micro_batch_size * cfg.seq_len // max(1, cfg.sequence_parallel)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return tile_blocks(base, cfg.mlp_tiles, tokens, c)
+
+
 def apply_activation_checkpointing(model: nn.Module, cfg) -> str:
-    """Recompute activations in backward: every block whole (full: HF's non-reentrant checkpointing) or the cheap
-    operators between the kept matmul and attention outputs (selective); models/checkpointing.py."""
+    """Recompute activations in backward: every block whole (full: HF's non-reentrant checkpointing; offload: the same
+    with the kept inputs in host memory) or the cheap operators between the kept matmul and attention outputs
+    (selective); models/checkpointing.py."""
     from shardwise.config import checkpointing_mode
     from shardwise.models.checkpointing import checkpoint_blocks
 

@@ -117,6 +117,14 @@ async def _plan(request):
     return JSONResponse({"plan": p, "train": t})
 
 
+async def _rehearse(request):
+    try:
+        values = await _body(request)
+        return JSONResponse({"plan": await asyncio.to_thread(forms.rehearse, values)})
+    except ShardwiseError as e:
+        return _error(e)
+
+
 async def _launch(request):
     runs_dir = _runs_dir(request)
     try:
@@ -234,6 +242,7 @@ ROUTES = [
     Route("/bench", _page("bench.html")),
     Route("/api/fields", _form_fields),
     Route("/api/plan", _plan, methods=["POST"]),
+    Route("/api/rehearse", _rehearse, methods=["POST"]),
     Route("/api/launch", _launch, methods=["POST"]),
     Route("/api/runs", _run_list),
     Route("/api/run", _run_detail),

@@ -218,6 +218,29 @@ def plan(values: dict) -> dict:
     return _with_field(go, "plan")
 
 
+_REHEARSING = threading.Lock()  # one rehearsal at a time: each runs a rank of a job on this machine's device
+
+
+def rehearse(values: dict) -> dict:
+    """`shardwise plan ... --rehearse --json` for a form: the plan's JSON with its `rehearsed` rows. The plan is
+    built under the forms' lock; the rehearsal runs outside it (minutes on a real model), one at a time."""
+    from shardwise.plan.command import build
+    from shardwise.plan.rehearse import rehearse_plan
+
+    def go():
+        args = _parse("plan", argv_for(values, "plan"))
+        return build(args)
+
+    if not _REHEARSING.acquire(blocking=False):
+        raise FormError("a rehearsal is running already; wait for its answer", None)
+    try:
+        p, res = _with_field(go, "plan")
+        rehearsal = _with_field(lambda: rehearse_plan(p, res.cfg, only=p.configured), "plan")
+        return {**p.to_json(), "rehearsed": rehearsal}
+    finally:
+        _REHEARSING.release()
+
+
 def minimal_train_argv(res) -> list[str]:
     """The train flags whose value differs from what the model alone resolves to."""
     from shardwise import config

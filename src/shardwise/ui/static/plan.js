@@ -1,8 +1,8 @@
 // Plan page: the form answers as you type through /api/plan (the planner of `shardwise plan --json`).
 "use strict";
 sw.nav("plan");
-let memChart = null, seq = 0, timer = null;
-window.shardwise = { plan: null };
+let memChart = null, seq = 0, timer = null, lastTrain = null;
+window.shardwise = { plan: null, rehearsed: null };
 
 function fieldRow(f) {
   const id = "f-" + f.name;
@@ -41,9 +41,11 @@ function render(d) {
   document.getElementById("tree-verdict").innerHTML = `${sw.esc(t.path)}<br>says <b>${sw.esc(t.says)}</b>; planner <b>${sw.esc(t.planner)}</b> — ${t.agree ? "agree" : "differ"}`;
   document.getElementById("tree-why").innerHTML = t.why.map(w => `<li>${sw.esc(w)}</li>`).join("");
   document.querySelector("#strategies tbody").innerHTML = p.strategies.map(s =>
-    `<tr${s.strategy === p.recommended ? ' class="sel"' : ""}><td>${sw.esc(s.strategy)}${s.strategy === p.recommended ? " ★" : ""}</td><td>${s.fits ? "yes" : "NO"}</td>
+    `<tr data-strategy="${sw.esc(s.strategy)}"${s.strategy === p.recommended ? ' class="sel"' : ""}><td>${sw.esc(s.strategy)}${s.strategy === p.recommended ? " ★" : ""}</td><td>${s.fits ? "yes" : "NO"}</td>
      <td class="num">${sw.fmt(s.mem_gib.total)}</td><td class="num">${sw.fmt(s.comm_gb_per_step)}</td>
-     <td class="num">${sw.fmt(s.step_time_s, 4)}</td><td class="num">${sw.fmt(s.tokens_per_s, 0)}</td><td class="muted">${sw.esc(s.peak_phase)}</td></tr>`).join("");
+     <td class="num">${sw.fmt(s.step_time_s, 4)}</td><td class="num">${sw.fmt(s.tokens_per_s, 0)}</td><td class="muted">${sw.esc(s.peak_phase)}</td>
+     ${rehearsedCells(s.strategy)}</tr>`).join("");
+  lastTrain = d.train;
   document.getElementById("command").textContent = d.train.command;
   document.getElementById("yaml").textContent = d.train.yaml;
   const parts = [["params", "parameters"], ["grads", "gradients"], ["optimizer", "optimizer"], ["activations", "activations"], ["buffers", "buffers"], ["allowance", "allowance"]];
@@ -58,6 +60,52 @@ function render(d) {
         plugins: { legend: { position: "bottom", labels: { boxWidth: 12 } } } } });
   } else { memChart.data.labels = labels; memChart.data.datasets = datasets; memChart.update(); }
   window.shardwise.memChart = memChart;
+}
+
+// The rehearsal's cells of a strategy's row: measured memory (GiB; MiB for the tiny model's), the difference from
+// the plan, compute-only step time, and compute + the planner's communication; a row not rehearsed says why.
+function rehearsedCells(name) {
+  const rh = window.shardwise.rehearsed;
+  const r = rh && rh.rows.find(x => x.strategy === name);
+  if (!r) return `<td class="rh" colspan="4"></td>`;
+  if (!r.ok) return `<td class="rh muted" colspan="4">${sw.esc(r.error)}</td>`;
+  const cuda = rh.accelerator === "cuda", mib = !cuda && r.analytic_total_gib < 1;
+  const mem = (cuda ? r.need_gib : r.peak_allocated_gib) * (mib ? 1024 : 1);
+  return `<td class="num rh">${sw.fmt(mem, 2)}${mib ? " MiB" : ""}</td>
+    <td class="num rh${r.disagrees ? " bad" : ""}">${r.memory_diff_pct > 0 ? "+" : ""}${sw.fmt(r.memory_diff_pct, 0)}%</td>
+    <td class="num rh">${sw.fmt(r.compute_s, 3)}</td><td class="num rh">${sw.fmt(r.predicted_step_s, 3)}</td>`;
+}
+
+function showRehearsal(rh) {
+  const notes = [];
+  if (rh) {
+    notes.push(`rehearsed on ${rh.device}, ${rh.steps} steps of one rank each: ${rh.note}`);
+    for (const r of rh.rows) {
+      if (r.ok && r.disagrees) notes.push(`${r.strategy}: rehearsal and plan disagree by ${sw.fmt(r.memory_diff_pct, 0)}% in memory; fits is the rehearsal's: ${r.fits ? "yes" : "NO"}`);
+    }
+    const first = rh.rows.find(r => r.ok);
+    if (first) notes.push(first.rank_why);
+  }
+  document.getElementById("rehearse-notes").innerHTML = notes.map(n => `<li>${sw.esc(n)}</li>`).join("");
+}
+
+async function rehearse() {
+  const b = document.getElementById("rehearse"), note = document.getElementById("rehearse-note");
+  const err = document.getElementById("rehearse-error");
+  const mine = seq;
+  b.disabled = true; err.textContent = "";
+  note.textContent = "rehearsing one rank of each job (minutes on a real model)…";
+  try {
+    const d = await sw.post("/api/rehearse", values());
+    if (mine !== seq) return;  // the form changed meanwhile: this rehearsal is of another job
+    window.shardwise.rehearsed = d.plan.rehearsed;
+    render({ plan: d.plan, train: lastTrain });
+    showRehearsal(d.plan.rehearsed);
+    note.textContent = "";
+  } catch (e) {
+    err.textContent = e.message;
+    note.textContent = "";
+  } finally { b.disabled = false; }
 }
 
 async function replan() {
@@ -94,7 +142,12 @@ async function launch() {
   document.getElementById("runs-dir").textContent = "runs: " + d.runs_dir;
   document.getElementById("plan-fields").innerHTML = d.fields.filter(f => !f.launch_only).map(fieldRow).join("");
   document.getElementById("launch-fields").innerHTML = d.fields.filter(f => f.launch_only).map(fieldRow).join("");
-  document.getElementById("form").addEventListener("input", () => { clearTimeout(timer); timer = setTimeout(replan, 250); });
+  document.getElementById("form").addEventListener("input", () => {
+    clearTimeout(timer); seq++;  // a rehearsal of the earlier form no longer describes this one
+    window.shardwise.rehearsed = null; showRehearsal(null);
+    timer = setTimeout(replan, 250);
+  });
+  document.getElementById("rehearse").addEventListener("click", rehearse);
   document.getElementById("launch").addEventListener("click", launch);
   document.querySelectorAll("[data-copy]").forEach(b => b.addEventListener("click",
     () => navigator.clipboard && navigator.clipboard.writeText(document.getElementById(b.dataset.copy).textContent)));

@@ -1,0 +1,41 @@
+"""benchmarks/long_context_one_gpu.py's parts that run without a GPU: the plan beside a row (the real
+`shardwise plan --json`), the ladder's choice, and the report (the run itself: `--smoke` on the CPU)."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+import long_context_one_gpu as lc  # noqa: E402
+
+
+def test_plan_beside_a_row_sees_the_levers():
+    h100 = ("--gpus", "1", "--gpu-memory", "80", "--gpu-type", "H100")
+    plain = lc.plan("llama-3.1-8b", 262144, lc.ROWS["lora-64k-plain"].flags, smoke=False, hardware=h100)
+    levers = lc.plan("llama-3.1-8b", 262144, lc.ROWS["lora-256k"].flags, smoke=False, hardware=h100)
+    assert not plain["plan_fits"] and levers["plan_fits"], (plain, levers)
+    assert plain["plan_host_gib"] == 0 and levers["plan_host_gib"] == 64.0  # 32 block inputs of 2 GiB
+    assert levers["plan_gib"] < 80 < plain["plan_gib"]
+
+
+def test_report_rows_status_and_the_64k_ratio(tmp_path):
+    meta = {"date": "2026-12-07", "versions": {"gpu": "H100"}, "host_gib": 128.0}
+    results = [{"row": "lora-64k-plain", "shape": "llama3.1-8b", "what": "x", "levers": "plain", "length": 65536,
+                "exit_code": 0, "tokens_per_s": 4300, "steps_logged": 3, "step_s": 15.2, "peak_gib": 51.0,
+                "plan_gib": 50.8, "host_peak_gib": 20.1, "plan_host_gib": 0.0, "plan_tokens_per_s": 4304.0},
+               {"row": "lora-64k-levers", "shape": "llama3.1-8b", "levers": "both", "length": 65536, "exit_code": 0,
+                "tokens_per_s": 3870, "steps_logged": 3, "step_s": 16.9, "peak_gib": 30.0, "plan_gib": 31.0,
+                "host_peak_gib": 40.0, "plan_host_gib": 16.0, "plan_tokens_per_s": 4100.0},
+               {"row": "lora-256k", "shape": "llama3.1-8b", "levers": "both", "length": 262144,
+                "exit_code": "timeout", "tokens_per_s": 1500, "steps_logged": 1, "peak_gib": 70.0},
+               {"row": "qlora-256k", "shape": "llama3.1-8b", "levers": "both", "length": 262144,
+                "skipped": "220 s for one step, 40 s left"}]
+    base = str(tmp_path / "r")
+    lc.write_report(base, meta, results)
+    md = open(base + ".md").read()
+    assert "| lora-64k-levers | llama3.1-8b | both | 65,536 | ok | 3870 | 0.90 | 16.9 | 30.0 | 31.0 | 40.0 | 16.0 | 4100 |" \
+        in md
+    assert "| lora-256k | llama3.1-8b | both | 262,144 | stopped at the budget after 1 step(s) | 1500 (1st) |" in md
+    assert "| skipped: 220 s for one step, 40 s left |" in md
+    assert json.load(open(base + ".json"))["results"][3]["skipped"]
