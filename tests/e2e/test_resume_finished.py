@@ -124,7 +124,7 @@ def test_a_resume_on_other_data_says_so(finished, tmp_path):
     out = copy(finished, tmp_path)
     data = write_jsonl(str(tmp_path / "chat.jsonl"), chat_records(64))
     p = run_cli("train", *JOB[:-4], "--max-steps", "5", "--save-every", "2", "--output-dir", str(out), "--resume",
-                "auto", "--data", data, timeout=300)
+                "auto", "--data", data, "--micro-batch-size", "8", "--seq-len", "128", timeout=300)  # the demo's batch
     assert (f"shardwise: resuming {out}/checkpoints/step_00000004 on other data (data demo -> {data}); the data "
             "position it saved (epoch and offset) is applied to the new data") in p.stdout, p.stdout
     assert json.loads((out / "summary.json").read_text())["steps"] == 5
