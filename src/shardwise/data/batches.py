@@ -71,7 +71,8 @@ def padding_free(cfg: Config, model_type, sp: int = 1, tp: int = 1, cuda: bool =
     only the micro-batches where it pays (flattening_pays: the sampler's flat_when_it_pays)."""
     if cfg.padding_free == "off":
         return False
-    correct = not cfg.packing and sp == 1 and tp == 1
+    # task dpo sums each row's log-probabilities over the padded (B, L) layout (train/objective.py)
+    correct = not cfg.packing and sp == 1 and tp == 1 and getattr(cfg, "task", "sft") == "sft"
     if cfg.padding_free == "on":
         if not correct:
             raise ShardwiseError(f"{PADDING_FREE_WHERE}: a flattened micro-batch is not built with packing, sequence "

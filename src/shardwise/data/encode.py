@@ -343,9 +343,13 @@ def encode(records: list[Record], tokenizer, seq_len: int, packing: bool,
     load_tokenizer attached to the tokenizer) is refused here, naming the record, before anything is written: the
     ids the data holds, not the tokenizer's size, since a real tokenizer may list ids past the embedding that text
     never produces (transformers' Qwen2 tokenizer adds <|endoftext|> at id vocab_size to a 512-token model)."""
-    check_options(tokenizer, options, any(r.kind == "chat" for r in records))
+    check_options(tokenizer, options, any(r.kind in ("chat", "pair") for r in records))
     check_tools(tokenizer, records)
     check_pad_id(tokenizer)
+    if records and records[0].kind == "pair":  # task dpo: chosen and rejected rows (data/preference.py)
+        from shardwise.data.preference import encode_pairs
+
+        return encode_pairs(records, tokenizer, seq_len, options.system if options else "")
     vocab, who = getattr(tokenizer, "shardwise_vocab", (None, ""))
     budget = (seq_len + 1) * CHARS_PER_TOKEN_BOUND
     rows_in, rows_tg, sources = [], [], []

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shardwise.config import split_source
+from shardwise.data.preference import demo_pairs, detect_preference, not_preference, parse_preference
 from shardwise.data.formats import (
     BadRecord,
     ReadStats,
@@ -285,9 +286,10 @@ def _json_array_syntax(path: str) -> None:
 
 
 def read_records(path: str, fmt: str = "auto", skip_bad: bool = False, columns: dict | None = None,
-              stats: ReadStats | None = None, flag: str = "--data") -> tuple[list[Record], ReadStats]:
+              stats: ReadStats | None = None, flag: str = "--data",
+              preference: bool = False) -> tuple[list[Record], ReadStats]:
     """All records of one --data path (or of the option `flag` names: --val-data); the first bad one stops, unless
-    skip_bad."""
+    skip_bad. `preference` (task dpo): the records are preference pairs (data/preference.py)."""
     stats = stats or ReadStats()
     out: list[Record] = []
     with tempfile.TemporaryDirectory(prefix="shardwise-datasets-") as cache:
@@ -295,20 +297,29 @@ def read_records(path: str, fmt: str = "auto", skip_bad: bool = False, columns: 
             stats.files.append(fname)
             kind = file_kind(fname)
             rows = _jsonl_rows(fname) if kind == "jsonl" else _hf_rows(fname, kind, cache)
-            out += _records(rows, None if fmt == "auto" else fmt, skip_bad, columns or {}, stats)
+            out += _records(rows, None if fmt == "auto" else fmt, skip_bad, columns or {}, stats, preference)
     if not out:
         extra = f" ({stats.skipped} bad records skipped)" if stats.skipped else ""
         raise ShardwiseError(f"{flag} {path}: no usable records{extra}; check the file and --data-format")
     return out, stats
 
 
-def _records(rows, file_fmt: str | None, skip_bad: bool, columns: dict, stats: ReadStats) -> list[Record]:
+def _records(rows, file_fmt: str | None, skip_bad: bool, columns: dict, stats: ReadStats,
+             preference: bool = False) -> list[Record]:
     out = []
     for where, obj in rows:
         try:
             if isinstance(obj, BadRecord):
                 raise obj
             obj = rename(obj, columns)
+            if preference:
+                if file_fmt is None:
+                    file_fmt = detect_preference(obj)
+                    if file_fmt is None:
+                        raise not_preference(where, obj)
+                out.append(parse_preference(obj, file_fmt, where))
+                stats.records += 1
+                continue
             if file_fmt is None:
                 file_fmt = detect_format(obj) if isinstance(obj, dict) else None
                 if file_fmt is None:
@@ -385,14 +396,16 @@ def load_records(cfg, where=lambda key: f"--{key.replace('_', '-')}") -> tuple[l
     says where a config key was set, for the error lines."""
     sources = parse_data_spec(cfg.data, where("data"))
     cols = parse_columns(cfg.columns, where("columns"))
+    demo = demo_pairs if cfg.task == "dpo" else demo_dataset
     if len(sources) == 1 and sources[0].path == "demo" and sources[0].weight is None and sources[0].count is None:
-        return demo_dataset(), None
+        return demo(), None
     stats, groups = ReadStats(), []
     for src in sources:
         if src.path == "demo":
-            groups.append((src, demo_dataset()))
+            groups.append((src, demo()))
         else:
-            recs, _ = read_records(src.path, cfg.data_format, cfg.skip_bad_records, cols, stats)
+            recs, _ = read_records(src.path, cfg.data_format, cfg.skip_bad_records, cols, stats,
+                                   preference=cfg.task == "dpo")
             groups.append((src, recs))
     if len(groups) == 1 and sources[0].weight is None and sources[0].count is None:
         return groups[0][1], stats
