@@ -223,12 +223,13 @@ def _encode(res: Resolved, cfg: Config, world: int, model_dir: str, records: lis
         raise ShardwiseError(f"{res.where('val_data' if cfg.val_data else 'val_split')}: the validation set has no "
                              "loss token (every example empty or truncated away); give more or longer examples")
     global_batch = cfg.micro_batch_size * cfg.grad_accum * (world // (cfg.sequence_parallel * cfg.tensor_parallel))
-    if len(encoded) < global_batch:
-        raise ShardwiseError(f"the dataset has {len(encoded)} sequences, fewer than one global batch of "
+    units, what = (len(encoded) // 2, "preference pairs") if cfg.task == "dpo" else (len(encoded), "sequences")
+    if units < global_batch:
+        raise ShardwiseError(f"the dataset has {units} {what}, fewer than one global batch of "
                              f"{global_batch}; lower --micro-batch-size or --grad-accum, or add data")
     if resume_from:
         check_steps_left(cfg, res, resume_from, cfg.max_steps if cfg.max_steps > 0
-                         else cfg.epochs * (len(encoded) // global_batch))
+                         else cfg.epochs * (units // global_batch))
     return encoded, tensors, hit, val, val_tensors
 
 
