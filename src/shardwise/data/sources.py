@@ -28,7 +28,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shardwise.config import split_source
-from shardwise.data.preference import demo_pairs, detect_preference, not_preference, parse_preference
 from shardwise.data.formats import (
     BadRecord,
     ReadStats,
@@ -41,6 +40,7 @@ from shardwise.data.formats import (
     rename,
     undetectable,
 )
+from shardwise.data.preference import demo_pairs, detect_preference, not_preference, parse_preference
 from shardwise.errors import ShardwiseError
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".arrow")

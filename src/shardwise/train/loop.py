@@ -33,13 +33,12 @@ from shardwise.rundir import atomic_write_json, record_interrupted
 from shardwise.strategies.base import DTYPES
 from shardwise.train import checkpoint as ckpt
 from shardwise.train import dist as sdist
-from shardwise.train import peers
+from shardwise.train import objective, peers
 from shardwise.train.control import Control
 from shardwise.train.evaluate import Evaluator
 from shardwise.train.faults import Faults
-from shardwise.train import objective
-from shardwise.train.objective import SFT
 from shardwise.train.metrics import Reporter, Window, flops_per_token, peak_memory_gib
+from shardwise.train.objective import SFT
 from shardwise.train.profile import StepProfiler
 
 
