@@ -218,6 +218,8 @@ def flops_per_microbatch(spec: ModelSpec, job: Job) -> tuple[float, float]:
     else:  # frozen weights need only input gradients
         P_t = spec.lora_params(job.lora_r, job.lora_targets)
         bwd = 2 * P * T + 6 * P_t * T + 2 * attn_f
+    if job.reference != "none":  # task dpo: the reference's forward of the same rows, a third of a full step's FLOPs
+        fwd += 2 * P * T + attn_f
     if job.checkpointing:  # blocks run forward again in backward
         bwd += 2 * (P - spec.root_params) * T + attn_f
     elif job.selective_checkpointing:

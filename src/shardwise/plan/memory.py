@@ -85,6 +85,10 @@ class Job:
     # op-level selective checkpointing (config activation_checkpointing selective; `checkpointing` is the full one)
     selective_checkpointing: bool = False
     float8: bool = False  # the blocks' large linears as torchao float8 linears (config `float8`; float8_linears)
+    # task dpo's reference during training (train/objective.py): none (sft, simpo/orpo, --precompute-ref), "model"
+    # (a frozen copy: whole per rank, or sharded like the policy where the family gathers parameters) or "adapters"
+    # (LoRA: the policy with its adapters off; no memory, one more forward). micro_batch then counts rows: 2 per pair.
+    reference: str = "none"
 
     @property
     def gpus_per_node(self) -> int:
@@ -505,6 +509,13 @@ def trainable(spec: ModelSpec, job: Job) -> tuple[float, float, int]:
     return spec.lora_params(job.lora_r, job.lora_targets), frozen, w
 
 
+def reference_bytes(spec: ModelSpec, job: Job, shard_n: int) -> float:
+    """task dpo's frozen reference model per rank: its weights in the narrower of the compute and storage dtypes
+    (train/objective.py build), over the `shard_n` ranks that share them (1: a whole copy). Its forward runs before the
+    policy's and frees its gathered units and activations, so nothing else of it is alive at the step's moments."""
+    return spec.total_params * min(job.c, job.w) / shard_n
+
+
 def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     """Per-rank memory of one steady-state step (optimizer states exist; grads set to None by zero_grad)."""
     if o.base not in presets.SPECS:
@@ -513,6 +524,8 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     N = max(1, shard_ranks(job, o) // job.tp)  # FSDP shards over the data-parallel ranks, not the tp ones
     st = States(*trainable(spec, job))
     cost.states(spec, job, o, N, st)
+    if job.reference == "model":
+        st.persist["reference"] = reference_bytes(spec, job, N if cost.gathers_params(o) else 1)
     P_t, grads, extraA, extraB, persist = st.P_t, st.grads, st.extraA, st.extraB, st.persist
 
     if job.tuner == "qlora":  # bitsandbytes dequantises one weight at a time for the matmul

@@ -1,0 +1,57 @@
+"""The planner counts task dpo's reference model: its weights (a whole copy per rank where the strategy replicates,
+1/N of them where it gathers parameters, none for LoRA's adapters-off reference, reference-free losses or
+--precompute-ref), the reference's forward FLOPs, and 2 rows per pair."""
+
+import argparse
+
+import pytest
+
+from shardwise import config, hardware
+from shardwise.plan import plan_run
+from shardwise.plan.memory import GiB
+from shardwise.plan.model_presets import resolve_model
+
+P = resolve_model("qwen2.5-1.5b").total_params
+
+
+def plan(*argv):
+    p = argparse.ArgumentParser()
+    config.add_flags(p)
+    cfg = config.load_config(None, config.flags_from_namespace(p.parse_args(
+        ["--model", "qwen2.5-1.5b", "--data", "x.jsonl", "--seq-len", "1024", "--micro-batch-size", "2",
+         "--mixed-precision", "bf16", *argv]))).cfg
+    return plan_run(cfg, hardware.Hardware("cuda", "H100", 8, 80.0, 0.0), world_size=8)
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {"sft": plan(), "dpo": plan("--task", "dpo"), "lora": plan("--task", "dpo", "--tuner", "lora"),
+            "simpo": plan("--task", "dpo", "--loss-type", "simpo"), "pre": plan("--task", "dpo", "--precompute-ref"),
+            "sft-rows": plan("--micro-batch-size", "4")}
+
+
+def ref_bytes(p, strategy):
+    return p.for_strategy(strategy).memory.detail.get("buffer.reference", 0.0)
+
+
+def test_the_reference_is_whole_where_the_strategy_replicates_and_sharded_where_it_gathers(plans):
+    dpo = plans["dpo"]
+    assert ref_bytes(dpo, "ddp") == pytest.approx(P * 2)  # bf16: the narrower of compute and storage
+    assert ref_bytes(dpo, "zero2") == pytest.approx(P * 2)
+    assert ref_bytes(dpo, "fsdp") == pytest.approx(P * 2 / 8)
+    assert ref_bytes(dpo, "zero3") == pytest.approx(P * 2 / 8)
+    for name in ("lora", "simpo", "pre"):
+        assert ref_bytes(plans[name], "ddp") == 0.0
+
+
+def test_a_pair_is_two_rows_and_the_reference_forward_costs_a_third_of_a_step(plans):
+    rows, dpo, pre = plans["sft-rows"], plans["dpo"], plans["pre"]
+    assert dpo.job.micro_batch == rows.job.micro_batch == 4
+    # without a reference (precomputed) DPO is SFT on the same rows: same memory but the reference's weights
+    for s in ("ddp", "fsdp"):
+        assert pre.for_strategy(s).memory.total == pytest.approx(rows.for_strategy(s).memory.total)
+        grown = dpo.for_strategy(s).memory.peak_tensors - pre.for_strategy(s).memory.peak_tensors
+        assert grown == pytest.approx(ref_bytes(dpo, s))  # alive through the whole step
+    compute = {k: plans[k].for_strategy("fsdp").timing.compute_s for k in ("dpo", "pre")}
+    assert compute["dpo"] / compute["pre"] == pytest.approx(4 / 3, rel=0.02)
+    assert dpo.for_strategy("ddp").memory.total / GiB > pre.for_strategy("ddp").memory.total / GiB + 2.5
