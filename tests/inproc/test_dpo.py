@@ -10,7 +10,7 @@ from tests.helpers import read_metrics
 from tests.inproc.trainer import train
 
 ARGS = ("--strategy", "single", "--task", "dpo", "--data", "demo", "--seq-len", "48", "--micro-batch-size", "8",
-        "--lr", "2e-3", "--warmup-steps", "2", "--log-every", "1", "--report-to", "none", "--mixed-precision", "no")
+        "--lr", "2e-3", "--warmup-steps", "2", "--log-every", "1", "--report-to", "tensorboard", "--mixed-precision", "no")
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +30,20 @@ def test_the_reward_margin_grows(run):
     assert sum(r["rewards/margins"] for r in late) / len(late) > 0.1
     assert sum(r["rewards/accuracies"] for r in late) / len(late) > 0.6
     assert sum(r["loss"] for r in late) / len(late) < 0.68
+    # the trackers get the rewards as logged (TensorBoard, read back with its own reader)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(out / "tensorboard"))
+    tb.Reload()
+    for key in ("rewards/margins", "rewards/accuracies", "rewards/chosen", "rewards/rejected"):
+        got = sorted((e.step, e.value) for e in tb.Scalars(f"train/{key}"))
+        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6, abs=1e-7)) for r in recs]
 
 
 def test_a_dpo_run_resumes_where_it_stopped(run):
     out, first, resumed = run
     assert "resumed from" in resumed.stdout and "at step 24" in resumed.stdout
+    assert "| margin " in first.stdout and "| acc " in first.stdout
     steps = [r["step"] for r in read_metrics(str(out))]
     assert steps == list(range(1, 31))
     assert resumed.summary["steps"] == 30 and resumed.summary["first_loss"] == first.summary["first_loss"]
