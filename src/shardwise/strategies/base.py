@@ -134,11 +134,12 @@ class Strategy:
                                  eps=1e-8, **self.optimizer_kernel())
 
     def wrap_reference(self, model: torch.nn.Module):
-        """A frozen reference model (task dpo) -> (the module to call, its fused head or None): the loss head step,
-        no gradients, eval mode, then `wrap_frozen`; no optimizer."""
+        """A frozen reference model (task dpo) -> (the module to call, its fused head or None): the loss head and
+        compile steps of `parallelize`, no gradients, eval mode, then `wrap_frozen`; no optimizer."""
         apply_loss_head(model, self.cfg)
         model.requires_grad_(False)
         model.eval()
+        apply_compile(model, self.cfg, self.dims, hooks_eager=self.compile_hooks_eager)
         head = model.get_output_embeddings()
         fused = head if getattr(head, "logp_targets", "absent") is None else None
         return self.wrap_frozen(model), fused
