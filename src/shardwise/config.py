@@ -667,6 +667,8 @@ def absolute_paths(d: dict) -> dict:
     d["data"] = _absolute_sources(d["data"])
     if d["val_data"]:
         d["val_data"] = os.path.abspath(d["val_data"])
+    if d.get("ref_model") and d["ref_model"] != "tiny":
+        d["ref_model"] = os.path.abspath(d["ref_model"])
     ct = d["chat_template"]
     # a shipped template's name stays a name (data/templates.template_text reads the name first, even where a file of
     # that name lies in the working directory): made a path, the workers and a repeat run would read the file

@@ -61,3 +61,19 @@ def test_a_dpo_run_exports_and_chats(run, tmp_path):
         text = chat.answer(model, tok, [{"role": "user", "content": "Uppercase: apple"}], 8)
         assert isinstance(text, str)
     assert json.loads((out / "summary.json").read_text())["final_model"] == str(final)
+
+
+def test_a_reference_that_is_not_a_model_or_scores_other_tokens_is_one_line(tmp_path):
+    import shutil
+
+    from shardwise.models.tiny import tiny_dir
+
+    args = (*ARGS, "--max-steps", "1", "--output-dir", tmp_path / "run")
+    missing = train(*args, "--ref-model", tmp_path / "nowhere", check=False)
+    assert f"flag --ref-model {tmp_path / 'nowhere'}: no such directory" in str(missing.error)
+    other = shutil.copytree(tiny_dir(0), tmp_path / "other")
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] * 2}))
+    run = train(*args, "--ref-model", other, check=False)
+    assert "the reference model's vocab_size" in str(run.error) and "is not the policy's" in str(run.error)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -265,7 +265,8 @@ def _say_data(cfg: Config, encoded, stats, hit: bool, val, resume_notes: list[st
     validation line."""
     st = encoded.stats
     src = "the built-in demo set" if stats is None else ", ".join(stats.files[:3]) + (" ..." if len(stats.files) > 3 else "")
-    msg = (f"data: {st['records']} records from {src}; {st['sequences']} sequences, {st['tokens']:,} tokens, "
+    pairs = f" ({st['pairs']} preference pairs: chosen and rejected)" if "pairs" in st else ""
+    msg = (f"data: {st['records']} records from {src}; {st['sequences']} sequences{pairs}, {st['tokens']:,} tokens, "
            f"{st['loss_tokens']:,} loss tokens; {st['truncated']} truncated to seq_len {cfg.seq_len}")
     if hit:
         msg += " (tokenized data from the cache; --no-data-cache tokenizes again)"

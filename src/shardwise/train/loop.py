@@ -254,7 +254,8 @@ class Trainer:
         sp += f" + tensor parallel over groups of {self.dims.tp}" if self.dims.tp > 1 else ""
         self.rep.say(f"shardwise: {self.strategy.describe()}{sp} on {env.world_size} rank(s) ({env.backend}, "
                      f"{env.device.type}), {self.n_params / 1e6:.2f}M params ({self.n_trainable / 1e6:.2f}M "
-                     f"trainable), {len(self.data)} sequences, global batch {self.sampler.global_batch}, "
+                     f"trainable), {len(self.data)} sequences, global batch {self.sampler.global_batch}"
+                     f"{' preference pairs' if self.sampler.group == 2 else ''}, "
                      f"{self.total} steps")
         flat = "padding-free: a micro-batch's rows in one sequence" + (
             " where that saves compute" if self.cfg.padding_free == "auto" else "")
