@@ -274,10 +274,10 @@ def preference_pair(where: str, obj) -> ShardwiseError | None:
         how = (f"to fine-tune on the chosen answers, pass --columns {prompt}=instruction,chosen=output"
                if prompt != "instruction" else "to fine-tune on the chosen answers, pass --columns chosen=output")
     else:
-        how = ("preference training is not supported yet; to fine-tune on the chosen answers, write them as "
-               "conversations ending in that answer")
+        how = "to fine-tune on the chosen answers, write them as conversations ending in that answer"
     return ShardwiseError(f"{where}: this is a preference pair ('chosen' and 'rejected' answers), data for "
-                          f"DPO-style training, which `train` (supervised fine-tuning) does not take; {how}")
+                          f"DPO-style training, which supervised fine-tuning (--task sft) does not take; pass --task "
+                          f"dpo to train on the pairs (docs/dpo.md), or, {how}")
 
 
 def parse(obj, fmt: str) -> tuple[str, list | str]:
