@@ -77,3 +77,19 @@ def test_a_reference_that_is_not_a_model_or_scores_other_tokens_is_one_line(tmp_
     run = train(*args, "--ref-model", other, check=False)
     assert "the reference model's vocab_size" in str(run.error) and "is not the policy's" in str(run.error)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("loss", ["ipo", "simpo", "orpo"])
+def test_every_loss_type_trains_and_logs_its_rewards(tmp_path, loss):
+    """IPO starts at (0 - 1/(2 beta))^2 (the policy is its reference); SimPO and ORPO need no reference and report
+    beta x the mean token log-probability as the rewards (negative); every loss moves."""
+    run = train(*ARGS, "--loss-type", loss, "--max-steps", "4", "--no-save-final", "--output-dir", tmp_path / loss)
+    recs = read_metrics(str(tmp_path / loss))
+    assert len(recs) == 4 and all(r["loss"] == r["loss"] for r in recs)
+    if loss == "ipo":
+        assert recs[0]["loss"] == pytest.approx((1 / (2 * 0.1)) ** 2, rel=1e-6)
+        assert "reference: the starting model" in run.stdout
+    else:
+        assert "reference: none (reference-free)" in run.stdout
+        assert all(r["rewards/chosen"] < 0 and r["rewards/rejected"] < 0 for r in recs)
+    assert recs[0]["loss"] != recs[-1]["loss"]

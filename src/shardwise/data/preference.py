@@ -12,7 +12,7 @@ Each becomes one Record of kind "pair": the prompt's turns (OpenAI messages, end
 and the chosen and rejected assistant messages. The format is detected per file from its first record, as for SFT data
 (data/formats.py); a record that does not fit the file's format is one line with its file:line.
 
-Encoding (encode_pairs): the prompt is rendered once with the chat template's generation prompt and tokenized once;
+Encoding (data/encode.py encode_pairs): the prompt is rendered once with the chat template's generation prompt and tokenized once;
 each answer is the rest of its rendered conversation, tokenized on its own, so the chosen and the rejected row hold
 the same prompt tokens. Row 2i is pair i's chosen answer, row 2i + 1 its rejected one; targets carry only the answer's
 tokens (and the template's end-of-turn marker after it).
@@ -139,76 +139,3 @@ def demo_pairs() -> list[Record]:
     from shardwise.data.demo import demo_preference_records
 
     return [parse_preference(r, "trl", f"demo:{i + 1}") for i, r in enumerate(demo_preference_records())]
-
-
-# -- encoding ----------------------------------------------------------------------------------------------------
-
-
-def _render(tokenizer, msgs: list[dict], gen: bool, rec: Record) -> str:
-    from shardwise.data.encode import _render as render
-
-    return render(tokenizer, msgs, gen, rec.source, rec.tools)
-
-
-def pair_texts(tokenizer, rec: Record, system: str = "") -> tuple[str, str, str]:
-    """(prompt text with the generation prompt, chosen answer text, rejected answer text): each answer is the rest of
-    its rendered conversation after the prompt's text."""
-    prompt = list(rec.payload)
-    if system and prompt[0]["role"] != "system":
-        prompt.insert(0, {"role": "system", "content": system})
-    head = _render(tokenizer, prompt, True, rec)
-    out = [head]
-    for answer in (rec.chosen, rec.rejected):
-        full = _render(tokenizer, prompt + [answer], False, rec)
-        if not full.startswith(head) or len(full) == len(head):
-            raise ShardwiseError(f"{rec.source}: the chat template does not render the prompt (with its generation "
-                                 "prompt) as a prefix of the answered conversation, so the answer cannot be located; "
-                                 "use another --chat-template")
-        out.append(full[len(head):])
-    return out[0], out[1], out[2]
-
-
-def encode_pairs(records: list[Record], tokenizer, seq_len: int, system: str = ""):
-    """Preference records -> Encoded rows, chosen and rejected interleaved (row 2i, 2i + 1). A row longer than
-    seq_len keeps its start (the prompt, then as much of the answer as fits); a pair either of whose answers keeps no
-    token is dropped (counted)."""
-    from shardwise.data.encode import IGNORE, Encoded, shift
-
-    rows_in, rows_tg, sources = [], [], []
-    truncated = dropped = 0
-    vocab, who = getattr(tokenizer, "shardwise_vocab", (None, ""))
-    texts = [pair_texts(tokenizer, r, system) for r in records]
-    for lo in range(0, len(texts), 1024):
-        part = texts[lo: lo + 1024]
-        flat = [t for trio in part for t in trio]
-        ids = tokenizer(flat, add_special_tokens=False)["input_ids"]
-        for j, rec in enumerate(records[lo: lo + 1024]):
-            p, a_c, a_r = ids[3 * j: 3 * j + 3]
-            pair = []
-            for a in (a_c, a_r):
-                row, mask = p + a, [0] * len(p) + [1] * len(a)
-                if len(row) > seq_len + 1:
-                    truncated += 1
-                    row, mask = row[: seq_len + 1], mask[: seq_len + 1]
-                tg = shift(row, mask)[:seq_len]
-                if vocab is not None and row and max(row) >= vocab:
-                    from shardwise.data.encode import _beyond_vocab
-
-                    raise _beyond_vocab(tokenizer, vocab, who, f"its tokenizer gives token id {max(row)} in "
-                                        f"{rec.source}")
-                pair.append((row[:seq_len], tg))
-            if any(all(t == IGNORE for t in tg) for _, tg in pair):
-                dropped += 1
-                continue
-            for row, tg in pair:
-                rows_in.append(row)
-                rows_tg.append(tg)
-                sources.append(rec.source)
-    if not rows_in:
-        raise ShardwiseError(f"no preference pair keeps an answer token at seq_len {seq_len} ({dropped} dropped: "
-                             "their prompts fill it); raise --seq-len")
-    out = Encoded(rows_in, rows_tg, [list(range(len(r))) for r in rows_in], sources)
-    out.stats = {"records": len(records), "truncated": truncated, "dropped_no_loss_tokens": dropped,
-                 "loss_tokens": sum(sum(t != IGNORE for t in tg) for tg in rows_tg),
-                 "tokens": sum(len(r) for r in rows_in), "sequences": len(rows_in), "pairs": len(rows_in) // 2}
-    return out

@@ -159,7 +159,7 @@ class Table:
         self.values = values
 
     def logps(self, policy, mb, fused_head) -> torch.Tensor:
-        return self.values[torch.tensor(mb.rows)].to(mb.input_ids.device)
+        return self.values[torch.tensor(mb.rows, device=self.values.device)].to(mb.input_ids.device)
 
 
 def precompute(reference, policy, sampler, dp_size: int, dp_rank: int, device, contexts, fused_head,
