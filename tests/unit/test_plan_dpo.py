@@ -55,3 +55,21 @@ def test_a_pair_is_two_rows_and_the_reference_forward_costs_a_third_of_a_step(pl
     compute = {k: plans[k].for_strategy("fsdp").timing.compute_s for k in ("dpo", "pre")}
     assert compute["dpo"] / compute["pre"] == pytest.approx(4 / 3, rel=0.02)
     assert dpo.for_strategy("ddp").memory.total / GiB > pre.for_strategy("ddp").memory.total / GiB + 2.5
+
+
+def test_strategy_auto_weighs_the_reference():
+    """On a card between the two sizes ddp fits with --precompute-ref and not with the reference copy beside it, and
+    the recommendation (what --strategy auto runs) is one that fits."""
+    def on(gib, *argv):
+        p = argparse.ArgumentParser()
+        config.add_flags(p)
+        cfg = config.load_config(None, config.flags_from_namespace(p.parse_args(
+            ["--model", "qwen2.5-1.5b", "--data", "x.jsonl", "--seq-len", "1024", "--micro-batch-size", "2",
+             "--mixed-precision", "bf16", "--task", "dpo", *argv]))).cfg
+        return plan_run(cfg, hardware.Hardware("cuda", "H100", 2, gib, 0.0), world_size=2)
+
+    sizes = {k: on(80.0, *a).for_strategy("ddp").memory.total / GiB for k, a in (("ref", ()), ("pre", ("--precompute-ref",)))}
+    card = (sizes["ref"] + sizes["pre"]) / 2
+    with_ref, pre = on(card), on(card, "--precompute-ref")
+    assert pre.for_strategy("ddp").fits and not with_ref.for_strategy("ddp").fits
+    assert with_ref.recommended != "ddp" and with_ref.for_strategy(with_ref.recommended).fits
