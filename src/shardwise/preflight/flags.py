@@ -369,4 +369,4 @@ def check_json_object(path: str, where: str) -> None:
 
 # cheap and common first; each check gives the first of its rules that fails
 CHECKS = (names, training_numbers, run_control, processes, outputs, validation_set, adapters_and_wrapping, float8,
-          strategy_options, tuner, degrees, preference)
+          strategy_options, tuner, preference, degrees)
