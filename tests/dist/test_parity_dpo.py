@@ -2,7 +2,7 @@
 the same per-step loss, pre-clip gradient norm, rewards and reward margin as one process on the same global batch of
 pairs (fp32, tests/dist/shared.py's RTOL), the reference model being one copy (ddp), FSDP-sharded (fsdp) or ZeRO-3
 partitioned (zero3). --precompute-ref gives the same run from a table computed before training, and LoRA's reference
-(the policy with its adapters off) the same run on one process and on 2 zero3 ranks."""
+(the policy with its adapters off) the same run on one process and on 2 zero3 or ddp ranks."""
 
 import json
 
@@ -24,6 +24,7 @@ CASES = {
     "fsdp-precompute": ("--strategy", "fsdp", *TWO, "--precompute-ref"),
     "lora-single": (*SINGLE, *LORA),
     "lora-zero3": ("--strategy", "zero3", *TWO, *LORA),
+    "lora-ddp": ("--strategy", "ddp", *TWO, *LORA),
 }
 
 
@@ -71,8 +72,9 @@ def test_two_ranks_train_as_one_process(runs, name):
         assert "reference log-probabilities of 128 rows precomputed" in out
 
 
-def test_lora_reference_is_the_base_with_adapters_off(runs):
-    got, out = runs("lora-zero3")
+@pytest.mark.parametrize("name", ["lora-zero3", "lora-ddp"])
+def test_lora_reference_is_the_base_with_adapters_off(runs, name):
+    got, out = runs(name)
     assert "reference: the base model with the adapters off" in out
     assert_same(got, runs("lora-single")[0])
     assert max(abs(r["rewards/margins"]) for r in got) > 1e3 * RTOL
