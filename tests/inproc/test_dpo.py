@@ -93,3 +93,13 @@ def test_every_loss_type_trains_and_logs_its_rewards(tmp_path, loss):
         assert "reference: none (reference-free)" in run.stdout
         assert all(r["rewards/chosen"] < 0 and r["rewards/rejected"] < 0 for r in recs)
     assert recs[0]["loss"] != recs[-1]["loss"]
+
+
+def test_under_bf16_autocast_the_reference_starts_equal_to_the_policy(tmp_path):
+    """The reference copy computes what the policy computes (its storage dtype under autocast): the first step's
+    log-ratios are 0, so the margin is 0 and the loss ln 2 (a bf16 copy beside fp32 weights would not be)."""
+    args = [a for a in ARGS if a not in ("--mixed-precision", "no")]
+    train(*args, "--mixed-precision", "bf16", "--max-steps", "1", "--no-save-final", "--output-dir", tmp_path / "r")
+    (rec,) = read_metrics(str(tmp_path / "r"))
+    assert rec["rewards/margins"] == 0.0 and rec["rewards/chosen"] == 0.0
+    assert rec["loss"] == pytest.approx(0.693147, abs=1e-6)

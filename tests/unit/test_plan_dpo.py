@@ -36,8 +36,8 @@ def ref_bytes(p, strategy):
 
 def test_the_reference_is_whole_where_the_strategy_replicates_and_sharded_where_it_gathers(plans):
     dpo = plans["dpo"]
-    assert ref_bytes(dpo, "ddp") == pytest.approx(P * 2)  # bf16: the narrower of compute and storage
-    assert ref_bytes(dpo, "zero2") == pytest.approx(P * 2)
+    assert ref_bytes(dpo, "ddp") == pytest.approx(P * 4)  # autocast: the policy's fp32, so it computes as the policy
+    assert ref_bytes(dpo, "zero2") == pytest.approx(P * 2)  # DeepSpeed's bf16 engine: bf16, as the policy runs
     assert ref_bytes(dpo, "fsdp") == pytest.approx(P * 2 / 8)
     assert ref_bytes(dpo, "zero3") == pytest.approx(P * 2 / 8)
     for name in ("lora", "simpo", "pre"):
@@ -54,7 +54,7 @@ def test_a_pair_is_two_rows_and_the_reference_forward_costs_a_third_of_a_step(pl
         assert grown == pytest.approx(ref_bytes(dpo, s))  # alive through the whole step
     compute = {k: plans[k].for_strategy("fsdp").timing.compute_s for k in ("dpo", "pre")}
     assert compute["dpo"] / compute["pre"] == pytest.approx(4 / 3, rel=0.02)
-    assert dpo.for_strategy("ddp").memory.total / GiB > pre.for_strategy("ddp").memory.total / GiB + 2.5
+    assert dpo.for_strategy("ddp").memory.total / GiB > pre.for_strategy("ddp").memory.total / GiB + 5.5
 
 
 def test_strategy_auto_weighs_the_reference():

@@ -509,11 +509,12 @@ def trainable(spec: ModelSpec, job: Job) -> tuple[float, float, int]:
     return spec.lora_params(job.lora_r, job.lora_targets), frozen, w
 
 
-def reference_bytes(spec: ModelSpec, job: Job, shard_n: int) -> float:
-    """task dpo's frozen reference model per rank: its weights in the narrower of the compute and storage dtypes
-    (train/objective.py build), over the `shard_n` ranks that share them (1: a whole copy). Its forward runs before the
-    policy's and frees its gathered units and activations, so nothing else of it is alive at the step's moments."""
-    return spec.total_params * min(job.c, job.w) / shard_n
+def reference_bytes(spec: ModelSpec, job: Job, shard_n: int, autocast: bool) -> float:
+    """task dpo's frozen reference model per rank: its weights in the policy's storage dtype under autocast, else in
+    the narrower of the compute and storage dtypes (Strategy.reference_dtype), over the `shard_n` ranks that share
+    them (1: a whole copy). Its forward runs before the policy's and frees its gathered units and activations, so
+    nothing else of it is alive at the step's moments."""
+    return spec.total_params * (job.w if autocast else min(job.c, job.w)) / shard_n
 
 
 def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
@@ -525,7 +526,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     st = States(*trainable(spec, job))
     cost.states(spec, job, o, N, st)
     if job.reference == "model":
-        st.persist["reference"] = reference_bytes(spec, job, N if cost.gathers_params(o) else 1)
+        st.persist["reference"] = reference_bytes(spec, job, N if cost.gathers_params(o) else 1, cost.autocast)
     P_t, grads, extraA, extraB, persist = st.P_t, st.grads, st.extraA, st.extraB, st.persist
 
     if job.tuner == "qlora":  # bitsandbytes dequantises one weight at a time for the matmul

@@ -152,6 +152,13 @@ class Strategy:
         """How the reference model is held, for the run's header."""
         return "one copy per rank"
 
+    def reference_dtype(self) -> torch.dtype:
+        """The reference model's storage dtype: the policy's. Under autocast the residual stream runs in the stored
+        dtype, so a narrower copy would not compute what the policy computes: at the first step the log-ratios would
+        not be 0. A wrapper that casts the weights to the compute dtype (FSDP's policy, DeepSpeed's engine) stores the
+        frozen copy in that dtype instead (fsdp.py, deepspeed.py)."""
+        return self.param_dtype
+
     @classmethod
     def host_collectives(cls, cfg: Config) -> bool:
         """Whether torch runs collectives on host tensors of this strategy on GPUs (the process group then gets

@@ -252,6 +252,10 @@ class DeepSpeedStrategy(Strategy):
         engine.eval()
         return engine
 
+    def reference_dtype(self) -> torch.dtype:
+        """The compute dtype where it is narrower: the engine runs the policy in it (its bf16/fp16 module)."""
+        return min(self.param_dtype, self.compute_dtype, key=lambda d: d.itemsize)
+
     def reference_layout(self) -> str:
         return "partitioned like the policy (ZeRO-3)" if self.cfg.deepspeed.stage == 3 else "one copy per rank"
 

@@ -132,6 +132,10 @@ class FSDPStrategy(Strategy):
         return shard_units(model, units, self.dims.shard_mesh, self.mp_policy(), True,
                            prefetch=self.cfg.fsdp.prefetch and self.cfg.fsdp.wrap == "block", offload_policy=offload)
 
+    def reference_dtype(self) -> torch.dtype:
+        """The compute dtype where it is narrower: the mixed-precision policy casts the policy's weights to it too."""
+        return min(self.param_dtype, self.compute_dtype, key=lambda d: d.itemsize)
+
     def reference_layout(self) -> str:
         return f"sharded like the policy (FSDP, mesh {tuple(self.dims.shard_mesh.shape)})"
 

@@ -199,11 +199,8 @@ def build(cfg, model_dir: str, strategy, policy):
     if cfg.tuner != "full":
         return Preference(cfg, AdaptersOff(strategy.unwrap(policy)))
     from shardwise.models.load import load_model
-    from shardwise.strategies.base import DTYPES
 
-    # frozen weights need no fp32 master copy: stored in the compute dtype where that is narrower
-    dtype = min(DTYPES[cfg.param_dtype], strategy.compute_dtype, key=lambda d: d.itemsize)
-    ref = load_model(cfg.ref_model or model_dir, dtype, cfg.trust_remote_code)
+    ref = load_model(cfg.ref_model or model_dir, strategy.reference_dtype(), cfg.trust_remote_code)
     return Preference(cfg, FrozenModel(*strategy.wrap_reference(ref)))
 
 
