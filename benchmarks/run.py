@@ -105,11 +105,12 @@ SUITES: dict[str, Suite] = {
                 "--variants", "hf-trainer-zero3,sw-zero3,sw-zero3-hfjson,hf-trainer-zero3", timeout_s=480),)),
     "dpo-vs-trl": Suite(
         "task dpo (full and LoRA) against TRL's DPOTrainer on the Qwen2.5-1.5B shape, 2,048 tokens a pair, one GPU, "
-        "beside the plan (TRL's wheels carried in .whl/trl, installed where missing)", "nvidia-h100",
+        "beside the plan (TRL's wheels carried in .whl/trl, installed where missing)",
+        "nvidia-h100-x1",
         (script("dpo_vs_trl.py", "--install-missing", ".whl/trl", "--out", f"{OUT}/dpo-vs-trl-full", "--steps", "20",
-                "--warmup", "6", "--variants", "trl-full,sw-full", timeout_s=590),
+                "--warmup", "6", "--pairs", "128", "--variants", "trl-full,sw-full", timeout_s=590),
          script("dpo_vs_trl.py", "--install-missing", ".whl/trl", "--out", f"{OUT}/dpo-vs-trl-lora", "--steps", "20",
-                "--warmup", "6", "--variants", "trl-lora,sw-lora", timeout_s=590))),
+                "--warmup", "6", "--pairs", "128", "--variants", "trl-lora,sw-lora", timeout_s=590))),
     "strategies": Suite(
         "single, ddp and fsdp through `shardwise train` on the anchor job, one GPU", "nvidia-h200",
         (script("strategies_gpu.py", "--strategies", "single,ddp,fsdp", "--steps", "20", "--tag", "strategies",
