@@ -69,7 +69,8 @@ def write_pairs(path: str, n: int, prompt_words: int, answer_words: int, vocab: 
 
 def pair_tokens(model_dir: str, data: str) -> tuple[int, int]:
     """(tokens of a pair's two rows, the longest row), as shardwise encodes them (data/preference.py)."""
-    from shardwise.data.preference import pair_texts, parse_preference
+    from shardwise.data.encode import pair_texts
+    from shardwise.data.preference import parse_preference
     from shardwise.models.load import load_tokenizer
 
     tok = load_tokenizer(model_dir, False)

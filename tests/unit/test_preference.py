@@ -158,3 +158,15 @@ def test_llama_factory_spellings_set_the_task():
     c = config.load_config(None, flags("--stage", "dpo", "--pref_beta", "0.3", "--pref_loss", "ipo")).cfg
     assert (c.task, c.beta, c.loss_type) == ("dpo", 0.3, "ipo")
     assert config.from_dict(json.loads(json.dumps(dataclasses.asdict(c)))).task == "dpo"
+
+
+def test_the_benchmarks_pair_count_is_the_tokens_shardwise_trains_on(tmp_path, tok):
+    """benchmarks/dpo_vs_trl.py gives TRL's side the tokens a pair as shardwise encodes them (its tokens/s counts
+    both rows' real tokens): the same number as the encoded rows."""
+    from tests.helpers import benchmark_module
+
+    bench = benchmark_module("dpo_vs_trl")
+    data = bench.write_pairs(str(tmp_path / "pairs.jsonl"), 1, prompt_words=6, answer_words=4, vocab=40)
+    per_pair, longest = bench.pair_tokens(tiny_dir(0), data)
+    enc = encode(read_records(data, preference=True)[0], tok, 256, packing=False)
+    assert per_pair == enc.stats["tokens"] and longest == max(len(r) for r in enc.input_ids)
