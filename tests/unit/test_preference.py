@@ -170,3 +170,13 @@ def test_the_benchmarks_pair_count_is_the_tokens_shardwise_trains_on(tmp_path, t
     per_pair, longest = bench.pair_tokens(tiny_dir(0), data)
     enc = encode(read_records(data, preference=True)[0], tok, 256, packing=False)
     assert per_pair == enc.stats["tokens"] and longest == max(len(r) for r in enc.input_ids)
+
+
+def test_a_yaml_config_sets_the_task_and_its_keys(tmp_path):
+    path = tmp_path / "dpo.yaml"
+    path.write_text("task: dpo\nloss_type: simpo\nbeta: 2.0\nsimpo_gamma: 1.0\n")
+    c = config.load_config(str(path), {}).cfg
+    assert (c.task, c.loss_type, c.beta, c.simpo_gamma) == ("dpo", "simpo", 2.0, 1.0)
+    path.write_text("task: dpo\nloss_type: simpo\n\nref_model: other\n")
+    with pytest.raises(ShardwiseError, match=r"dpo\.yaml:4.*loss_type simpo uses no reference model"):
+        config.load_config(str(path), {})
