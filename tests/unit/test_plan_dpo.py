@@ -73,3 +73,15 @@ def test_strategy_auto_weighs_the_reference():
     with_ref, pre = on(card), on(card, "--precompute-ref")
     assert pre.for_strategy("ddp").fits and not with_ref.for_strategy("ddp").fits
     assert with_ref.recommended != "ddp" and with_ref.for_strategy(with_ref.recommended).fits
+
+
+def test_a_sharded_reference_is_gathered_once_more_per_micro_batch(plans):
+    """fsdp and zero3 gather the reference's weights for its forward (LoRA: the policy's, adapters off); ddp moves
+    nothing more; without a reference in training nothing is added."""
+    def gathers(p, s):
+        return sum(c.wire() * c.per_step for c in p.for_strategy(s).timing.collectives if c.op == "all_gather")
+
+    for s in ("fsdp", "zero3"):
+        assert gathers(plans["dpo"], s) > gathers(plans["pre"], s)
+        assert gathers(plans["lora"], s) > gathers(plan("--task", "dpo", "--tuner", "lora", "--precompute-ref"), s)
+    assert gathers(plans["dpo"], "ddp") == gathers(plans["pre"], "ddp")
