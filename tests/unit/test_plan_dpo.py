@@ -85,3 +85,21 @@ def test_a_sharded_reference_is_gathered_once_more_per_micro_batch(plans):
         assert gathers(plans["dpo"], s) > gathers(plans["pre"], s)
         assert gathers(plans["lora"], s) > gathers(plan("--task", "dpo", "--tuner", "lora", "--precompute-ref"), s)
     assert gathers(plans["dpo"], "ddp") == gathers(plans["pre"], "ddp")
+
+
+def test_auto_never_escalates_a_dpo_job_to_tensor_or_sequence_parallelism():
+    """Where no data-parallel preset fits (Llama-3.1-70B on 2 nodes of 8 x 40 GiB), an SFT job escalates to tensor
+    parallelism; a DPO job, which does not compose with it, is not escalated, and the reasons say what may fit."""
+    def on(*argv):
+        p = argparse.ArgumentParser()
+        config.add_flags(p)
+        cfg = config.load_config(None, config.flags_from_namespace(p.parse_args(
+            ["--model", "llama-3.1-70b", "--data", "x.jsonl", "--seq-len", "1024", "--micro-batch-size", "1",
+             "--mixed-precision", "bf16", "--param-dtype", "bf16", "--gradient-checkpointing", "--nnodes", "2",
+             "--rdzv-endpoint", "node0:29500", *argv]))).cfg
+        return plan_run(cfg, hardware.Hardware("cuda", "H100", 8, 40.0, 0.0), world_size=16)
+
+    sft, dpo = on(), on("--task", "dpo")
+    assert sft.parallel["chosen"] and sft.parallel["tensor_parallel"] > 1
+    assert not dpo.parallel and dpo.job.tp == dpo.job.sp == 1
+    assert dpo.for_strategy(dpo.recommended).fits or any("task dpo is not built with tensor" in r for r in dpo.reasons)
