@@ -103,6 +103,14 @@ SUITES: dict[str, Suite] = {
         "ZeRO-3 on the anchor job; --gpus 2 on a two-GPU machine (add sw-fsdp-all there)", "nvidia-h200",
         (script("vs_hf_trainer.py", "--out", f"{OUT}/zero3-vs-hf", "--gpus", "1", "--steps", "24", "--warmup", "8",
                 "--variants", "hf-trainer-zero3,sw-zero3,sw-zero3-hfjson,hf-trainer-zero3", timeout_s=480),)),
+    "dpo-vs-trl": Suite(
+        "task dpo (full and LoRA) against TRL's DPOTrainer on the Qwen2.5-1.5B shape, 2,048 tokens a pair, one GPU, "
+        "beside the plan (TRL's wheels carried in .whl/trl, installed where missing)",
+        "nvidia-h100-x1",
+        (script("dpo_vs_trl.py", "--install-missing", ".whl/trl", "--out", f"{OUT}/dpo-vs-trl-full", "--steps", "20",
+                "--warmup", "6", "--pairs", "128", "--variants", "trl-full,sw-full", timeout_s=590),
+         script("dpo_vs_trl.py", "--install-missing", ".whl/trl", "--out", f"{OUT}/dpo-vs-trl-lora", "--steps", "20",
+                "--warmup", "6", "--pairs", "128", "--variants", "trl-lora,sw-lora", timeout_s=590))),
     "strategies": Suite(
         "single, ddp and fsdp through `shardwise train` on the anchor job, one GPU", "nvidia-h200",
         (script("strategies_gpu.py", "--strategies", "single,ddp,fsdp", "--steps", "20", "--tag", "strategies",

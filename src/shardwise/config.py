@@ -90,6 +90,13 @@ class Config:
     train_on_prompt: bool = _f(False, "Put loss on every token of a conversation (system and user turns too), not only on the assistant turns.")
     last_turn_only: bool = _f(False, "Put loss on the last assistant turn of each conversation only; earlier turns are context.")
     data_cache: bool = _f(True, "Keep the tokenized data under $SHARDWISE_CACHE_DIR/data (default ~/.cache/shardwise/data), keyed by the records, the tokenizer's files, the chat template and the encoding settings, so a repeat run with the same inputs skips tokenizing; --no-data-cache tokenizes every run and writes nothing there.")
+    # preference training (task dpo; docs/dpo.md)
+    task: str = _f("sft", "What to train for: sft (supervised fine-tuning on the answers) or dpo (preference training on pairs of a chosen and a rejected answer to the same prompt; loss_type picks DPO, IPO, SimPO or ORPO).", ("sft", "dpo"))
+    beta: float = _f(0.1, "With task dpo: the preference loss's temperature. DPO/IPO: how far the policy may move from the reference (beta, and IPO's 1/(2 beta) target margin); SimPO: the scale of the length-normalised reward; ORPO: the weight (lambda) of the odds-ratio term beside the chosen answers' NLL.")
+    loss_type: str = _f("sigmoid", "With task dpo: sigmoid (DPO), ipo (IPO: squared distance of the log-ratio margin to 1/(2 beta)), simpo (SimPO: length-normalised log-probabilities, margin simpo_gamma, no reference model) or orpo (ORPO: NLL of the chosen answer plus beta x the odds-ratio loss, no reference model).", ("sigmoid", "ipo", "simpo", "orpo"))
+    simpo_gamma: float = _f(0.5, "With loss_type simpo: the target reward margin gamma between the chosen and the rejected answer.")
+    ref_model: str = _f("", "With task dpo (sigmoid, ipo): the frozen reference model's local directory; empty: the starting model (--model). It is sharded like the policy under fsdp and zero3, one copy per rank under ddp and single; with tuner lora the reference is the base model with the adapters off (no second copy).")
+    precompute_ref: bool = _f(False, "With task dpo (sigmoid, ipo): compute the reference model's log-probabilities of every pair in one pass before training, then free the reference model (no reference memory or forward during training).")
     # strategy and launch
     strategy: str = _f("ddp", "Strategy or preset: " + ", ".join(presets.known_names()) + ".")
     nproc_per_node: int = _f(0, "Processes per node; 0 means one per GPU, or 2 on a CPU-only machine.")
@@ -212,6 +219,8 @@ FLAG_ALIASES = {
     "lr_schedule": ("--lr_scheduler_type",),
     "eval_every": ("--eval_steps",),
     "val_split": ("--val_size", "--split_dataset_ratio"),
+    "beta": ("--pref_beta",),
+    "loss_type": ("--pref_loss",),
 }
 
 
@@ -708,6 +717,8 @@ def absolute_paths(d: dict) -> dict:
     d["data"] = _absolute_sources(d["data"], names)
     if d["val_data"]:
         d["val_data"] = os.path.abspath(d["val_data"])
+    if d.get("ref_model") and d["ref_model"] != "tiny":
+        d["ref_model"] = os.path.abspath(d["ref_model"])
     ct = d["chat_template"]
     # a shipped template's name stays a name (data/templates.template_text reads the name first, even where a file of
     # that name lies in the working directory): made a path, the workers and a repeat run would read the file

@@ -33,7 +33,7 @@ def yaml_aliases(keys, flag_aliases: dict[str, tuple[str, ...]]) -> dict[str, st
 # Keys of LLaMA-Factory, ms-swift and HF Trainer configs that change nothing in a shardwise run, with why: taken and
 # named in one note line rather than refused (a config brought over runs as it is)
 IGNORED_KEYS = {
-    "do_train": "train trains", "do_eval": "eval_every/val_split evaluate", "stage": "sft is what train does",
+    "do_train": "train trains", "do_eval": "eval_every/val_split evaluate",
     "plot_loss": "metrics.jsonl and `shardwise ui` plot the loss",
     "overwrite_cache": "tokenized data is cached by its content",
     "preprocessing_num_workers": "tokenizing runs in the launcher", "dataloader_num_workers": "batches are in memory",
@@ -69,10 +69,13 @@ def _as_bool(value: Any, where: str, name: str) -> bool:
 
 def _translated(name: str, value: Any, where: str, out: dict[str, tuple[Any, str]]) -> None:
     """LLaMA-Factory's stage or template into the key it means, in `out`."""
-    if name == "stage":
-        if str(value).strip().lower() != "sft":
-            raise ShardwiseError(f"{where}: stage {show(value)}: only LLaMA-Factory's stage sft (supervised "
-                                 "fine-tuning) is taken from this key; remove it or write stage: sft")
+    if name == "stage":  # LLaMA-Factory's training stage: the two shardwise trains are its tasks
+        task = str(value).strip().lower()
+        if task not in ("sft", "dpo"):
+            raise ShardwiseError(f"{where}: stage {show(value)}: shardwise trains LLaMA-Factory's stages sft "
+                                 "(supervised fine-tuning) and dpo (preference pairs) only; write stage: sft or "
+                                 "stage: dpo (task)")
+        _put(out, "task", task, f"{where} (stage = task)")
         return
     shipped = _shipped_templates()
     if str(value) not in shipped:
@@ -123,7 +126,7 @@ def foreign_keys(layer: dict[str, tuple[Any, str]], keys, aliases: dict[str, str
             if key == "resume" and value is None:  # resume_from_checkpoint: null
                 value = "none"
             _put(out, key, value, f"{where} ({name} = {key})")
-        elif name in IGNORED_KEYS and (name != "stage" or str(value).strip().lower() == "sft"):
+        elif name in IGNORED_KEYS:
             out["ignored:" + name] = (IGNORED_KEYS[name], where)
         elif name in TRANSLATED_KEYS:
             later.append((name, value, where))

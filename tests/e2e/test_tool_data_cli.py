@@ -83,6 +83,6 @@ def test_image_parts_and_preference_pairs_are_refused(setup):
     one_line_error(runs.get("image"), r"image\.jsonl:1: message 1 has an 'image_url' part: this is text-only "
                                       r"fine-tuning \(no image, audio or video inputs\)")
     one_line_error(runs.get("dpo"), r"dpo\.json:row 1: this is a preference pair \('chosen' and 'rejected' answers\), "
-                                    r"data for DPO-style training, which `train` \(supervised fine-tuning\) does not "
-                                    r"take; preference training is not supported yet")
+                                    r"data for DPO-style training, which supervised fine-tuning \(--task sft\) does "
+                                    r"not take; pass --task dpo to train on the pairs")
     assert not (d / "image").exists() and not (d / "dpo").exists()

@@ -71,14 +71,16 @@ def test_a_llama_factory_yaml_reads_as_shardwise_keys(tmp_path):
     assert (c.mixed_precision, c.resume, c.val_split, c.eval_every) == ("bf16", "none", 0.1, 5)
     assert res.origins["seq_len"].endswith("run.yaml:11 (cutoff_len = seq_len)")
     assert res.origins["mixed_precision"].endswith("run.yaml:25 (= mixed_precision bf16)")
-    assert res.notes == ["ignored, as they change nothing here: stage (sft is what train does), do_train (train "
+    assert c.task == "sft" and res.origins["task"].endswith("(stage = task)")
+    assert res.notes == ["ignored, as they change nothing here: do_train (train "
                          "trains), overwrite_cache (tokenized data is cached by its content), preprocessing_num_workers"
                          " (tokenizing runs in the launcher), plot_loss (metrics.jsonl and `shardwise ui` plot the "
                          "loss), ddp_timeout (collective_timeout is the hang timeout)"]
 
 
 @pytest.mark.parametrize("text, pattern", [
-    ("model: tiny\nstage: dpo\n", r"run\.yaml:2: stage 'dpo': only LLaMA-Factory's stage sft .* write stage: sft"),
+    ("model: tiny\nstage: ppo\n", r"run\.yaml:2: stage 'ppo': shardwise trains LLaMA-Factory's stages sft .* and "
+                                  r"dpo .*; write stage: sft or stage: dpo"),
     ("model: tiny\ntemplate: vicuna\n",
      r"run\.yaml:2: template 'vicuna' is LLaMA-Factory's name; shardwise ships the chat templates chatml, gemma, "
      r"llama3, mistral, qwen"),
@@ -187,3 +189,10 @@ def test_argparse_namespace_helper_is_unchanged_for_plain_flags():
     p = argparse.ArgumentParser()
     config.add_flags(p)
     assert config.flags_from_namespace(p.parse_args(["--lr", "0.1"])) == {"lr": ("0.1", "flag --lr")}
+
+
+def test_llama_factory_stage_dpo_is_task_dpo_with_its_preference_keys(tmp_path):
+    """LLaMA-Factory's DPO YAML (stage: dpo, pref_beta, pref_loss) reads as task dpo with beta and loss_type."""
+    res = config.load_config(write(tmp_path, "model: tiny\nstage: dpo\npref_beta: 0.2\npref_loss: ipo\n"))
+    assert (res.cfg.task, res.cfg.beta, res.cfg.loss_type) == ("dpo", 0.2, "ipo")
+    assert res.origins["task"].endswith("run.yaml:2 (stage = task)")

@@ -83,7 +83,7 @@ def test_auto_picks_tp_times_sp_where_neither_alone_fits_and_says_why(capsys):
     assert tree["planner"] == "fsdp + tensor parallel 4 x sequence parallel 2 (ulysses)" and tree["agree"]
 
     # the text names both degrees and both paths; a configured fsdp gets the pair as its advice
-    assert plan_cmd.run(parse(*ARGV)) == 0
+    assert plan_cmd.run(parse(*ARGV, "--explain")) == 0  # the tree's paragraph
     text = capsys.readouterr().out
     assert "recommended: fsdp with --tensor-parallel 4 --sequence-parallel 2 (--sp-mode auto)" in text
     assert f"and further down: {TREE_TP}, and {TREE_SP} (says tensor parallel + sequence parallel)" in text

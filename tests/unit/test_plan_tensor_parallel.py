@@ -145,7 +145,7 @@ def test_auto_picks_fsdp_with_tp_for_70b_on_one_node_and_says_why(capsys):
     assert f"tensor parallel {par['tensor_parallel']} fits" in d["reasons"][1]
     assert d["decision_tree"]["parallel"]["path"] == TREE_TP
     assert "the numbers agree: the model is above 70B" in d["decision_tree"]["parallel"]["why"]
-    assert plan_cmd.run(parse(*AUTO_70B)) == 0
+    assert plan_cmd.run(parse(*AUTO_70B, "--explain")) == 0
     text = capsys.readouterr().out
     assert f"recommended: {par['strategy']} with --tensor-parallel {par['tensor_parallel']}" in text
     assert "and further down: model > 70B -> Megatron / tensor parallel" in text

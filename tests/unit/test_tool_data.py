@@ -218,16 +218,19 @@ def test_preference_pairs_are_named_with_what_to_do(tmp_path):
         read_records(str(dpo), skip_bad=True)  # a whole file of them, not bad records to skip
     assert str(e.value) == (
         f"{dpo}:row 1: this is a preference pair ('chosen' and 'rejected' answers), data for DPO-style training, "
-        "which `train` (supervised fine-tuning) does not take; preference training is not supported yet; to "
-        "fine-tune on the chosen answers, write them as conversations ending in that answer")
+        "which supervised fine-tuning (--task sft) does not take; pass --task dpo to train on the pairs "
+        "(docs/dpo.md), or, to fine-tune on the chosen answers, write them as conversations ending in that answer")
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(json.dumps({"prompt": "Pick a number.", "chosen": "7", "rejected": "no"}) + "\n")
     with pytest.raises(ShardwiseError) as e:
         read_records(str(pairs))
     assert str(e.value) == (
         f"{pairs}:1: this is a preference pair ('chosen' and 'rejected' answers), data for DPO-style training, "
-        "which `train` (supervised fine-tuning) does not take; to fine-tune on the chosen answers, pass "
-        "--columns prompt=instruction,chosen=output")
+        "which supervised fine-tuning (--task sft) does not take; pass --task dpo to train on the pairs "
+        "(docs/dpo.md), or, to fine-tune on the chosen answers, pass --columns prompt=instruction,chosen=output")
+    # and with --task dpo both files train as pairs
+    assert read_records(str(dpo), preference=True)[0][0].chosen == {"role": "assistant", "content": "7"}
+    assert read_records(str(pairs), preference=True)[0][0].rejected == {"role": "assistant", "content": "no"}
     # and what it says works
     (rec,), _ = read_records(str(pairs), columns={"prompt": "instruction", "chosen": "output"})
     assert rec.payload == [{"role": "user", "content": "Pick a number."}, {"role": "assistant", "content": "7"}]

@@ -71,7 +71,8 @@ def padding_free(cfg: Config, model_type, sp: int = 1, tp: int = 1, cuda: bool =
     only the micro-batches where it pays (flattening_pays: the sampler's flat_when_it_pays)."""
     if cfg.padding_free == "off":
         return False
-    correct = not cfg.packing and sp == 1 and tp == 1
+    # task dpo sums each row's log-probabilities over the padded (B, L) layout (train/objective.py)
+    correct = not cfg.packing and sp == 1 and tp == 1 and getattr(cfg, "task", "sft") == "sft"
     if cfg.padding_free == "on":
         if not correct:
             raise ShardwiseError(f"{PADDING_FREE_WHERE}: a flattened micro-batch is not built with packing, sequence "
@@ -102,6 +103,7 @@ class MicroBatch:
     input_ids: torch.Tensor  # (B, L) int64
     targets: torch.Tensor  # (B, L) int64, IGNORE where no loss
     position_ids: torch.Tensor  # (B, L) int64
+    rows: list[int] | None = None  # the dataset rows, in the batch's order (task dpo: chosen rows, then rejected)
 
 
 @dataclass
@@ -110,12 +112,13 @@ class StepBatch:
     loss_tokens: int  # over the whole global batch (all ranks, all micro-batches)
     tokens: int  # real (non-padding) input tokens over the whole global batch
     rows: list[int]  # global batch row ids, in order
+    units: int = 0  # examples in the global batch: rows, or with pairs (task dpo) preference pairs
 
 
 class StepSampler:
     def __init__(self, data: Encoded, micro_batch_size: int, grad_accum: int, world_size: int, rank: int,
                  seed: int, pad_id: int, sp_degree: int = 1, sp_rank: int = 0, padding_free: bool = False,
-                 flat_when_it_pays: bool = False):
+                 flat_when_it_pays: bool = False, pairs: bool = False):
         self.data, self.mbs, self.accum, self.world, self.rank = data, micro_batch_size, grad_accum, world_size, rank
         self.seed, self.pad_id = seed, pad_id
         self.sp_degree, self.sp_rank = sp_degree, sp_rank
@@ -123,35 +126,48 @@ class StepSampler:
             raise ShardwiseError("padding-free micro-batches are not built with sequence parallelism")
         self.padding_free = padding_free
         self.flat_when_it_pays = flat_when_it_pays  # --padding-free auto: only micro-batches that gain (flattens)
+        # the unit of shuffling, dealing and batch sizes: one row, or with `pairs` (task dpo) rows 2u and 2u + 1, a
+        # prompt's chosen and rejected answer, which always share a micro-batch
+        self.group = 2 if pairs else 1
+        self.units = len(data) // self.group
         self.global_batch = micro_batch_size * grad_accum * world_size
-        if len(data) < self.global_batch:
+        what = "preference pairs" if pairs else "sequences"
+        if self.units < self.global_batch:
             raise ShardwiseError(
-                f"the dataset has {len(data)} sequences, fewer than one global batch of {self.global_batch} "
+                f"the dataset has {self.units} {what}, fewer than one global batch of {self.global_batch} "
                 f"(micro_batch_size {micro_batch_size} x grad_accum {grad_accum} x {world_size} ranks); "
                 "lower --micro-batch-size or --grad-accum, or add data")
         self.lengths = [len(r) for r in data.input_ids]
+        self.unit_len = [sum(self.lengths[u * self.group: (u + 1) * self.group]) for u in range(self.units)]
         self.loss_counts = [sum(t != IGNORE for t in r) for r in data.targets]
         self._orders: dict[int, list[int]] = {}
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.data) // self.global_batch
+        return self.units // self.global_batch
 
     def order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
             g = torch.Generator().manual_seed(self.seed + epoch)
-            self._orders = {epoch: torch.randperm(len(self.data), generator=g).tolist()}
+            self._orders = {epoch: torch.randperm(self.units, generator=g).tolist()}
         return self._orders[epoch]
 
     def next(self, pos: DataPosition) -> tuple[StepBatch, DataPosition]:
         """The batch for the step at `pos`, and the position after it (the last partial
         global batch of an epoch is dropped)."""
-        if pos.offset + self.global_batch > len(self.data):
+        if pos.offset + self.global_batch > self.units:
             pos = DataPosition(pos.epoch + 1, 0)
-        rows = self.order(pos.epoch)[pos.offset: pos.offset + self.global_batch]
-        micro = [self.collate(m) for m in self.deal(rows)[self.rank * self.accum:(self.rank + 1) * self.accum]]
-        batch = StepBatch(micro, sum(self.loss_counts[r] for r in rows), sum(self.lengths[r] for r in rows), rows)
+        units = self.order(pos.epoch)[pos.offset: pos.offset + self.global_batch]
+        micro = [self.collate(self.rows_of(m))
+                 for m in self.deal(units)[self.rank * self.accum:(self.rank + 1) * self.accum]]
+        rows = self.rows_of(units)
+        batch = StepBatch(micro, sum(self.loss_counts[r] for r in rows), sum(self.lengths[r] for r in rows), rows,
+                          len(units))
         return batch, DataPosition(pos.epoch, pos.offset + self.global_batch)
+
+    def rows_of(self, units: list[int]) -> list[int]:
+        """The rows of `units`: the units themselves, or with pairs every chosen row, then every rejected row."""
+        return [u * self.group + k for k in range(self.group) for u in units]
 
     def deal(self, rows: list[int]) -> list[list[int]]:
         """The global batch `rows` dealt into world_size * grad_accum micro-batches of micro_batch_size rows with
@@ -170,10 +186,10 @@ class StepSampler:
         so no collective is needed, and a run resumed on another number of ranks reads the same global batches."""
         slots = self.world * self.accum
         dealt, tokens = [[] for _ in range(slots)], [0] * slots
-        for r in sorted(rows, key=lambda r: -self.lengths[r]):  # stable: equal lengths keep the batch's order
+        for r in sorted(rows, key=lambda r: -self.unit_len[r]):  # stable: equal lengths keep the batch's order
             k = min((k for k in range(slots) if len(dealt[k]) < self.mbs), key=lambda k: tokens[k])
             dealt[k].append(r)
-            tokens[k] += self.lengths[r]
+            tokens[k] += self.unit_len[r]
         return dealt
 
     def collate(self, rows: list[int]) -> MicroBatch:
@@ -198,7 +214,7 @@ class StepSampler:
         if self.sp_degree > 1:
             part = slice(self.sp_rank * width // self.sp_degree, (self.sp_rank + 1) * width // self.sp_degree)
             ids, tg, pos = ids[:, part].contiguous(), tg[:, part].contiguous(), pos[:, part].contiguous()
-        return MicroBatch(ids, tg, pos)
+        return MicroBatch(ids, tg, pos, rows)
 
     def flat(self, rows: list[int]) -> MicroBatch:
         """The rows one after another in one row (1, W), W their total length rounded up to a multiple of 8; each

@@ -110,7 +110,8 @@ def records_digest(records: list[Record]) -> str:
     h = hashlib.sha256(str(len(records)).encode())
     for r in records:
         # a record's tools only where it has some, so the keys of records without them stay as they were
-        rec = [r.kind, r.payload, r.source] + ([r.tools] if r.tools else [])
+        rec = [r.kind, r.payload, r.source] + ([r.tools] if r.tools else []) + (
+            [r.chosen, r.rejected] if r.kind == "pair" else [])
         h.update(json.dumps(rec, ensure_ascii=False, default=repr).encode("utf-8", "surrogatepass"))
         h.update(b"\n")
     return h.hexdigest()

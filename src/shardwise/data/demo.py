@@ -55,3 +55,29 @@ def demo_records(n: int = N_EXAMPLES) -> list[dict]:
             messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
         out.append({"messages": messages})
     return out
+
+
+def _wrong(rng: random.Random, answer: str) -> str:
+    """A plausible wrong answer: the words of the right one shuffled, or one of them replaced."""
+    ws = answer.split()
+    if len(ws) > 1 and rng.random() < 0.5:
+        shuffled = ws[:]
+        while shuffled == ws:
+            rng.shuffle(shuffled)
+        return " ".join(shuffled)
+    i = rng.randrange(len(ws))
+    ws[i] = rng.choice([w for w in WORDS + ONES if w != ws[i]])
+    return " ".join(ws)
+
+
+def demo_preference_records(n: int = N_EXAMPLES) -> list[dict]:
+    """The demo tasks as preference pairs (`--task dpo --data demo`): each prompt with its right answer chosen and a
+    near miss rejected, in TRL's {prompt, chosen, rejected} message form."""
+    rng = random.Random(SEED + 1)
+    out = []
+    for _ in range(n):
+        q, a = _task(rng)
+        out.append({"prompt": [{"role": "user", "content": q}],
+                    "chosen": [{"role": "assistant", "content": a}],
+                    "rejected": [{"role": "assistant", "content": _wrong(rng, a)}]})
+    return out

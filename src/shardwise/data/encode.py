@@ -346,9 +346,11 @@ def encode(records: list[Record], tokenizer, seq_len: int, packing: bool,
     load_tokenizer attached to the tokenizer) is refused here, naming the record, before anything is written: the
     ids the data holds, not the tokenizer's size, since a real tokenizer may list ids past the embedding that text
     never produces (transformers' Qwen2 tokenizer adds <|endoftext|> at id vocab_size to a 512-token model)."""
-    check_options(tokenizer, options, any(r.kind == "chat" for r in records))
+    check_options(tokenizer, options, any(r.kind in ("chat", "pair") for r in records))
     check_tools(tokenizer, records)
     check_pad_id(tokenizer)
+    if records and records[0].kind == "pair":  # task dpo: chosen and rejected rows
+        return encode_pairs(records, tokenizer, seq_len, options.system if options else "")
     vocab, who = getattr(tokenizer, "shardwise_vocab", (None, ""))
     budget = (seq_len + 1) * CHARS_PER_TOKEN_BOUND
     rows_in, rows_tg, sources = [], [], []
@@ -412,3 +414,66 @@ def pack(rows_in, rows_tg, sources, seq_len: int) -> Encoded:
     if cur_in:
         out_in.append(cur_in), out_tg.append(cur_tg), out_pos.append(cur_pos), out_src.append(cur_src)
     return Encoded(out_in, out_tg, out_pos, out_src)
+
+
+# -- preference pairs (task dpo; the records: data/preference.py) ------------------------------------------------
+
+
+def pair_texts(tokenizer, rec: Record, system: str = "") -> tuple[str, str, str]:
+    """(prompt text with the generation prompt, chosen answer text, rejected answer text): each answer is the rest of
+    its rendered conversation after the prompt's text."""
+    prompt = list(rec.payload)
+    if system and prompt[0]["role"] != "system":
+        prompt.insert(0, {"role": "system", "content": system})
+    head = _render(tokenizer, prompt, True, rec.source, rec.tools)
+    out = [head]
+    for answer in (rec.chosen, rec.rejected):
+        full = _render(tokenizer, prompt + [answer], False, rec.source, rec.tools)
+        if not full.startswith(head) or len(full) == len(head):
+            raise ShardwiseError(f"{rec.source}: the chat template does not render the prompt (with its generation "
+                                 "prompt) as a prefix of the answered conversation, so the answer cannot be located; "
+                                 "use another --chat-template")
+        out.append(full[len(head):])
+    return out[0], out[1], out[2]
+
+
+def encode_pairs(records: list[Record], tokenizer, seq_len: int, system: str = ""):
+    """Preference records -> Encoded rows, chosen and rejected interleaved (row 2i, 2i + 1). A row longer than
+    seq_len keeps its start (the prompt, then as much of the answer as fits); a pair either of whose answers keeps no
+    token is dropped (counted)."""
+    rows_in, rows_tg, sources = [], [], []
+    truncated = dropped = 0
+    vocab, who = getattr(tokenizer, "shardwise_vocab", (None, ""))
+    texts = [pair_texts(tokenizer, r, system) for r in records]
+    for lo in range(0, len(texts), 1024):
+        part = texts[lo: lo + 1024]
+        flat = [t for trio in part for t in trio]
+        ids = tokenizer(flat, add_special_tokens=False)["input_ids"]
+        for j, rec in enumerate(records[lo: lo + 1024]):
+            p, a_c, a_r = ids[3 * j: 3 * j + 3]
+            pair = []
+            for a in (a_c, a_r):
+                row, mask = p + a, [0] * len(p) + [1] * len(a)
+                if len(row) > seq_len + 1:
+                    truncated += 1
+                    row, mask = row[: seq_len + 1], mask[: seq_len + 1]
+                tg = shift(row, mask)[:seq_len]
+                if vocab is not None and row and max(row) >= vocab:
+                    raise _beyond_vocab(tokenizer, vocab, who, f"its tokenizer gives token id {max(row)} in "
+                                        f"{rec.source}")
+                pair.append((row[:seq_len], tg))
+            if any(all(t == IGNORE for t in tg) for _, tg in pair):
+                dropped += 1
+                continue
+            for row, tg in pair:
+                rows_in.append(row)
+                rows_tg.append(tg)
+                sources.append(rec.source)
+    if not rows_in:
+        raise ShardwiseError(f"no preference pair keeps an answer token at seq_len {seq_len} ({dropped} dropped: "
+                             "their prompts fill it); raise --seq-len")
+    out = Encoded(rows_in, rows_tg, [list(range(len(r))) for r in rows_in], sources)
+    out.stats = {"records": len(records), "truncated": truncated, "dropped_no_loss_tokens": dropped,
+                 "loss_tokens": sum(sum(t != IGNORE for t in tg) for tg in rows_tg),
+                 "tokens": sum(len(r) for r in rows_in), "sequences": len(rows_in), "pairs": len(rows_in) // 2}
+    return out

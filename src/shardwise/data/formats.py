@@ -32,7 +32,7 @@ TOOL_ROLES = {"tool": "tool", "function": "tool", "observation": "tool", "functi
 FORMATS = ("messages", "sharegpt", "alpaca", "text")
 # the names --columns may map a column to
 TARGET_COLUMNS = ("messages", "conversations", "instruction", "input", "output", "system", "history", "text",
-                  "tools")
+                  "tools", "prompt", "chosen", "rejected", "rejected_response")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "model": "assistant", "bard": "assistant", "bing": "assistant",
                   "system": "system", **TOOL_ROLES}
@@ -43,10 +43,12 @@ MEDIA_PARTS = ("image", "image_url", "input_image", "audio", "audio_url", "input
 
 @dataclass
 class Record:
-    kind: str  # "chat" or "text"
-    payload: list | str  # messages or text
+    kind: str  # "chat", "text", or "pair" (a preference record: data/preference.py)
+    payload: list | str  # messages (a pair's: the prompt's turns) or text
     source: str  # "file:line" / "file:row N"
     tools: list | None = None  # the function schemas a chat record's template renders ({"type": "function", ...})
+    chosen: dict | None = None  # a pair's chosen and rejected assistant messages
+    rejected: dict | None = None
 
     @property
     def has_tools(self) -> bool:
@@ -272,10 +274,10 @@ def preference_pair(where: str, obj) -> ShardwiseError | None:
         how = (f"to fine-tune on the chosen answers, pass --columns {prompt}=instruction,chosen=output"
                if prompt != "instruction" else "to fine-tune on the chosen answers, pass --columns chosen=output")
     else:
-        how = ("preference training is not supported yet; to fine-tune on the chosen answers, write them as "
-               "conversations ending in that answer")
+        how = "to fine-tune on the chosen answers, write them as conversations ending in that answer"
     return ShardwiseError(f"{where}: this is a preference pair ('chosen' and 'rejected' answers), data for "
-                          f"DPO-style training, which `train` (supervised fine-tuning) does not take; {how}")
+                          f"DPO-style training, which supervised fine-tuning (--task sft) does not take; pass --task "
+                          f"dpo to train on the pairs (docs/dpo.md), or, {how}")
 
 
 def parse(obj, fmt: str) -> tuple[str, list | str]:

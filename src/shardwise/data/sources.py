@@ -41,6 +41,7 @@ from shardwise.data.formats import (
     rename,
     undetectable,
 )
+from shardwise.data.preference import demo_pairs, detect_preference, not_preference, parse_preference
 from shardwise.errors import ShardwiseError
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".arrow")
@@ -295,9 +296,10 @@ def _json_array_syntax(path: str) -> None:
 
 def read_records(path: str, fmt: str = "auto", skip_bad: bool = False, columns: dict | None = None,
                  stats: ReadStats | None = None, flag: str = "--data", tags: dict | None = None,
-                 ) -> tuple[list[Record], ReadStats]:
+                 preference: bool = False) -> tuple[list[Record], ReadStats]:
     """All records of one --data path (or of the option `flag` names: --val-data); the first bad one stops, unless
-    skip_bad. `tags`: a dataset_info entry's sharegpt turn keys and roles (dataset_info.retag)."""
+    skip_bad. `tags`: a dataset_info entry's sharegpt turn keys and roles (dataset_info.retag). `preference` (task
+    dpo): the records are preference pairs (data/preference.py)."""
     stats = stats or ReadStats()
     out: list[Record] = []
     with tempfile.TemporaryDirectory(prefix="shardwise-datasets-") as cache:
@@ -305,7 +307,8 @@ def read_records(path: str, fmt: str = "auto", skip_bad: bool = False, columns: 
             stats.files.append(fname)
             kind = file_kind(fname)
             rows = _jsonl_rows(fname) if kind == "jsonl" else _hf_rows(fname, kind, cache)
-            out += _records(rows, None if fmt == "auto" else fmt, skip_bad, columns or {}, stats, tags or {})
+            out += _records(rows, None if fmt == "auto" else fmt, skip_bad, columns or {}, stats, tags or {},
+                            preference)
     if not out:
         extra = f" ({stats.skipped} bad records skipped)" if stats.skipped else ""
         raise ShardwiseError(f"{flag} {path}: no usable records{extra}; check the file and --data-format")
@@ -313,13 +316,21 @@ def read_records(path: str, fmt: str = "auto", skip_bad: bool = False, columns: 
 
 
 def _records(rows, file_fmt: str | None, skip_bad: bool, columns: dict, stats: ReadStats,
-             tags: dict) -> list[Record]:
+             tags: dict, preference: bool = False) -> list[Record]:
     out = []
     for where, obj in rows:
         try:
             if isinstance(obj, BadRecord):
                 raise obj
             obj = retag(rename(obj, columns), tags)
+            if preference:
+                if file_fmt is None:
+                    file_fmt = detect_preference(obj)
+                    if file_fmt is None:
+                        raise not_preference(where, obj)
+                out.append(parse_preference(obj, file_fmt, where))
+                stats.records += 1
+                continue
             if file_fmt is None:
                 file_fmt = detect_format(obj) if isinstance(obj, dict) else None
                 if file_fmt is None:
@@ -422,16 +433,18 @@ def load_records(cfg, where=lambda key: f"--{key.replace('_', '-')}") -> tuple[l
     info = read_info(cfg.dataset_dir, where("dataset_dir")) if cfg.dataset_dir else None
     sources = parse_data_spec(cfg.data, where("data"), info, cfg.dataset_dir)
     cols = parse_columns(cfg.columns, where("columns"))
+    demo = demo_pairs if cfg.task == "dpo" else demo_dataset
     plain = [s for s in sources if s.weight is None and s.count is None and s.take is None]
     if len(plain) == len(sources) == 1 and sources[0].path == "demo" and not cfg.max_samples:
-        return demo_dataset(), None
+        return demo(), None
     stats, groups = ReadStats(), []
     for i, src in enumerate(sources):
         if src.path == "demo" and not src.name:
-            recs = demo_dataset()
+            recs = demo()
         else:
             fmt = src.fmt or cfg.data_format
-            recs, _ = read_records(src.path, fmt, cfg.skip_bad_records, src.columns or cols, stats, tags=src.tags)
+            recs, _ = read_records(src.path, fmt, cfg.skip_bad_records, src.columns or cols, stats, tags=src.tags,
+                                   preference=cfg.task == "dpo")
         if cfg.max_samples:  # LLaMA-Factory's: the first N of each source
             recs = recs[:cfg.max_samples]
         if src.take is not None and (src.weight is not None or src.count is not None):

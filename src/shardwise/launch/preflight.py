@@ -281,6 +281,7 @@ def check_model(cfg: Config, res: Resolved, shapes: bool = True) -> str:
                 check_rank(meta, targets, cfg.lora.r, res.where("lora.r"))
             if meta is not None:  # None: not checked here (custom code, packed weights), the workers' load reports
                 load.remember_passed(key, model_dir)
+    check_reference(cfg, res, model_dir)
     limit = load.max_positions(model_dir)
     if limit and cfg.seq_len > limit:
         raise ShardwiseError(f"{res.where('seq_len')}: seq_len {cfg.seq_len} is larger than the model supports "
@@ -288,6 +289,33 @@ def check_model(cfg: Config, res: Resolved, shapes: bool = True) -> str:
                              "in its config.json: a rope_scaling entry (e.g. yarn with factor seq_len / "
                              f"{limit}) and max_position_embeddings raised to the new length (docs/long-context.md)")
     return model_dir
+
+
+def check_reference(cfg: Config, res: Resolved, model_dir: str) -> None:
+    """task dpo's --ref-model: a model directory whose config.json and weights are whole, with the policy's vocabulary
+    (the reference scores the policy's tokens)."""
+    if cfg.task != "dpo" or not cfg.ref_model or cfg.loss_type in ("simpo", "orpo") or cfg.tuner != "full":
+        return
+    from shardwise.models import load
+
+    where = res.where("ref_model")
+    try:
+        ref_dir = load.resolve_model_dir(cfg.ref_model, cfg.seed)
+    except ShardwiseError as e:  # its line names --model: here the option is the reference's
+        raise ShardwiseError(str(e).replace(f"--model {cfg.ref_model}", f"{where} {cfg.ref_model}", 1)) from None
+    _check_config_json(ref_dir, where)
+    load.check_weights(ref_dir, f"{where} {ref_dir}")
+    vocab = [_vocab_size(d) for d in (model_dir, ref_dir)]
+    if vocab[0] != vocab[1]:
+        raise ShardwiseError(f"{where}: the reference model's vocab_size {vocab[1]} is not the policy's {vocab[0]} "
+                             f"(config.json of {ref_dir} and {model_dir}): the reference must score the same tokens; "
+                             "give a reference with the policy's tokenizer")
+
+
+def _vocab_size(model_dir: str):
+    with open(os.path.join(model_dir, "config.json"), "rb") as fh:
+        obj = json.load(fh)
+    return obj.get("vocab_size", (obj.get("text_config") or {}).get("vocab_size"))
 
 
 def _check_config_json(model_dir: str, where: str) -> None:

@@ -225,15 +225,15 @@ def _encode(res: Resolved, cfg: Config, world: int, model_dir: str, records: lis
         raise ShardwiseError(f"{res.where('val_data' if cfg.val_data else 'val_split')}: the validation set has no "
                              "loss token (every example empty or truncated away); give more or longer examples")
     global_batch = cfg.micro_batch_size * cfg.grad_accum * (world // (cfg.sequence_parallel * cfg.tensor_parallel))
-    if len(encoded) < global_batch:
-        raise ShardwiseError(f"the dataset has {len(encoded)} sequences, fewer than one global batch of "
+    units, what = (len(encoded) // 2, "preference pairs") if cfg.task == "dpo" else (len(encoded), "sequences")
+    if units < global_batch:
+        raise ShardwiseError(f"the dataset has {units} {what}, fewer than one global batch of "
                              f"{global_batch}; lower --micro-batch-size or --grad-accum, or add data")
     if resume_from:  # the run's last step as the workers count it (another global batch: train/schedule.py)
         from shardwise.train import checkpoint as ckpt
         from shardwise.train.schedule import resumed
 
-        check_steps_left(cfg, res, resume_from, resumed(cfg, ckpt.read_meta(resume_from), len(encoded),
-                                                        global_batch)[1])
+        check_steps_left(cfg, res, resume_from, resumed(cfg, ckpt.read_meta(resume_from), units, global_batch)[1])
     return encoded, tensors, hit, val, val_tensors
 
 
@@ -269,7 +269,8 @@ def _say_data(cfg: Config, encoded, stats, hit: bool, val, resume_notes: list[st
     validation line."""
     st = encoded.stats
     src = "the built-in demo set" if stats is None else ", ".join(stats.files[:3]) + (" ..." if len(stats.files) > 3 else "")
-    msg = (f"data: {st['records']} records from {src}; {st['sequences']} sequences, {st['tokens']:,} tokens, "
+    pairs = f" ({st['pairs']} preference pairs: chosen and rejected)" if "pairs" in st else ""
+    msg = (f"data: {st['records']} records from {src}; {st['sequences']} sequences{pairs}, {st['tokens']:,} tokens, "
            f"{st['loss_tokens']:,} loss tokens; {st['truncated']} truncated to seq_len {cfg.seq_len}")
     if hit:
         msg += " (tokenized data from the cache; --no-data-cache tokenizes again)"

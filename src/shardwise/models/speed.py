@@ -158,6 +158,69 @@ def linear_cross_entropy(hidden, weight, targets, chunk: int = 4096, compute_dty
                                          chunk, compute_dtype)
 
 
+class _LinearTokenLogProbs(torch.autograd.Function):
+    """log softmax(h_t W^T)[y_t] per token (0 where y_t is IGNORE), over chunks of tokens: peak memory holds one
+    chunk's fp32 logits, and none are kept for backward, which computes each chunk's logits again (one more head
+    matmul than _LinearCrossEntropy, whose gradients need no upstream value per token; these do)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk: int, compute_dtype):
+        n = hidden.shape[0]
+        h_all, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+        out = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk):
+            logits = (h_all[s:s + chunk] @ w.t()).float()
+            t = targets[s:s + chunk]
+            valid = t != IGNORE
+            picked = logits.gather(1, torch.where(valid, t, 0)[:, None]).squeeze(1)
+            out[s:s + chunk] = (picked - torch.logsumexp(logits, dim=-1)) * valid
+            del logits
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.chunk, ctx.compute_dtype = chunk, compute_dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets = ctx.saved_tensors
+        h_all, w = hidden.to(ctx.compute_dtype), weight.to(ctx.compute_dtype)
+        want_w = ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = h_all[s:s + ctx.chunk]
+            t = targets[s:s + ctx.chunk]
+            valid = t != IGNORE
+            # d logp_t / d logits = onehot(y_t) - softmax, times the upstream gradient of token t
+            g = torch.softmax((h @ w.t()).float(), dim=-1).neg_()
+            g.scatter_add_(1, torch.where(valid, t, 0)[:, None], torch.ones_like(g[:, :1]))
+            g.mul_((grad_out[s:s + ctx.chunk].float() * valid)[:, None])
+            g = g.to(ctx.compute_dtype)
+            grad_h[s:s + ctx.chunk] = (g @ w).to(hidden.dtype)
+            if want_w:
+                grad_w += (g.t() @ h).float()
+            del g
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+
+
+def linear_token_logprobs(hidden, weight, targets, chunk: int = 4096, compute_dtype=None):
+    """Per-token log-probabilities of `targets` under `hidden @ weight.T` (shape of `targets`, fp32, 0 where
+    IGNORE), never holding the full logits: what preference losses sum per sequence (train/objective.py)."""
+    if compute_dtype is None:
+        compute_dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
+            else weight.dtype
+    with torch.autocast(hidden.device.type, enabled=False):
+        out = _LinearTokenLogProbs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), chunk,
+                                         compute_dtype)
+    return out.view(targets.shape)
+
+
+def token_logprobs(logits, targets) -> torch.Tensor:
+    """Per-token log-probabilities of `targets` from full logits (the plain head's), fp32, 0 where IGNORE."""
+    valid = targets != IGNORE
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, torch.where(valid, targets, 0).unsqueeze(-1)).squeeze(-1) * valid
+
+
 def install_fused_loss(model: nn.Module, chunk: int = FUSED_LOSS_CHUNK) -> bool:
     """Make the output head return the summed loss instead of logits when targets are
     set on it (`model.lm_head.loss_targets = targets`). The head stays the same module
@@ -172,6 +235,9 @@ def install_fused_loss(model: nn.Module, chunk: int = FUSED_LOSS_CHUNK) -> bool:
     plain_forward = head.forward
 
     def forward(self, hidden_states):
+        logp_targets = getattr(self, "logp_targets", None)
+        if logp_targets is not None:  # per-token log-probabilities (task dpo), not their summed loss
+            return linear_token_logprobs(hidden_states, self.weight, logp_targets, chunk)
         targets = getattr(self, "loss_targets", None)
         if targets is None:
             return plain_forward(hidden_states)
@@ -181,7 +247,7 @@ def install_fused_loss(model: nn.Module, chunk: int = FUSED_LOSS_CHUNK) -> bool:
         return linear_cross_entropy(hidden_states, self.weight, targets, chunk)
 
     head.forward = types.MethodType(forward, head)
-    head.loss_targets = None
+    head.loss_targets = head.logp_targets = None
     return True
 
 

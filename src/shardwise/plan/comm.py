@@ -199,7 +199,12 @@ def sizes_for(spec: ModelSpec, job: Job) -> Sizes:
 def collectives(spec: ModelSpec, job: Job, o: Opts, shard_n: int) -> list[Coll]:
     """The collectives of one optimizer step for one strategy (its family's, then the sequence- and
     tensor-parallel exchanges; under TP, of one rank's tp-local shards)."""
-    out = cost_of(o.base).collectives(spec, job, o, shard_n, sizes_for(spec, job))
+    cost, sizes = cost_of(o.base), sizes_for(spec, job)
+    out = cost.collectives(spec, job, o, shard_n, sizes)
+    if job.reference != "none" and job.world > 1 and cost.gathers_params(o):
+        # task dpo: the reference's forward (a sharded copy, or LoRA's policy with its adapters off) gathers its
+        # weights once more per micro-batch, in the compute dtype; hidden behind that forward like the policy's
+        out.append(Coll("all_gather", sizes.gathered, shard_n, sizes.flat, job.grad_accum, "fwd"))
     out += ulysses_exchanges(spec, job) + ring_exchanges(spec, job) + tensor_parallel_exchanges(spec, job)
     return out
 
@@ -220,6 +225,8 @@ def flops_per_microbatch(spec: ModelSpec, job: Job) -> tuple[float, float]:
     else:  # frozen weights need only input gradients
         P_t = spec.lora_params(job.lora_r, job.lora_targets)
         bwd = 2 * P * T + 6 * P_t * T + 2 * attn_f
+    if job.reference != "none":  # task dpo: the reference's forward of the same rows, a third of a full step's FLOPs
+        fwd += 2 * P * T + attn_f
     if job.checkpointing:  # blocks run forward again in backward
         bwd += 2 * (P - spec.root_params) * T + attn_f
     elif job.selective_checkpointing:

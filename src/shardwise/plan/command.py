@@ -20,7 +20,7 @@ SHARED_KEYS = ["model", "strategy", "seq_len", "micro_batch_size", "grad_accum",
                "fsdp.reshard_after_forward", "fsdp.keep_gathered_one_rank", "fsdp.hybrid", "fsdp.shard_group_size",
                "fsdp.cpu_offload", "fsdp.wrap", "fsdp.prefetch", "deepspeed.stage", "deepspeed.offload_optimizer",
                "deepspeed.offload_params", "deepspeed.fetch", "compile", "fused_loss", "sequence_parallel", "tensor_parallel", "sp_mode",
-               "activation_checkpointing", "mlp_tiles", "float8"]
+               "activation_checkpointing", "mlp_tiles", "float8", "task", "loss_type", "precompute_ref"]
 
 
 def add_parser(subparsers) -> None:
@@ -212,7 +212,8 @@ def _job_line(plan) -> str:
             + (f"; tensor parallel {j.tp}" if j.tp > 1 else "")
             + f"; compute {dt}, weights/grads/optimizer "
             f"{j.param_dtype}; checkpointing {_checkpointing(plan)}; packing {'on' if j.packing else 'off'}; "
-            f"compile {'on' if j.compile else 'off'}; fused loss {'on' if j.fused_loss else 'off'}")
+            f"compile {'on' if j.compile else 'off'}; fused loss {'on' if j.fused_loss else 'off'}"
+            + (f"; task dpo (2 rows a pair), reference {j.reference}" if j.micro_batch and j.reference != "none" else ""))
 
 
 def render(plan, sim=None, rehearsal=None, explain: bool = True) -> str:

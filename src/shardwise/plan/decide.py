@@ -691,6 +691,11 @@ def choose_parallel(plan: Plan, cfg=None) -> None:
     plain = [s for s in plan.strategies if not offloads(s.opts)]
     if not plain or any(s.fits for s in plain):
         return
+    if getattr(cfg, "task", "sft") == "dpo":  # preflight refuses tensor and sequence parallelism with task dpo
+        if not any(s.fits for s in plan.strategies):
+            plan.reasons.append("task dpo is not built with tensor or sequence parallelism, so neither is tried; "
+                                "--precompute-ref, --tuner lora or a smaller --micro-batch-size / --seq-len may fit")
+        return
     lean = min(plain, key=lambda s: s.memory.total)
     m = lean.memory
     long_seq = m.activations >= 0.5 * m.peak_tensors

@@ -43,8 +43,16 @@ def _ac(cfg) -> str:
     return "full" if cfg.gradient_checkpointing and mode == "off" else mode
 
 
+def reference(cfg) -> str:
+    """task dpo's reference during training, as memory.Job.reference names it."""
+    if getattr(cfg, "task", "sft") != "dpo" or cfg.loss_type in ("simpo", "orpo") or cfg.precompute_ref:
+        return "none"
+    return "model" if cfg.tuner == "full" else "adapters"
+
+
 def job_from_config(cfg, setup: Setup) -> Job:
-    return Job(world=setup.world, nodes=setup.nodes, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
+    rows = 2 if getattr(cfg, "task", "sft") == "dpo" else 1  # a pair's chosen and rejected rows share a forward
+    return Job(world=setup.world, nodes=setup.nodes, micro_batch=cfg.micro_batch_size * rows, seq_len=cfg.seq_len,
                grad_accum=cfg.grad_accum, tuner=cfg.tuner, lora_r=cfg.lora.r, lora_targets=cfg.lora.targets,
                lora_dropout=cfg.lora.dropout, compute=compute_dtype(cfg.mixed_precision, setup.accelerator),
                param_dtype=cfg.param_dtype, checkpointing=_ac(cfg) in ("full", "offload"), packing=cfg.packing,
@@ -53,7 +61,7 @@ def job_from_config(cfg, setup: Setup) -> Job:
                sp=getattr(cfg, "sequence_parallel", 1), tp=getattr(cfg, "tensor_parallel", 1),
                sp_mode=getattr(cfg, "sp_mode", "auto"),
                selective_checkpointing=_ac(cfg) == "selective", float8=bool(getattr(cfg, "float8", False)),
-               offload_checkpoints=_ac(cfg) == "offload", mlp_tiles=_tiles(cfg))
+               offload_checkpoints=_ac(cfg) == "offload", mlp_tiles=_tiles(cfg), reference=reference(cfg))
 
 
 def _tiles(cfg) -> int:

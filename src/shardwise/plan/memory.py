@@ -89,6 +89,10 @@ class Job:
     # full checkpointing with the kept block inputs in host memory (config activation_checkpointing offload)
     offload_checkpoints: bool = False
     mlp_tiles: int = 1  # the MLP over this many sequence tiles (config `mlp_tiles`); 0 = auto (plan/long_context.py)
+    # task dpo's reference during training (train/objective.py): none (sft, simpo/orpo, --precompute-ref), "model"
+    # (a frozen copy: whole per rank, or sharded like the policy where the family gathers parameters) or "adapters"
+    # (LoRA: the policy with its adapters off; no memory, one more forward). micro_batch then counts rows: 2 per pair.
+    reference: str = "none"
 
     @property
     def gpus_per_node(self) -> int:
@@ -528,6 +532,14 @@ def trainable(spec: ModelSpec, job: Job) -> tuple[float, float, int]:
     return spec.lora_params(job.lora_r, job.lora_targets), frozen, w
 
 
+def reference_bytes(spec: ModelSpec, job: Job, shard_n: int, autocast: bool) -> float:
+    """task dpo's frozen reference model per rank: its weights in the policy's storage dtype under autocast, else in
+    the narrower of the compute and storage dtypes (Strategy.reference_dtype), over the `shard_n` ranks that share
+    them (1: a whole copy). Its forward runs before the policy's and frees its gathered units and activations, so
+    nothing else of it is alive at the step's moments."""
+    return spec.total_params * (job.w if autocast else min(job.c, job.w)) / shard_n
+
+
 def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     """Per-rank memory of one steady-state step (optimizer states exist; grads set to None by zero_grad)."""
     if o.base not in presets.SPECS:
@@ -536,6 +548,8 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     N = max(1, shard_ranks(job, o) // job.tp)  # FSDP shards over the data-parallel ranks, not the tp ones
     st = States(*trainable(spec, job))
     cost.states(spec, job, o, N, st)
+    if job.reference == "model":
+        st.persist["reference"] = reference_bytes(spec, job, N if cost.gathers_params(o) else 1, cost.autocast)
     P_t, grads, extraA, extraB, persist = st.P_t, st.grads, st.extraA, st.extraB, st.persist
 
     if job.tuner == "qlora":  # bitsandbytes dequantises one weight at a time for the matmul

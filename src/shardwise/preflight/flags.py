@@ -336,6 +336,50 @@ def train_data(res) -> Refusal | None:
     return None
 
 
+PREFERENCE_KEYS = ("beta", "loss_type", "simpo_gamma", "ref_model", "precompute_ref")
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+def preference(res) -> Refusal | None:
+    """task dpo's options against each other and against what a pair of rows in one micro-batch composes with."""
+    c = res.cfg
+    given = [k for k in PREFERENCE_KEYS if res.explicit(k) and not res.restates_default(k)]
+
+    def rules():
+        yield (c.task == "dpo" or not given, given[0] if given else "task",
+               f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to preference training; pass "
+               "--task dpo (LLaMA-Factory's stage: dpo) or drop it")
+        yield (c.beta > 0 and math.isfinite(c.beta), "beta", f"beta must be a positive number, got {show(c.beta)}")
+        yield (c.simpo_gamma >= 0 and math.isfinite(c.simpo_gamma), "simpo_gamma",
+               f"simpo_gamma must be a number >= 0, got {show(c.simpo_gamma)}")
+        if c.task != "dpo":
+            return
+        yield (c.loss_type == "simpo" or "simpo_gamma" not in given, "simpo_gamma",
+               f"simpo_gamma is SimPO's margin but loss_type is {c.loss_type}; pass --loss-type simpo or drop it")
+        free = c.loss_type in REFERENCE_FREE
+        for key in ("ref_model", "precompute_ref"):
+            yield (not free or key not in given, key,
+                   f"loss_type {c.loss_type} uses no reference model, so {key} does nothing; use --loss-type "
+                   "sigmoid or ipo, or drop it")
+        yield (c.tuner == "full" or not c.ref_model, "ref_model",
+               f"with tuner {c.tuner} the reference is the base model with the adapters off (no second copy); drop "
+               "--ref-model, or use --tuner full to compare against another model")
+        yield (c.data_format == "auto", "data_format",
+               "task dpo detects the preference format per file (LLaMA-Factory, TRL, ms-swift); use --data-format "
+               "auto")
+        yield (not c.packing, "packing", "task dpo keeps each prompt's chosen and rejected answer as two rows of one "
+               "micro-batch, which packing would merge; drop --packing")
+        yield (c.padding_free != "on", "padding_free",
+               "task dpo sums each row's log-probabilities over padded rows; use --padding-free auto or off")
+        yield (c.tensor_parallel == 1 and c.sequence_parallel == 1, "tensor_parallel" if c.tensor_parallel > 1
+               else "sequence_parallel", "task dpo with tensor or sequence parallelism is not built (each row's "
+               "log-probability sum would span ranks); set --tensor-parallel 1 and --sequence-parallel 1")
+        yield (not (c.val_data or c.val_split), "val_data" if c.val_data else "val_split",
+               "task dpo has no validation loss yet; drop --val-data / --val-split")
+
+    return first(rules())
+
+
 def check_json_object(path: str, where: str) -> None:
     """A JSON file the run reads later (deepspeed.config), checked now: before the run directory is written."""
     try:
@@ -352,4 +396,4 @@ def check_json_object(path: str, where: str) -> None:
 
 # cheap and common first; each check gives the first of its rules that fails
 CHECKS = (names, training_numbers, run_control, processes, outputs, validation_set, adapters_and_wrapping, float8,
-          strategy_options, tuner, degrees)
+          strategy_options, tuner, preference, degrees)

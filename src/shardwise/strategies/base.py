@@ -135,6 +135,32 @@ class Strategy:
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.cfg.lr, betas=(0.9, 0.999),
                                  eps=1e-8, **self.optimizer_kernel())
 
+    def wrap_reference(self, model: torch.nn.Module):
+        """A frozen reference model (task dpo) -> (the module to call, its fused head or None): the loss head and
+        compile steps of `parallelize`, no gradients, eval mode, then `wrap_frozen`; no optimizer."""
+        apply_loss_head(model, self.cfg)
+        model.requires_grad_(False)
+        model.eval()
+        apply_compile(model, self.cfg, self.dims, hooks_eager=self.compile_hooks_eager)
+        head = model.get_output_embeddings()
+        fused = head if getattr(head, "logp_targets", "absent") is None else None
+        return self.wrap_frozen(model), fused
+
+    def wrap_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen model on this rank's device: one whole copy per rank (single, ddp, zero1/2)."""
+        return model.to(self.env.device)
+
+    def reference_layout(self) -> str:
+        """How the reference model is held, for the run's header."""
+        return "one copy per rank"
+
+    def reference_dtype(self) -> torch.dtype:
+        """The reference model's storage dtype: the policy's. Under autocast the residual stream runs in the stored
+        dtype, so a narrower copy would not compute what the policy computes: at the first step the log-ratios would
+        not be 0. A wrapper that casts the weights to the compute dtype (FSDP's policy, DeepSpeed's engine) stores the
+        frozen copy in that dtype instead (fsdp.py, deepspeed.py)."""
+        return self.param_dtype
+
     @classmethod
     def host_collectives(cls, cfg: Config) -> bool:
         """Whether torch runs collectives on host tensors of this strategy on GPUs (the process group then gets

@@ -236,6 +236,29 @@ class DeepSpeedStrategy(Strategy):
         self.engine = engine
         return engine, optimizer
 
+    def wrap_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """ZeRO-3: the reference model partitioned like the policy, by an engine of its own with no optimizer (its
+        forward gathers each block's weights and releases them); stages 1 and 2 hold whole weights: one copy."""
+        if self.cfg.deepspeed.stage != 3:
+            return super().wrap_frozen(model)
+        import deepspeed
+
+        config = {k: v for k, v in self.config.items() if k not in ("gradient_clipping", "zero_allow_untested_optimizer",
+                                                                    "zero_force_ds_cpu_optimizer")}
+        config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items()
+                                       if k != "offload_optimizer"}
+        engine, *_ = deepspeed.initialize(model=model, config=config, mpu=MeshGroups(self.dims),
+                                          dist_init_required=False)
+        engine.eval()
+        return engine
+
+    def reference_dtype(self) -> torch.dtype:
+        """The compute dtype where it is narrower: the engine runs the policy in it (its bf16/fp16 module)."""
+        return min(self.param_dtype, self.compute_dtype, key=lambda d: d.itemsize)
+
+    def reference_layout(self) -> str:
+        return "partitioned like the policy (ZeRO-3)" if self.cfg.deepspeed.stage == 3 else "one copy per rank"
+
     @property
     def compile_hooks_eager(self) -> bool:
         """ZeRO-3 fetching whole blocks: each compiled block's fetch/release hooks run eagerly around its compiled

@@ -123,6 +123,22 @@ class FSDPStrategy(Strategy):
         self.n_units = len(units)
         return model
 
+    def wrap_frozen(self, model: nn.Module) -> nn.Module:
+        """The reference model sharded like the policy (its blocks and root on the same mesh), resharded after
+        every forward: it runs no backward."""
+        units = block_units(model) if self.cfg.fsdp.wrap == "block" else size_units(model, int(self.cfg.fsdp.wrap[5:]))
+        offload = CPUOffloadPolicy(pin_memory=self.env.device.type == "cuda") if self.cfg.fsdp.cpu_offload \
+            else OffloadPolicy()
+        return shard_units(model, units, self.dims.shard_mesh, self.mp_policy(), True,
+                           prefetch=self.cfg.fsdp.prefetch and self.cfg.fsdp.wrap == "block", offload_policy=offload)
+
+    def reference_dtype(self) -> torch.dtype:
+        """The compute dtype where it is narrower: the mixed-precision policy casts the policy's weights to it too."""
+        return min(self.param_dtype, self.compute_dtype, key=lambda d: d.itemsize)
+
+    def reference_layout(self) -> str:
+        return f"sharded like the policy (FSDP, mesh {tuple(self.dims.shard_mesh.shape)})"
+
     def keeps_gathered(self) -> bool:
         """One rank per shard group, computing in a narrower dtype than the stored weights: nothing is sharded, so
         resharding after forward would only free the compute-dtype copies of the weights and make them again in

@@ -32,11 +32,12 @@ from shardwise.rundir import atomic_write_json, record_interrupted
 from shardwise.strategies.base import DTYPES
 from shardwise.train import checkpoint as ckpt
 from shardwise.train import dist as sdist
-from shardwise.train import peers
+from shardwise.train import objective, peers
 from shardwise.train.control import Control
 from shardwise.train.evaluate import Evaluator
 from shardwise.train.faults import Faults
 from shardwise.train.metrics import Reporter, Window, flops_per_token, peak_memory_gib
+from shardwise.train.objective import SFT
 from shardwise.train.profile import StepProfiler
 from shardwise.train.schedule import Schedule, lr_at, resumed
 
@@ -65,6 +66,7 @@ class Preempted(Exception):
 
 
 loss_sum = token_loss_sum  # summed token cross-entropy in fp32 (models/speed.py; vocabulary-sharded logits too)
+_SFT = SFT()
 
 
 def build_model(cfg: Config, model_dir: str):
@@ -145,6 +147,8 @@ class Trainer:
         self.model, self.optimizer = self.strategy.setup(model)  # the strategy's parallelize pipeline
         head = model.get_output_embeddings()  # the module the loss head step made fused, where it could
         self.fused_head = head if getattr(head, "loss_targets", "absent") is None else None
+        # what a step optimises (SFT, or a preference loss with its reference model wrapped like the policy)
+        self.objective = objective.build(cfg, job.model_dir, self.strategy, self.model)
         marks["wrapped"] = time.time()
 
         from safetensors.torch import load_file
@@ -155,7 +159,7 @@ class Trainer:
         self.sampler = StepSampler(self.data, cfg.micro_batch_size, cfg.grad_accum, self.dims.dp_size,
                                    self.dims.dp_rank, cfg.seed, self.tokenizer.pad_token_id,
                                    sp_degree=self.dims.sp, sp_rank=self.dims.sp_rank, padding_free=self.padding_free,
-                                   flat_when_it_pays=cfg.padding_free == "auto")
+                                   flat_when_it_pays=cfg.padding_free == "auto", pairs=cfg.task == "dpo")
         self.total = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * self.sampler.steps_per_epoch
         self.schedule = Schedule(self.sampler.global_batch, self.total, self.sampler.global_batch)
         notes = ["ranks held different initial weights; rank 0's were broadcast to all"] if broadcasted else []
@@ -163,6 +167,8 @@ class Trainer:
             notes.append(f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')} after a worker failure")
         self.resume(notes)
         self.announce(notes)
+        if cfg.precompute_ref and getattr(self.objective, "reference", None) is not None:
+            self.precompute_reference()
 
         self.peak = None
         if env.device.type == "cuda":
@@ -220,7 +226,7 @@ class Trainer:
         """The schedule where the checkpoint left it (train/schedule.py): with another global batch, kept in
         sequences, and a note saying exactly what changed."""
         gb, naive = self.sampler.global_batch, self.total
-        self.schedule, self.total = resumed(self.cfg, meta, len(self.data), gb)
+        self.schedule, self.total = resumed(self.cfg, meta, len(self.data) // self.sampler.group, gb)
         s, step = self.schedule, self.step
         if s.batch == gb and self.total == naive:
             return
@@ -228,6 +234,19 @@ class Trainer:
                      f"({s.sequences(step):,} of {s.steps * s.batch:,} trained): the run ends at step {self.total} "
                      f"(not {naive}), {self.total - step} steps of {gb} left, and the learning rate goes on from "
                      f"{s.lr(self.cfg, step):.3g} where the saved run would be after as many sequences")
+
+    def precompute_reference(self) -> None:
+        """--precompute-ref: the reference log-probabilities of every row in one pass, then the reference freed."""
+        t0, ref = time.time(), self.objective.reference
+        self.phase = "reference log-probabilities (--precompute-ref)"
+        self.model.eval()
+        self.objective.reference = objective.precompute(ref, self.model, self.sampler, self.dims.dp_size,
+                                                        self.dims.dp_rank, self.env.device, self.strategy.autocast,
+                                                        self.fused_head, sdist.all_reduce)
+        self.model.train()
+        ref.free()
+        self.rep.say(f"shardwise: reference log-probabilities of {len(self.data)} rows precomputed in "
+                     f"{time.time() - t0:.1f}s; the reference model is freed")
 
     def announce(self, notes: list[str]) -> None:
         env = self.env
@@ -241,11 +260,13 @@ class Trainer:
         sp += f" + tensor parallel over groups of {self.dims.tp}" if self.dims.tp > 1 else ""
         self.rep.say(f"shardwise: {self.strategy.describe()}{sp} on {env.world_size} rank(s) ({env.backend}, "
                      f"{env.device.type}), {self.n_params / 1e6:.2f}M params ({self.n_trainable / 1e6:.2f}M "
-                     f"trainable), {len(self.data)} sequences, global batch {self.sampler.global_batch}, "
+                     f"trainable), {len(self.data)} sequences, global batch {self.sampler.global_batch}"
+                     f"{' preference pairs' if self.sampler.group == 2 else ''}, "
                      f"{self.total} steps")
         flat = "padding-free: a micro-batch's rows in one sequence" + (
             " where that saves compute" if self.cfg.padding_free == "auto" else "")
-        applied = self.strategy.applied + ([flat] if self.padding_free else [])
+        task = objective.describe(self.objective, self.cfg, self.strategy)
+        applied = self.strategy.applied + ([flat] if self.padding_free else []) + ([task] if task else [])
         if applied:
             self.rep.say("shardwise: " + "; ".join(applied))
         for n in notes:
@@ -264,7 +285,7 @@ class Trainer:
         with self.profiler.step(step + 1):  # a null context unless this step is profiled
             step_loss = forward_backward_step(self.model, self.strategy, batch, self.dims.grad_size, self.env.device,
                                               self.faults, step + 1, self.fused_head, loss_replicas=self.dims.tp,
-                                              aux_weight=self.aux_weight)
+                                              aux_weight=self.aux_weight, objective=self.objective)
             self.settle()  # the previous step's flag
             self.phase = f"step {step + 1}: optimizer step (gradient-norm reduction)"
             grad_norm = self.strategy.step(self.model, self.optimizer)
@@ -289,7 +310,8 @@ class Trainer:
         self.unread.clear()
 
     def new_window(self) -> None:
-        self.window, self.loss_acc, self.seq_acc, self.loss_n = Window(), torch.zeros((), device=self.env.device), 0.0, 0
+        self.window, self.seq_acc, self.loss_n = Window(), 0.0, 0
+        self.loss_acc = torch.zeros(len(self.objective.names), device=self.env.device)
 
     def log(self, grad_norm) -> None:
         step = self.step
@@ -298,7 +320,7 @@ class Trainer:
         comm = self.profiler.take()
         rec = log_record(self.env, self.cfg, self.window, self.loss_acc, self.loss_n, self.seq_acc, step, self.total,
                          grad_norm, self.pos, self.tokens_seen, self.skipped, self.peak, self.n_params, self.hf_config,
-                         comm, lr=self.schedule.lr(self.cfg, step - 1))
+                         comm, self.objective.names, lr=self.schedule.lr(self.cfg, step - 1))
         self.phase = f"step {step}: validation"
         rec.update(self.evaluator.run(self.model, self.strategy, step, self.fused_head))
         self.rep.log(rec)
@@ -474,39 +496,33 @@ def is_collective_timeout(e: BaseException) -> bool:
 
 
 def forward_backward_step(model, strategy, batch: StepBatch, dp_size: int, device, faults: Faults, step: int,
-                          fused_head=None, loss_replicas: int = 1, aux_weight: float = 0.0) -> torch.Tensor:
-    """Forward/backward over the rank's micro-batches; returns this rank's share of the
-    global mean loss (a tensor, so no host sync). Each micro-batch's summed loss is divided
-    by the global batch's loss-token count and scaled by `dp_size`, the ranks gradients are
-    averaged over (dims.grad_size: the data-parallel degree, times the sequence-parallel
-    degree, whose ranks sum the losses of their slices of the same rows): the result equals
-    one process on the whole global batch. `loss_replicas`: the ranks that compute the same loss
-    (the tensor-parallel ranks, dims.tp), so the returned shares still sum to the global mean
-    over the world (the gradients are not scaled by it: each tp rank's backward is one part of
-    one computation). `aux_weight`: a mixture-of-experts model's router load-balancing loss
-    weight (models/moe.py aux_loss_weight; 0: none): each micro-batch adds weight x aux_loss /
-    micro-batches to what it back-propagates, so after the strategy's mean over ranks the
-    gradient is that of the weighted mean aux loss; the returned (logged) loss is the LM loss."""
-    scale = dp_size / batch.loss_tokens
-    total = torch.zeros((), device=device)
+                          fused_head=None, loss_replicas: int = 1, aux_weight: float = 0.0,
+                          objective=None) -> torch.Tensor:
+    """Forward/backward over the rank's micro-batches; returns this rank's share of the global mean loss and of the
+    objective's other logged values (a tensor of len(objective.names), so no host sync). `objective`
+    (train/objective.py; SFT by default) gives each micro-batch's summed loss; it is divided by the global batch's
+    denominator (SFT: its loss tokens; preference pairs: its pairs) and scaled by `dp_size`, the ranks gradients are
+    averaged over (dims.grad_size: the data-parallel degree, times the sequence-parallel degree, whose ranks sum the
+    losses of their slices of the same rows): the result equals one process on the whole global batch.
+    `loss_replicas`: the ranks that compute the same loss (the tensor-parallel ranks, dims.tp), so the returned
+    shares still sum to the global mean over the world (the gradients are not scaled by it: each tp rank's backward
+    is one part of one computation). `aux_weight`: a mixture-of-experts model's router load-balancing loss weight
+    (models/moe.py aux_loss_weight; 0: none): each micro-batch adds weight x aux_loss / micro-batches to what it
+    back-propagates, so after the strategy's mean over ranks the gradient is that of the weighted mean aux loss; the
+    returned (logged) loss is the objective's."""
+    objective = objective or _SFT
+    scale = dp_size / objective.denominator(batch)
+    total = torch.zeros(len(objective.names), device=device)
     last = len(batch.micro) - 1
     for i, mb in enumerate(batch.micro):
-        ids = mb.input_ids.to(device, non_blocking=True)
-        pos = mb.position_ids.to(device, non_blocking=True)
-        tg = mb.targets.to(device, non_blocking=True)
+        mb = dataclasses.replace(mb, input_ids=mb.input_ids.to(device, non_blocking=True),
+                                 position_ids=mb.position_ids.to(device, non_blocking=True),
+                                 targets=mb.targets.to(device, non_blocking=True))
         with strategy.sync(model, i == last), strategy.autocast(), strategy.loss_parallel():
-            if fused_head is not None:  # the head returns the summed loss (models/speed.py)
-                fused_head.loss_targets = tg
-                out = model(input_ids=ids, position_ids=pos)
-                summed = out.logits
-                fused_head.loss_targets = None
-            else:
-                out = model(input_ids=ids, position_ids=pos)
-                summed = loss_sum(out.logits, tg)
-            aux = out.aux_loss if aux_weight else None
-            del out  # the output holds the full logits: gone before backward (the loss kept what it needs)
+            summed, extras, aux = objective.micro(model, mb, fused_head, want_aux=bool(aux_weight))
             loss = faults.poison_loss(step, summed * scale)
-        total += loss.detach() / (dp_size * loss_replicas)
+        shares = loss.detach()[None] if extras is None else torch.cat([loss.detach()[None], extras * scale])
+        total += shares / (dp_size * loss_replicas)
         if aux_weight:  # MoE router balance (models/moe.py): the mean over every rank's micro-batches, not logged
             loss = loss + aux * (aux_weight / len(batch.micro))
         strategy.backward(loss)
@@ -514,9 +530,10 @@ def forward_backward_step(model, strategy, batch: StepBatch, dp_size: int, devic
 
 
 def log_record(env, cfg, window, loss_acc, loss_n, seq_acc, step, total, grad_norm, pos, tokens_seen, skipped, peak,
-               n_params, hf_config, comm: dict | None = None, lr: float | None = None) -> dict:
+               n_params, hf_config, comm: dict | None = None, names: tuple = ("loss",), lr: float | None = None) -> dict:
     """The logged metrics; the only host syncs of the loop (besides the non-finite check and
-    a profiled step's). `comm`: this rank's times of a profiled step (train/profile.py)."""
+    a profiled step's). `comm`: this rank's times of a profiled step (train/profile.py). `loss_acc`: the summed
+    shares of the objective's `names` (loss first)."""
     sdist.all_reduce(loss_acc)
     peak_here = peak_memory_gib(env.device)
     # max and min over ranks in one reduction (and a profiled step's communication times, max over ranks)
@@ -524,9 +541,11 @@ def log_record(env, cfg, window, loss_acc, loss_n, seq_acc, step, total, grad_no
                        dtype=torch.float64, device=env.device)
     sdist.all_reduce(mem, dist.ReduceOp.MAX)
     step_time, tps = window.read()
-    rec = {"step": step, "loss": loss_acc.item() / loss_n if loss_n else float("nan"), "lr": lr_at(cfg, step - 1, total) if lr is None else lr,
+    means = (loss_acc / loss_n).tolist() if loss_n else [float("nan")] * loss_acc.numel()
+    rec = {"step": step, "loss": means[0], "lr": lr_at(cfg, step - 1, total) if lr is None else lr,
            "grad_norm": float(grad_norm), "tokens_per_s": tps, "step_time_s": step_time,
            "peak_mem_gib": mem[0].item(), "peak_mem_gib_min": -mem[1].item(), "epoch": pos.epoch, "tokens_seen": tokens_seen}
+    rec.update(zip(names[1:], means[1:]))  # the objective's other values (task dpo: the rewards)
     if skipped:
         rec["skipped_nonfinite_steps"] = skipped
     if comm:

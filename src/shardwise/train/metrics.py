@@ -199,7 +199,9 @@ class Reporter:
             t.log(scalars, rec["step"])
         line = (f"loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | {rec['tokens_per_s']:,.0f} tok/s | "
                 f"{rec['peak_mem_gib']:.2f} GiB" + (f" | mfu {rec['mfu']:.1%}" if "mfu" in rec else "")
-                + (f" | val_loss {rec['val_loss']:.4f}" if "val_loss" in rec else ""))
+                + (f" | val_loss {rec['val_loss']:.4f}" if "val_loss" in rec else "")
+                + (f" | margin {rec['rewards/margins']:.3f} | acc {rec['rewards/accuracies']:.2f}"
+                   if "rewards/margins" in rec else ""))
         if self.bar:
             self.bar.n = rec["step"]
             self.bar.set_postfix_str(line, refresh=True)

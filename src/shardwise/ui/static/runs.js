@@ -4,7 +4,9 @@ sw.nav("runs");
 const params = new URLSearchParams(location.search);
 let selected = params.get("run"), source = null, listing = [], ticked = [];
 const charts = {};
-const series = { loss: ["loss", "loss"], lr: ["lr", "learning rate"], tps: ["tokens_per_s", "tokens/s"], mem: ["peak_mem_gib", "peak memory GiB (max over ranks)"] };
+const series = { loss: ["loss", "loss"], lr: ["lr", "learning rate"], tps: ["tokens_per_s", "tokens/s"], mem: ["peak_mem_gib", "peak memory GiB (max over ranks)"],
+  // task dpo's rewards (shown only for a run that logs them)
+  margin: ["rewards/margins", "reward margin (chosen - rejected)"], acc: ["rewards/accuracies", "reward accuracy (chosen > rejected)"] };
 window.shardwise = { charts };
 
 function makeCharts() {
@@ -24,6 +26,8 @@ function addMetrics(recs) {
     }
   }
   Object.values(charts).forEach(c => c.update());
+  const pref = charts.margin.data.datasets[0].data.some(v => v != null);
+  document.querySelectorAll(".chartbox.pref").forEach(b => { b.hidden = !pref; });
   document.getElementById("points").textContent = charts.loss.data.labels.length;
   if (recs.length) refreshDetail();
 }
