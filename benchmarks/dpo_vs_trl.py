@@ -203,8 +203,8 @@ def report(results: list[dict], a, info: dict) -> str:
             else f"{pr['peak_mem_gib']:.2f}")
         lines.append(f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['peak_mem_gib']:.2f} | {vs[0]} | {vs[1]} | "
                      f"{plan[0]} | {plan[1]} |")
-    lines += ["", "Goal (issue 44): >= 1.3x TRL's tokens/s at no more memory; the plan within 10% (tokens/s) and "
-              "20% (memory).", "", "Raw per-step losses and reward margins: results.json beside this file."]
+    lines += ["", "Goal (issue 44): >= 1.3x TRL's tokens/s at no more memory; the plan within 10% (memory) and "
+              "20% (tokens/s).", "", "Raw per-step losses and reward margins: results.json beside this file."]
     if a.smoke:
         lines += ["", "Smoke run on the CPU: the plan assumes a GPU, so its columns say nothing here."]
     return "\n".join(lines) + "\n"

@@ -39,7 +39,10 @@ def test_dpo_on_cuda_starts_at_its_reference_and_learns(strategy, extra, tiny_di
             *STEPS, *extra, timeout=600)
     recs = read_metrics(str(tmp_path / "r"))
     assert len(recs) == 20 and all(math.isfinite(r["loss"]) for r in recs)
-    assert recs[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)
-    assert recs[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    # a frozen copy runs the policy's own compiled graph: the first margin is exactly 0; LoRA's reference is the
+    # policy with its adapters off, another compiled graph whose bf16 rounding differs (1.9e-4 measured on an H100)
+    tol = 1e-3 if "lora" in extra else 1e-6
+    assert recs[0]["rewards/margins"] == pytest.approx(0, abs=tol)
+    assert recs[0]["loss"] == pytest.approx(math.log(2), abs=max(tol, 1e-5))
     late = recs[-5:]
     assert sum(r["rewards/margins"] for r in late) / len(late) > 0.05
