@@ -86,7 +86,7 @@ def test_the_readme_llama_factory_yaml_trains_as_it_is(setup):
     out = work / "saves" / "qwen2.5-0.5b" / "lora" / "sft"
     lines = p.stdout.splitlines()
     assert f"shardwise: model {REPO_ID}: the Hugging Face cache's snapshot {snapshot}" in lines
-    assert any(ln.startswith("shardwise: ignored, as they change nothing here: stage (sft is what train does), "
+    assert any(ln.startswith("shardwise: ignored, as they change nothing here: "
                              "do_train (train trains), overwrite_cache") for ln in lines), p.stdout
     assert ("shardwise: data: 32 records from data/identity.json, data/alpaca_en_demo.json; 32 sequences"
             in p.stdout), p.stdout
@@ -130,11 +130,11 @@ def test_a_hub_id_not_in_the_cache_names_the_download_command(tmp_path):
                       r"Org/Missing-Model`")
 
 
-def test_a_stage_other_than_sft_is_one_line(tmp_path):
-    (tmp_path / "dpo.yaml").write_text("model_name_or_path: tiny\nstage: dpo\ndataset: demo\n")
-    one_line_error(run_cli("train", str(tmp_path / "dpo.yaml"), check=False),
-                   r"dpo\.yaml:2: stage 'dpo': only LLaMA-Factory's stage sft \(supervised fine-tuning\) is taken "
-                   "from this key; remove it or write stage: sft")
+def test_a_stage_shardwise_does_not_train_is_one_line(tmp_path):
+    (tmp_path / "ppo.yaml").write_text("model_name_or_path: tiny\nstage: ppo\ndataset: demo\n")
+    one_line_error(run_cli("train", str(tmp_path / "ppo.yaml"), check=False),
+                   r"ppo\.yaml:2: stage 'ppo': shardwise trains LLaMA-Factory's stages sft \(supervised fine-tuning\) "
+                   r"and dpo \(preference pairs\) only; write stage: sft or stage: dpo \(task\)")
 
 
 def test_plan_reads_the_readme_yaml_and_its_cached_model(setup):
