@@ -10,8 +10,9 @@ left and it failed, the next shorter one).
 
 Per row: tokens/s (median of the steps after the first, which holds compilation; "1st" marks a row that finished
 only its first step), step time, the device peak (`torch.cuda.max_memory_allocated`, as metrics.jsonl reports it),
-the host's peak anonymous memory of the run's processes (pinned checkpoints live there; `RssAnon`, sampled every
-0.5 s), exit status (OOM shown), and the plan's tensor peak, host bytes per rank and tokens/s for the same flags.
+the host memory the run takes (the machine's used memory, MemTotal - MemAvailable, at its peak over its level before
+the run, which counts the pinned checkpoints; beside it the peak RssAnon of the run's processes, which does not;
+sampled every 0.5 s), exit status (OOM shown), and the plan's tensor peak, host bytes per rank and tokens/s for the same flags.
 Rows at 64K also give the ratio to the plain checkpointed row of the same call (else to the landed figure, 4,341
 tokens/s on one H100, docs/long-context.md).
 
@@ -113,19 +114,26 @@ def plan(model: str, length: int, flags: tuple, smoke: bool, hardware: tuple = (
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if p.returncode != 0:
         return {"plan_error": (p.stderr or p.stdout).strip()[-300:]}
-    row = next(s for s in json.loads(p.stdout)["strategies"] if s["strategy"] == "single")
+    out = json.loads(p.stdout)
+    row = next(s for s in out["strategies"] if s["strategy"] == "single")
     mem = row["mem_gib"]
-    return {"plan_fits": row["fits"], "plan_gib": round(mem["peak_tensors"], 2),
+    return {"plan_tiles": out["job"].get("mlp_tiles_resolved"), "plan_fits": row["fits"],
+            "plan_gib": round(mem["peak_tensors"], 2),
             "plan_total_gib": round(mem["total"], 2), "plan_host_gib": round(mem["host_per_rank"], 2),
             "plan_step_s": row["step_time_s"], "plan_tokens_per_s": row["tokens_per_s"]}
 
 
 class HostPeak(threading.Thread):
-    """The largest sum of RssAnon over the processes of one process group (a run's launcher and its worker)."""
+    """Two host-memory peaks of a run: the largest sum of RssAnon over the processes of its process group (the
+    launcher, its worker and the compiler's workers), and the largest growth of the machine's used memory (MemTotal -
+    MemAvailable) over the level before the run, which also counts pinned memory (cudaHostAlloc's pages are not
+    RssAnon)."""
 
     def __init__(self, pgid: int):
         super().__init__(daemon=True)
         self.pgid, self.peak, self.done = pgid, 0, threading.Event()
+        self.base = self.used = used_bytes()
+        self.grew = 0
 
     def _sample(self) -> int:
         total = 0
@@ -144,15 +152,28 @@ class HostPeak(threading.Thread):
     def run(self):
         while not self.done.wait(0.5):
             self.peak = max(self.peak, self._sample())
+            self.grew = max(self.grew, used_bytes() - self.base)
 
 
-def train(model: str, data: str, name: str, length: int, row: Row, timeout: float, work: str, smoke: bool) -> dict:
+def used_bytes() -> int:
+    with open("/proc/meminfo") as fh:
+        info = {x.split(":")[0]: int(x.split()[1]) * 1024 for x in fh}
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+def train(model: str, data: str, name: str, length: int, row: Row, timeout: float, work: str, smoke: bool,
+          tiles: int | None = None) -> dict:
+    """One `shardwise train` run of a row; `tiles`: the count to run in place of the row's `--mlp-tiles auto` (the
+    plan's choice for the GPU size of --gpu-gib, where the card is larger)."""
     out = os.path.join(work, name)
+    flags = list(row.flags)
+    if tiles and "auto" in flags and flags[flags.index("auto") - 1] == "--mlp-tiles":
+        flags[flags.index("auto")] = str(tiles)
     shutil.rmtree(out, ignore_errors=True)  # never report an earlier run's metrics
     cmd = [sys.executable, "-m", "shardwise", "train", "--model", model, "--data", data, "--data-format", "text",
            *common_flags(smoke), "--seq-len", str(length), "--max-steps", str(row.steps), "--log-every", "1",
            "--lr", "1e-5", "--warmup-steps", "0", "--no-save-final", "--output-dir", out, "--overwrite", "--force",
-           *row.flags]
+           *flags]
     rec = {"length": length, "command": " ".join(cmd[1:])}
     t0 = time.time()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -168,6 +189,7 @@ def train(model: str, data: str, name: str, length: int, row: Row, timeout: floa
     host.done.set()
     rec["wall_s"] = round(time.time() - t0, 1)
     rec["host_peak_gib"] = round(host.peak / 2**30, 2)
+    rec["host_used_gib"] = round(host.grew / 2**30, 2)
     metrics = os.path.join(out, "metrics.jsonl")
     rows = [json.loads(x) for x in open(metrics)] if os.path.isfile(metrics) else []
     rows = [r for r in rows if "tokens_per_s" in r]
@@ -209,8 +231,9 @@ def write_report(base: str, meta: dict, results: list[dict]) -> None:
              f"{v.get('transformers')}, bitsandbytes {v.get('bitsandbytes')}; host RAM {meta['host_gib']} GiB.", "",
              "strategy single, one sequence per step, bf16 compute (fp32 master weights for the trained ones), "
              "compiled blocks, random init. tok/s: median of the steps after the first (1st: only the first step "
-             "finished, compilation included). Device GiB: max_memory_allocated; host GiB: peak RssAnon of the run's "
-             "processes. Plan: `shardwise plan` for the same flags (tensor peak; host per rank; tokens/s). "
+             "finished, compilation included). Device GiB: max_memory_allocated; host GiB: the growth of the machine's "
+             "used memory over its level before the run, at its peak (in brackets: the peak RssAnon of the run's "
+             "processes, which leaves out pinned pages). Plan: `shardwise plan` for the same flags (tensor peak; host per rank; tokens/s). "
              f"x plain: tokens/s over {'this call' if plain else 'the landed'} plain 64K row ({plain or LANDED_64K:,}).",
              "", "| row | shape | what | tokens | status | tok/s | x plain | step s | device GiB | plan GiB | "
              "host GiB | plan host GiB | plan tok/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -220,7 +243,8 @@ def write_report(base: str, meta: dict, results: list[dict]) -> None:
         ratio = f"{tps / (plain or LANDED_64K):.2f}" if tps and r.get("length") == 65536 else ""
         lines.append(f"| {r['row']} | {r['shape']} | {r['levers']} | {r.get('length', 0):,} | {status(r)} | "
                      f"{tps if tps else '—'}{first} | {ratio} | {r.get('step_s', '—')} | {r.get('peak_gib', '—')} | "
-                     f"{r.get('plan_gib', '—')} | {r.get('host_peak_gib', '—')} | {r.get('plan_host_gib', '—')} | "
+                     f"{r.get('plan_gib', '—')} | {r.get('host_used_gib', '—')} ({r.get('host_peak_gib', '—')}) | "
+                     f"{r.get('plan_host_gib', '—')} | "
                      f"{round(r['plan_tokens_per_s']) if r.get('plan_tokens_per_s') else '—'} |")
     lines += ["", "Commands (from the repository root):", ""]
     lines += [f"- {r['row']}: `python {r['command']}`" for r in results if r.get("command")]
@@ -264,7 +288,7 @@ def host_gib() -> float:
     return round(kb / 2**20, 1)
 
 
-def lengths_for(model: str, row: Row, smoke: bool) -> list[int]:
+def lengths_for(model: str, row: Row, smoke: bool, hardware: tuple = ()) -> list[int]:
     """The lengths to try for a row: its own, or the ladder's longest planned to fit (its pinned checkpoints within
     3/4 of the host's RAM, a margin under the plan's 90% for the rest of the machine), then the shorter ones."""
     if row.length:
@@ -272,7 +296,7 @@ def lengths_for(model: str, row: Row, smoke: bool) -> list[int]:
     ladder = SMOKE_LADDER if smoke else LADDER
 
     def planned(n: int) -> bool:
-        p = plan(model, n, row.flags, smoke)
+        p = plan(model, n, row.flags, smoke, hardware)
         return bool(p.get("plan_fits")) and p.get("plan_host_gib", 0) <= 0.75 * host_gib()
 
     fits = [n for n in ladder if planned(n)]
@@ -286,6 +310,9 @@ def main() -> int:
                     help=f"comma-separated, in order (of {', '.join(ROWS)})")
     ap.add_argument("--budget-s", type=float, default=470, help="seconds for every row together")
     ap.add_argument("--smoke", action="store_true", help="the tiny model on the CPU (the script's own check)")
+    ap.add_argument("--gpu-gib", type=float, default=0,
+                    help="plan for a GPU of this many GiB (e.g. 80 on a 141 GiB H200) and run `--mlp-tiles auto` rows "
+                         "with the count that plan chooses for it; the report gives the card's own size beside it")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "shardwise-long-context-1gpu"))
@@ -306,7 +333,8 @@ def main() -> int:
                                    " v['bitsandbytes'] = bitsandbytes.__version__\nexcept Exception:\n pass\n"
                                    "print(json.dumps(v))"))
     date = datetime.date.today().isoformat()
-    meta = {"date": date, "versions": versions, "host_gib": host_gib(), "budget_s": a.budget_s,
+    hardware = ("--gpus", "1", "--gpu-memory", f"{a.gpu_gib:g}") if a.gpu_gib else ()
+    meta = {"date": date, "versions": versions, "host_gib": host_gib(), "budget_s": a.budget_s, "gpu_gib": a.gpu_gib,
             "rows": {n: asdict(table[n]) for n in names}}
     base = os.path.join(a.out, f"long-context-1gpu-{date}" + (f"-{a.tag}" if a.tag else ""))
     load_s = 15.0 if a.smoke else 60.0  # launch, imports, model load, data; then the first step's compilation
@@ -322,9 +350,9 @@ def main() -> int:
                 models[row.shape] = in_child(f"import common\nprint(common.build_model_dir({path!r}, "
                                              f"{SHAPES[row.shape]!r}, disk_dtype='bfloat16'))")
         model = models[row.shape]
-        for length in lengths_for(model, row, a.smoke):
+        for length in lengths_for(model, row, a.smoke, hardware):
             rec = {"row": name, "shape": row.shape, "levers": row.what, "length": length,
-                   **plan(model, length, row.flags, a.smoke)}
+                   **plan(model, length, row.flags, a.smoke, hardware)}
             left = a.budget_s - (time.time() - start)
             one_step = load_s + (0 if a.smoke else 60.0) + rec.get("plan_step_s", 0.0)
             if one_step > left:
@@ -333,9 +361,10 @@ def main() -> int:
                 vocab = 512 if a.smoke else SHAPES[row.shape]["vocab_size"]
                 data = make_data(a.work, length, row.steps + 2, vocab)
                 print(f"long_context_one_gpu: {name} at {length} tokens ({left:.0f} s left) ...", flush=True)
-                rec.update(train(model, data, f"{name}-{length}", length, row, left - 5, a.work, a.smoke))
+                rec.update(train(model, data, f"{name}-{length}", length, row, left - 5, a.work, a.smoke,
+                                 rec.get("plan_tiles") if a.gpu_gib else None))
                 print(f"long_context_one_gpu: {name} {length}: {status(rec)}, {rec.get('tokens_per_s')} tok/s, "
-                      f"{rec.get('peak_gib')} GiB (plan {rec.get('plan_gib')}), host {rec.get('host_peak_gib')} "
+                      f"{rec.get('peak_gib')} GiB (plan {rec.get('plan_gib')}), host {rec.get('host_used_gib')} "
                       f"GiB (plan {rec.get('plan_host_gib')}), {rec['wall_s']} s", flush=True)
             results.append(rec)
             write_report(base, meta, results)

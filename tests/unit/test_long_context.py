@@ -6,6 +6,7 @@ tiles let exist at once (models/tiles.py), that the fused loss and the attention
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import pytest
@@ -156,6 +157,24 @@ def test_mlp_tiles_setting_is_checked():
     assert why is not None and "mlp_tiles must be a positive integer (1 = off) or auto, got 'zero'" in str(why)
     why = adapters_and_wrapping(Res(mlp_tiles="4", tensor_parallel=2))
     assert why is not None and "tensor_parallel 2 is not built" in str(why)
+
+
+@pytest.mark.parametrize("mode, user, expect", [
+    ("offload", None, "expandable_segments:True"),  # the launcher's choice under offloaded checkpoints
+    ("full", None, None),  # other runs keep torch's default allocator
+    ("offload", "garbage_collection_threshold:0.8", "garbage_collection_threshold:0.8"),  # the user's own stays
+])
+def test_workers_get_expandable_segments_only_under_offloaded_checkpoints(mode, user, expect, monkeypatch):
+    from shardwise.config import Config
+    from shardwise.launch.agent import worker_environment
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "SHARDWISE_LAUNCHER_PID", "OMP_NUM_THREADS",
+                 "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)  # restored by monkeypatch: worker_environment writes os.environ
+    if user:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user)
+    worker_environment(Config(activation_checkpointing=mode, nproc_per_node=1))
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == expect
 
 
 # -- loss and attention at long lengths -------------------------------------------------------

@@ -8,7 +8,7 @@ import shutil
 import sys
 import uuid
 
-from shardwise.config import Config
+from shardwise.config import Config, checkpointing_mode
 from shardwise.errors import ShardwiseError
 from shardwise.launch.common import Interrupted, say
 from shardwise.launch.failures import _failure_report
@@ -75,8 +75,14 @@ def _agent(cfg: Config, worker_args: list[str], preload: tuple[str, bool] = ("",
 
 def worker_environment(cfg: Config) -> None:
     """The environment the workers start with, beyond the agent's per-rank variables: threads per rank, the
-    launcher they die with, and on one node gloo's and NCCL's sockets on the loopback interface (forked workers
-    take it on too: train/zygote.env_changes)."""
+    launcher they die with, on one node gloo's and NCCL's sockets on the loopback interface, and the CUDA
+    allocator's expandable segments under offloaded checkpoints (forked workers take it on too:
+    train/zygote.env_changes)."""
+    if checkpointing_mode(cfg) == "offload" and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
+        # The runs offloaded checkpoints are for take and free buffers of a whole sequence's width (GiBs each, of
+        # several sizes) every block; fixed segments leave GiBs of them reserved and unusable. Expandable segments
+        # map more pages into one segment instead. A variable the user sets is theirs.
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
     os.environ["SHARDWISE_LAUNCHER_PID"] = str(os.getpid())  # workers die with this process
