@@ -61,7 +61,8 @@ def job_from_config(cfg, setup: Setup) -> Job:
                sp=getattr(cfg, "sequence_parallel", 1), tp=getattr(cfg, "tensor_parallel", 1),
                sp_mode=getattr(cfg, "sp_mode", "auto"),
                selective_checkpointing=_ac(cfg) == "selective", float8=bool(getattr(cfg, "float8", False)),
-               offload_checkpoints=_ac(cfg) == "offload", mlp_tiles=_tiles(cfg), reference=reference(cfg))
+               offload_checkpoints=_ac(cfg) == "offload", mlp_tiles=_tiles(cfg), reference=reference(cfg),
+               task=getattr(cfg, "task", "sft"))
 
 
 def _tiles(cfg) -> int:
