@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shardwise import hardware
 from shardwise.plan.calibration import value
 from shardwise.plan.collective import HOST_LINK_GBPS, Coll, Links, coll_time  # noqa: F401 (re-exported)
 from shardwise.plan.costs import cost_of
@@ -30,7 +31,11 @@ from shardwise.plan.model_spec import ModelSpec
 # host's threads, strategies/gradnorm.py; DeepSpeed: its flat fp32 partition); both scale with the host's cores.
 DS_HOST_STEP_PARAMS_PER_S = value("ds_host_step_params_per_s")
 FSDP_HOST_STEP_PARAMS_PER_S = value("fsdp_host_step_params_per_s")
-HBM_BYTES_PER_S = value("hbm_bytes_per_s")  # effective device memory bandwidth for the optimizer step (GPU)
+# effective device memory bandwidth of the memory-bound passes (optimizer step, loss, adapters, strategy copies) on
+# the GPU the per-byte constants below were fitted on; another GPU runs the same passes at its own datasheet
+# bandwidth (device_mem_bw)
+HBM_BYTES_PER_S = value("hbm_bytes_per_s")
+HBM_FITTED_ON = "H200"
 # Per-step work of a strategy beyond the model's FLOPs, the collectives and the optimizer step, as device-memory bytes
 # per local parameter at HBM_BYTES_PER_S (what each term stands for: docs/planner.md, "Speed overheads per strategy"):
 #   ddp       the bucketed all-reduce's pass over the fp32 gradient buckets (average in place)
@@ -78,6 +83,13 @@ ZERO3_BLOCK_S_PER_TENSOR_PASS = value("zero3_block_s_per_tensor_pass")
 # device-memory traffic. It stands for the amax reductions, the scaled casts, backward's recasts of the input and
 # the weight, the transposed copies, and whatever else keeps the float8 matmuls from twice the bf16 rate.
 FLOAT8_CAST_BYTES = value("float8_cast_bytes")
+
+
+def device_mem_bw(device_name: str) -> float | None:
+    """Effective memory bandwidth of the memory-bound passes on a GPU: HBM_BYTES_PER_S scaled by its datasheet
+    bandwidth over that of HBM_FITTED_ON (hardware.MEMORY_TBPS); None for a GPU not in the table."""
+    bw = hardware.memory_bandwidth(device_name)
+    return None if bw is None else HBM_BYTES_PER_S * bw / hardware.memory_bandwidth(HBM_FITTED_ON)
 
 
 @dataclass(frozen=True)
