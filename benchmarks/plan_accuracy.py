@@ -1097,10 +1097,13 @@ TRAIN_HEAD = ["job", "strategy", "measured GiB", "planned GiB", "error", "measur
               "step-time error"]
 
 
-def _train_row(label: str, argv: list, strategy: str, tps: float, peak: float, tmp: str, m: dict) -> list:
+def _train_row(label: str, argv: list, strategy: str, tps: float, peak: float, tmp: str, m: dict,
+               gpu: list | None = None) -> list:
+    """One row of test_plan_measured.py's tables against its plan (on `gpu`'s flags; default the test's H200)."""
     from pathlib import Path
 
-    p_tps, p_peak = _train_rows().predict(argv, strategy, Path(tmp))
+    t = _train_rows()
+    p_tps, p_peak = t.predict(argv, strategy, Path(tmp), gpu or t.H200)
     # the same tokens per step on both sides: the step-time error is measured / planned tokens/s - 1
     return [label, strategy] + _checked((peak, p_peak), (f"{tps / 1e3:.1f}k", f"{p_tps / 1e3:.1f}k"), tps / p_tps - 1,
                                         m, None)
@@ -1147,11 +1150,16 @@ def accuracy_blocks() -> dict[str, str]:
         os.environ["SHARDWISE_CACHE_DIR"] = os.path.join(tmp, "cache")  # no doctor.json: the flags' hardware only
         try:
             cells = [_train_row(*row, tmp, m) for row in _train_rows().ROWS]
+            h100 = calibration.measured_set("h100_one_gpu")
+            h100_cells = [_train_row(*row, tmp, h100, _train_rows().H100) for row in _train_rows().H100_ROWS]
             archived = _archived_block(tmp)
         finally:
             os.environ.pop("SHARDWISE_CACHE_DIR") if old is None else os.environ.update(SHARDWISE_CACHE_DIR=old)
     blocks[f"accuracy {name}"] = "\n\n".join([_set_heading(name, m, f"{m['hardware']}, {m['date']}", m["source"]),
                                               _markdown(TRAIN_HEAD + ["within bounds"], cells), _summary(cells, True)])
+    blocks["accuracy h100_one_gpu"] = "\n\n".join([
+        _set_heading("h100_one_gpu", h100, f"{h100['hardware']}, {h100['date']}", h100["source"]),
+        _markdown(TRAIN_HEAD + ["within bounds"], h100_cells), _summary(h100_cells, True)])
     blocks["accuracy archived"] = archived
     name = "h200_float8"
     m = calibration.measured_set(name)

@@ -24,6 +24,10 @@ PEAK_TFLOPS = {
     "4090": {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6, "fp8": 330.3},
 }
 
+# Device memory bandwidth in TB/s, from the same datasheets and parts (H100: SXM, HBM3; A100: 80 GB SXM, HBM2e): what
+# the planner's memory-bound passes scale with (plan/comm.py device_mem_bw).
+MEMORY_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.039, "L40S": 0.864, "A10": 0.6, "4090": 1.008}
+
 
 @dataclass
 class Hardware:
@@ -51,6 +55,15 @@ def fp8_peak_flops(device_name: str) -> float | None:
     for key, table in PEAK_TFLOPS.items():
         if key in device_name:
             return table.get("fp8", 0.0) * 1e12
+    return None
+
+
+def memory_bandwidth(device_name: str) -> float | None:
+    """Datasheet device memory bandwidth of one GPU in bytes/s, or None when the device is not in the table (as
+    peak_flops; the first key the name contains, so an A100 is not taken for an A10)."""
+    for key, tbps in MEMORY_TBPS.items():
+        if key in device_name:
+            return tbps * 1e12
     return None
 
 

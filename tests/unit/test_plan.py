@@ -37,8 +37,8 @@ def run_json(capsys, *argv) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def gpu_plan(model="llama-3.1-8b", gpus=8, mem=80.0, nodes=1, **job):
-    setup = make_setup(gpus=gpus, gpu_memory=mem, nodes=nodes, use_doctor=False)
+def gpu_plan(model="llama-3.1-8b", gpus=8, mem=80.0, nodes=1, gpu_type=None, **job):
+    setup = make_setup(gpus=gpus, gpu_memory=mem, nodes=nodes, gpu_type=gpu_type, use_doctor=False)
     kw = dict(world=setup.world, nodes=nodes, micro_batch=1, seq_len=2048, device_mem_gib=mem)
     kw.update(job)
     return plan_model(resolve_model(model), Job(**kw), setup)
@@ -306,7 +306,7 @@ def test_total_is_peak_plus_allowance_and_fits_compares_with_memory():
 
 
 def test_small_model_on_big_gpus_recommends_ddp_like_the_article():
-    p = gpu_plan("llama-3.2-1b", gpus=8, mem=141, micro_batch=8)
+    p = gpu_plan("llama-3.2-1b", gpus=8, mem=141, gpu_type="H200", micro_batch=8)
     assert p.recommended == "ddp" and p.tree["says"] == "ddp" and p.tree["agree"]
 
 
@@ -640,6 +640,28 @@ def test_zero3_eager_linear_saves_the_frozen_base_inputs_under_lora():
     # DeepSpeed's per-submodule fetch keeps its linear in compiled blocks too
     assert layer_activations(spec, compiled, Opts("deepspeed", stage=3, ds_fetch="module"))["lora_inputs"] == \
         z3["lora_inputs"]
+
+
+def test_memory_bound_passes_run_at_the_gpus_own_bandwidth():
+    """The per-byte constants were fitted on an H200: another GPU runs the same passes at its datasheet bandwidth
+    (an H100's 3.35 TB/s against 4.8), and its FLOPs at its own peak; a GPU the tables do not know is planned as
+    the default one, and an A100 is not taken for an A10."""
+    from shardwise import hardware
+    from shardwise.plan.comm import HBM_BYTES_PER_S, device_mem_bw
+
+    assert set(hardware.MEMORY_TBPS) == set(hardware.PEAK_TFLOPS)  # every GPU with a peak has a bandwidth
+    assert device_mem_bw("NVIDIA H200") == HBM_BYTES_PER_S
+    assert device_mem_bw("NVIDIA H100 80GB HBM3") == pytest.approx(HBM_BYTES_PER_S * 3.35 / 4.8)
+    assert device_mem_bw("NVIDIA A100-SXM4-80GB") == pytest.approx(HBM_BYTES_PER_S * 2.039 / 4.8)
+    assert device_mem_bw("NVIDIA B200") is None
+    h100, h200 = (gpu_plan("llama-3.2-1b", gpus=1, mem=80, gpu_type=g, micro_batch=8).for_strategy("single").timing
+                  for g in ("H100", "H200"))
+    assert h100.compute_s == h200.compute_s  # the same bf16 peak
+    assert h100.other_s == pytest.approx(h200.other_s * 4.8 / 3.35)  # the optimizer step and the loss's passes
+    unknown = make_setup(gpus=1, gpu_memory=80, gpu_type="B200", use_doctor=False)
+    assert unknown.device_mem_bw == make_setup(gpus=1, gpu_memory=80, use_doctor=False).device_mem_bw
+    assert make_setup(use_doctor=False, hw=hardware.Hardware("cpu", "cpu", 0, 64.0, 64.0)).device_mem_bw \
+        == HBM_BYTES_PER_S  # a CPU plan has no memory-bound terms; the field keeps its default
 
 
 def test_strategy_overheads_by_hand():

@@ -103,3 +103,57 @@ def test_auto_never_escalates_a_dpo_job_to_tensor_or_sequence_parallelism():
     assert sft.parallel["chosen"] and sft.parallel["tensor_parallel"] > 1
     assert not dpo.parallel and dpo.job.tp == dpo.job.sp == 1
     assert dpo.for_strategy(dpo.recommended).fits or any("task dpo is not built with tensor" in r for r in dpo.reasons)
+
+
+def test_the_log_probability_head_makes_its_logits_again_in_backward():
+    """task dpo's fused head cannot make its gradients in the forward (they need each token's upstream value): its
+    backward runs the head's matmul once more; the plain head keeps its logits and does not."""
+    import dataclasses
+
+    from shardwise.plan.comm import flops_per_microbatch
+    from shardwise.plan.memory import Job
+
+    spec = resolve_model("qwen2.5-1.5b")
+    for tuner in ("full", "lora"):
+        sft = Job(micro_batch=4, seq_len=1024, tuner=tuner, fused_loss=True)
+        dpo = dataclasses.replace(sft, task="dpo")
+        (f0, b0), (f1, b1) = flops_per_microbatch(spec, sft), flops_per_microbatch(spec, dpo)
+        assert f1 == f0 and b1 - b0 == pytest.approx(2 * spec.vocab_size * spec.hidden_size * sft.tokens)
+        plain = [dataclasses.replace(j, fused_loss=False) for j in (sft, dpo)]
+        assert flops_per_microbatch(spec, plain[0]) == flops_per_microbatch(spec, plain[1])
+
+
+def test_the_head_passes_and_the_reference_copys_weight_casts_are_memory_bound_time():
+    """The log-probability head's passes over the logits (the reference's forward once more, where it runs in
+    training) and, under autocast over fp32 weights, the frozen copy's casts of every linear weight in its forward
+    and the fused head's second cast of the policy's weight: bytes at the HBM rate, counted per pass."""
+    import dataclasses
+
+    from shardwise.plan.comm import (
+        HBM_BYTES_PER_S,
+        LOSS_BYTES_PER_LOGIT,
+        PREFERENCE_HEAD_BYTES_PER_LOGIT,
+        Compute,
+        elementwise_time,
+    )
+    from shardwise.plan.memory import Job
+
+    spec = resolve_model("qwen2.5-1.5b")
+    comp = Compute(989e12, 0.57)
+    sft = Job(micro_batch=4, seq_len=1024, fused_loss=True)
+    logits = sft.tokens * spec.vocab_size
+    (fwd, bwd), head = PREFERENCE_HEAD_BYTES_PER_LOGIT[True], spec.vocab_size * spec.hidden_size
+
+    def extra(job, autocast, than=sft):
+        return (elementwise_time(spec, job, comp, autocast=autocast)
+                - elementwise_time(spec, than, comp, autocast=autocast)) * HBM_BYTES_PER_S
+
+    ref = dataclasses.replace(sft, task="dpo", reference="model")
+    base = (2 * fwd + bwd - LOSS_BYTES_PER_LOGIT) * logits
+    assert extra(ref, autocast=True) == pytest.approx(base + 6 * (spec.linear_params + head))  # fp32 -> bf16 reads 4, writes 2
+    assert extra(ref, autocast=False) == pytest.approx(base)  # FSDP / DeepSpeed hold the weights in bf16
+    assert extra(dataclasses.replace(ref, param_dtype="bf16"), autocast=True) == pytest.approx(base)
+    simpo = dataclasses.replace(ref, reference="none")  # no reference: the policy's passes only
+    assert extra(simpo, autocast=False) == pytest.approx((fwd + bwd - LOSS_BYTES_PER_LOGIT) * logits)
+    lora = dataclasses.replace(ref, tuner="lora", reference="adapters")  # the base is stored in bf16: no casts
+    assert extra(lora, autocast=True, than=dataclasses.replace(sft, tuner="lora")) == pytest.approx(base)

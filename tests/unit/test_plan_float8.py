@@ -178,7 +178,7 @@ def test_plan_cli_float8_drops_deepspeed_presets_and_refuses_a_gpu_without_float
                                               "--seq-len", "4096", *extra])
         return plan_cmd.build(args)[0]
 
-    base, f8 = plan("--gpu-type", "H100"), plan("--gpu-type", "H100", "--float8")
+    base, f8 = plan("--gpu-type", "H200"), plan("--gpu-type", "H200", "--float8")
     assert {s.strategy for s in base.strategies if s.base == "deepspeed"}
     assert not any(s.base == "deepspeed" for s in f8.strategies)
     b, f = (next(s for s in p.strategies if s.strategy == "ddp") for p in (base, f8))
@@ -230,7 +230,7 @@ def test_nothing_float8_refuses_is_offered_with_it(tmp_path, monkeypatch):
 
 
 def test_lint_suggests_float8_where_the_gpu_has_it_and_it_pays(tmp_path, monkeypatch):
-    """A configured full fine-tune on an H100 that float8 would speed up by >= 5% gets an info line with both
+    """A configured full fine-tune on an H200 that float8 would speed up by >= 5% gets an info line with both
     predictions; not on an A100 (no float8), not when --float8 is on, not under LoRA (float8 is full fine-tuning
     only), and not where the planner predicts less (Qwen2.5-1.5B at 2k: its big vocabulary's head stays bf16)."""
     from shardwise import cli
@@ -244,12 +244,12 @@ def test_lint_suggests_float8_where_the_gpu_has_it_and_it_pays(tmp_path, monkeyp
         plan = plan_cmd.build(args)[0]
         return [f for f in plan.lint if f["check"] == "float8-off"], plan
 
-    found, plan = lint("llama-3.2-3b", "--gpu-type", "H100")
+    found, plan = lint("llama-3.2-3b", "--gpu-type", "H200")
     assert len(found) == 1 and found[0]["severity"] == "info"
     single = next(s for s in plan.strategies if s.strategy == "single")
     assert f"vs {single.tokens_per_s:,.0f} tokens/s (+" in found[0]["message"]
-    with_f8, _ = lint("llama-3.2-3b", "--gpu-type", "H100", "--float8")
+    with_f8, _ = lint("llama-3.2-3b", "--gpu-type", "H200", "--float8")
     assert not with_f8
     assert not lint("llama-3.2-3b", "--gpu-type", "A100")[0]
-    assert not lint("llama-3.2-3b", "--gpu-type", "H100", "--tuner", "lora")[0]
-    assert not lint("qwen2.5-1.5b", "--gpu-type", "H100")[0]
+    assert not lint("llama-3.2-3b", "--gpu-type", "H200", "--tuner", "lora")[0]
+    assert not lint("qwen2.5-1.5b", "--gpu-type", "H200")[0]

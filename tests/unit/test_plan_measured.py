@@ -74,13 +74,59 @@ ROWS = [
 ]
 SPEED_TOL, MEM_TOL = (calibration.measured_set("shardwise_train_h200")[k] for k in ("step_tol", "mem_tol"))
 
+# ----------------------------------------------------------------------------- one H100: the anchor and task dpo
+# Sources: the anchor's `single` and `fsdp` rows against the HF Trainer (benchmarks/results/vs_hf_trainer_h100_2026-12-06
+# .json: the 1.14B Llama shape, 8 x 2048, compiled blocks) and `shardwise train --task dpo` against TRL
+# (benchmarks/results/dpo_vs_trl_h100_2026-12-07.md, raw records full.json and lora.json beside it, written by
+# benchmarks/dpo_vs_trl.py: the Qwen2.5-1.5B shape, 2 pairs a step, rows padded to seq_len 1032, no checkpointing),
+# each a median of its counted steps, peak max_memory_allocated. The plan is the scripts' own (`shardwise plan` of
+# the job, the GPU given as --gpus 1 --gpu-memory 80: an H100). The DPO record's tokens/s counts a pair's real tokens;
+# the plan counts its padded rows, so the measured step time is turned into tokens/s as the plan counts them.
+H100 = ["--gpu-type", "H100", "--gpu-memory", "80"]
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+QWEN_DPO = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+            **benchmark_module("dpo_vs_trl").QWEN15}  # benchmarks/common.py build_model_dir's LlamaForCausalLM
 
-def predict(argv: list[str], strategy: str, tmp: Path) -> tuple[float, float]:
-    """(tokens/s, tensor peak GiB) that `shardwise plan --json` gives for the row's flags."""
-    llama = tmp / "llama-1.1B"
-    llama.mkdir(exist_ok=True)
-    (llama / "config.json").write_text(json.dumps(LLAMA_1B))
-    argv = [a.replace("{llama}", str(llama)) for a in argv] + H200
+
+def _record(path: Path, name: str) -> dict:
+    with open(path) as fh:
+        return next(r for r in json.load(fh)["results"] if r["name"] == name)
+
+
+def h100_rows() -> list[tuple]:
+    """(label, argv, strategy, measured tokens/s, measured peak GiB) of the H100 rows, read from their records."""
+    import re
+
+    rows = []
+    anchor = ["--model", "{llama}", "--gpus", "1", "--micro-batch-size", "8", "--seq-len", "2048"]
+    for strategy in ("single", "fsdp"):
+        r = _record(RESULTS / "vs_hf_trainer_h100_2026-12-06.json", f"sw-{strategy}")
+        rows.append(("1 H100, 1.14B Llama, 8 x 2048", anchor, strategy, r["tokens_per_s"], r["peak_mem_gib"]))
+    bench = benchmark_module("dpo_vs_trl")
+    for tuner in ("full", "lora"):
+        path = RESULTS / "dpo_vs_trl_h100_2026-12-07" / f"{tuner}.json"
+        with open(path) as fh:
+            job = json.load(fh)["info"]["job"]
+        seq, pairs = int(re.search(r"seq_len (\d+)", job)[1]), int(re.search(r"(\d+) pairs a step", job)[1])
+        r = _record(path, f"sw-{tuner}")
+        argv = ["--model", "{qwen_dpo}", "--gpus", "1", "--task", "dpo", "--seq-len", str(seq), "--micro-batch-size",
+                str(pairs), "--strategy", "single", "--mixed-precision", "bf16", *bench.sw_flags(r["name"])[:4]]
+        rows.append((f"1 H100, Qwen2.5-1.5B shape, task dpo {tuner}, {pairs} pairs x 2 rows x {seq}", argv, "single",
+                     2 * pairs * seq / r["step_time_s"], r["peak_mem_gib"]))
+    return rows
+
+
+H100_ROWS = h100_rows()
+
+
+def predict(argv: list[str], strategy: str, tmp: Path, gpu: list[str] = H200) -> tuple[float, float]:
+    """(tokens/s, tensor peak GiB) that `shardwise plan --json` gives for the row's flags on `gpu`."""
+    for name, config in (("llama", LLAMA_1B), ("qwen_dpo", QWEN_DPO)):
+        d = tmp / name
+        d.mkdir(exist_ok=True)
+        (d / "config.json").write_text(json.dumps(config))
+        argv = [a.replace("{" + name + "}", str(d)) for a in argv]
+    argv = argv + gpu
     p = argparse.ArgumentParser()
     plan_cmd.add_parser(p.add_subparsers())
     plan, _ = plan_cmd.build(p.parse_args(["plan", *argv]))
@@ -101,6 +147,18 @@ def test_measured_row_within_bounds(row, tmp_path):
     assert abs(tps / p_tps - 1) <= SPEED_TOL, f"{label} {strategy}: step time {tps / p_tps - 1:+.1%} " \
                                                f"(planned {p_tps:,.0f} tokens/s, measured {tps:,.0f})"
     assert abs(p_peak / peak - 1) <= MEM_TOL, f"{label} {strategy}: peak {p_peak:.2f} GiB vs measured {peak:.2f}"
+
+
+@pytest.mark.parametrize("row", H100_ROWS, ids=[f"{i}-{r[2]}" for i, r in enumerate(H100_ROWS)])
+def test_h100_row_within_bounds(row, tmp_path):
+    """The H100 rows (task dpo's step: the log-probability head's passes, the reference's forward and weight casts;
+    memory-bound passes at the H100's bandwidth) within calibration.json's bounds for the set."""
+    mem_tol, step_tol = (calibration.measured_set("h100_one_gpu")[k] for k in ("mem_tol", "step_tol"))
+    label, argv, strategy, tps, peak = row
+    p_tps, p_peak = predict(argv, strategy, tmp_path, H100)
+    assert abs(tps / p_tps - 1) <= step_tol, f"{label} {strategy}: step time {tps / p_tps - 1:+.1%} " \
+                                             f"(planned {p_tps:,.0f} tokens/s, measured {tps:,.0f})"
+    assert abs(p_peak / peak - 1) <= mem_tol, f"{label} {strategy}: peak {p_peak:.2f} GiB vs measured {peak:.2f}"
 
 
 # ----------------------------------------------------------------------------- one H200, 2026-12-01 (issue 16)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shardwise import hardware
 from shardwise.plan.calibration import value
 from shardwise.plan.collective import HOST_LINK_GBPS, Coll, Links, coll_time  # noqa: F401 (re-exported)
 from shardwise.plan.costs import cost_of
@@ -30,7 +31,11 @@ from shardwise.plan.model_spec import ModelSpec
 # host's threads, strategies/gradnorm.py; DeepSpeed: its flat fp32 partition); both scale with the host's cores.
 DS_HOST_STEP_PARAMS_PER_S = value("ds_host_step_params_per_s")
 FSDP_HOST_STEP_PARAMS_PER_S = value("fsdp_host_step_params_per_s")
-HBM_BYTES_PER_S = value("hbm_bytes_per_s")  # effective device memory bandwidth for the optimizer step (GPU)
+# effective device memory bandwidth of the memory-bound passes (optimizer step, loss, adapters, strategy copies) on
+# the GPU the per-byte constants below were fitted on; another GPU runs the same passes at its own datasheet
+# bandwidth (device_mem_bw)
+HBM_BYTES_PER_S = value("hbm_bytes_per_s")
+HBM_FITTED_ON = "H200"
 # Per-step work of a strategy beyond the model's FLOPs, the collectives and the optimizer step, as device-memory bytes
 # per local parameter at HBM_BYTES_PER_S (what each term stands for: docs/planner.md, "Speed overheads per strategy"):
 #   ddp       the bucketed all-reduce's pass over the fp32 gradient buckets (average in place)
@@ -51,6 +56,18 @@ LORA_BYTES_PER_WIDTH = value("lora_bytes_per_width")  # compiled blocks, or eage
 LORA_BYTES_PER_WIDTH_EAGER = value("lora_bytes_per_width_eager")
 # the adapters' forward passes, as a share of their bytes, run again under gradient checkpointing
 LORA_FORWARD_SHARE = value("lora_forward_share")
+# task dpo's head (models/speed.py) gives per-token log-probabilities. Their gradient needs each token's upstream
+# value, so the fused head cannot make its gradients in the forward as the cross-entropy head does
+# (LOSS_BYTES_PER_LOGIT): its backward makes each chunk's logits again (one more head matmul, flops_per_microbatch).
+# Device-memory bytes per token per vocabulary entry, counted pass by pass, (forward, backward) by the head:
+#   fused  forward: the bf16 logits written (2), cast to fp32 (read 2, write 4), torch.logsumexp's max (read 4),
+#          shift (read 4, write 4), exp (read 4, write 4) and sum (read 4): 32. Backward: the logits again (2), cast
+#          (6), softmax (max, sum, normalise: read 12, write 4), negated (8), scaled by the upstream gradient and
+#          masked (8), cast back to bf16 (read 4, write 2): 46
+#   plain  forward: the model's bf16 logits (2), cast (6), log_softmax (read 12, write 4): 24. Backward: the gather's
+#          zero-filled gradient (4), log_softmax's (read 12, write 4), the cast's (read 4, write 2): 26
+# The policy runs both; a reference in training (a frozen copy, or the policy with its adapters off) the forward.
+PREFERENCE_HEAD_BYTES_PER_LOGIT = {True: (32, 46), False: (24, 26)}  # by job.fused_loss
 # ZeRO-3: DeepSpeed's fetch/release hooks run on the host for every submodule that holds parameters, in forward,
 # backward and (checkpointing) the recomputed forward; the GPU's work hides them until the host's share is the longer:
 # the step is max(GPU step, hooks) (costs/deepspeed.py zero3_hook_time). Seconds per parameterized submodule per
@@ -66,6 +83,13 @@ ZERO3_BLOCK_S_PER_TENSOR_PASS = value("zero3_block_s_per_tensor_pass")
 # device-memory traffic. It stands for the amax reductions, the scaled casts, backward's recasts of the input and
 # the weight, the transposed copies, and whatever else keeps the float8 matmuls from twice the bf16 rate.
 FLOAT8_CAST_BYTES = value("float8_cast_bytes")
+
+
+def device_mem_bw(device_name: str) -> float | None:
+    """Effective memory bandwidth of the memory-bound passes on a GPU: HBM_BYTES_PER_S scaled by its datasheet
+    bandwidth over that of HBM_FITTED_ON (hardware.MEMORY_TBPS); None for a GPU not in the table."""
+    bw = hardware.memory_bandwidth(device_name)
+    return None if bw is None else HBM_BYTES_PER_S * bw / hardware.memory_bandwidth(HBM_FITTED_ON)
 
 
 @dataclass(frozen=True)
@@ -227,6 +251,8 @@ def flops_per_microbatch(spec: ModelSpec, job: Job) -> tuple[float, float]:
         bwd = 2 * P * T + 6 * P_t * T + 2 * attn_f
     if job.reference != "none":  # task dpo: the reference's forward of the same rows, a third of a full step's FLOPs
         fwd += 2 * P * T + attn_f
+    if job.task == "dpo" and job.fused_loss:  # the log-probability head makes each chunk's logits again in backward
+        bwd += 2 * spec.vocab_size * spec.hidden_size * T
     if job.checkpointing:  # blocks run forward again in backward
         bwd += 2 * (P - spec.root_params) * T + attn_f
     elif job.selective_checkpointing:
@@ -261,18 +287,27 @@ def attention_flops(spec: ModelSpec, job: Job) -> float:
     return 2 * spec.num_layers * spec.q_dim * job.seq_len * job.tokens
 
 
-def elementwise_time(spec: ModelSpec, job: Job, comp: Compute, adapters_in_compute_dtype: bool = False) -> float:
-    """Seconds per micro-batch of memory-bound work the FLOP count misses (GPU only; both terms from
+def elementwise_time(spec: ModelSpec, job: Job, comp: Compute, adapters_in_compute_dtype: bool = False,
+                     autocast: bool = False) -> float:
+    """Seconds per micro-batch of memory-bound work the FLOP count misses (GPU only; the terms from
     docs/planner.md, "Where the constants come from"):
     - the loss over the vocabulary: the fp32 logits are written, reduced (log-sum-exp), exponentiated, masked
       and cast back, forward and backward, LOSS_BYTES_PER_LOGIT bytes per token per vocabulary entry, with or
-      without the fused head (it makes the same passes, one chunk at a time);
+      without the fused head (it makes the same passes, one chunk at a time); task dpo's log-probability head
+      its own passes instead (PREFERENCE_HEAD_BYTES_PER_LOGIT) and the weight casts of its extra passes
+      (preference_cast_bytes; `autocast`: the family runs autocast over the stored weights);
     - LoRA's adapters: each adapted projection casts its input to the adapter dtype, drops it out, runs two
       skinny matmuls (rank r) and scales and adds the result, in forward and backward: LORA_BYTES_PER_WIDTH
       bytes per token per unit of the adapted inputs' and outputs' widths, per block."""
     if job.accelerator != "cuda":
         return 0.0
-    t = LOSS_BYTES_PER_LOGIT * job.tokens * spec.vocab_size / job.tp / comp.device_mem_bw  # TP: V/tp per rank
+    if job.task == "dpo":
+        fwd, bwd = PREFERENCE_HEAD_BYTES_PER_LOGIT[job.fused_loss]
+        per_logit = fwd * (2 if job.reference != "none" else 1) + bwd
+    else:
+        per_logit = LOSS_BYTES_PER_LOGIT
+    t = per_logit * job.tokens * spec.vocab_size / job.tp / comp.device_mem_bw  # TP: V/tp per rank
+    t += preference_cast_bytes(spec, job, autocast) / comp.device_mem_bw
     if job.tuner != "full":
         width = spec.lora_params(1, job.lora_targets) / max(spec.num_layers, 1)  # sum of (in + out) per block
         per = LORA_BYTES_PER_WIDTH if job.compile or adapters_in_compute_dtype else LORA_BYTES_PER_WIDTH_EAGER
@@ -280,6 +315,22 @@ def elementwise_time(spec: ModelSpec, job: Job, comp: Compute, adapters_in_compu
             per *= 1 + LORA_FORWARD_SHARE
         t += per * job.tokens * width * spec.num_layers / comp.device_mem_bw
     return t
+
+
+def preference_cast_bytes(spec: ModelSpec, job: Job, autocast: bool) -> float:
+    """Bytes per micro-batch that task dpo's passes beyond the SFT step's spend casting weights stored wider than the
+    compute dtype (autocast over fp32 weights; FSDP's and DeepSpeed's wrappers hold them in the compute dtype
+    already, and LoRA's frozen base is stored in it): the frozen reference copy casts every linear weight in its
+    forward (autocast caches only the casts of weights that require gradients; a compiled block casts inside its
+    graph), and the fused head casts the policy's weight once more in backward. Each cast reads the stored bytes
+    and writes the compute dtype's. The policy's own casts are the SFT step's, inside the calibrated MFU."""
+    if job.task != "dpo" or not autocast or job.w <= job.c:
+        return 0.0
+    per = job.w + job.c
+    n = spec.linear_params if job.reference == "model" else 0
+    if job.fused_loss and job.tuner == "full":
+        n += spec.vocab_size * spec.hidden_size
+    return per * n / job.tp
 
 
 def float8_time(spec: ModelSpec, job: Job, comp: Compute) -> float:
@@ -340,7 +391,8 @@ def step_time(spec: ModelSpec, job: Job, o: Opts, shard_n: int, links: Links, co
         other += host_s
     else:  # AdamW reads p, g, m, v and writes p, m, v in the state dtype
         other += 7 * job.w * per_rank_params / comp.device_mem_bw
-    other += ga * elementwise_time(spec, job, comp, cost.adapters_in_compute_dtype)  # memory-bound passes beside the FLOPs, per micro-batch
+    # memory-bound passes beside the FLOPs, per micro-batch
+    other += ga * elementwise_time(spec, job, comp, cost.adapters_in_compute_dtype, cost.autocast)
     # ZeRO-3's hooks run on the host beside the GPU's work, not beside the host's own optimizer step
     overhead = strategy_overhead(spec, job, o, shard_n, comp, compute + exposed + other - host_s)
     other += overhead

@@ -13,7 +13,7 @@ from shardwise import hardware, presets
 from shardwise.errors import ShardwiseError
 from shardwise.plan import text
 from shardwise.plan.calibration import value
-from shardwise.plan.comm import Compute, Links, Timing, step_time
+from shardwise.plan.comm import HBM_BYTES_PER_S, Compute, Links, Timing, step_time
 from shardwise.plan.costs import cost_of
 from shardwise.plan.explain import assumptions, decision_tree, sp_mode_label  # noqa: F401 (re-exported)
 from shardwise.plan.long_context import auto_mlp_tiles
@@ -58,6 +58,7 @@ class Setup:
     notes: list = field(default_factory=list)
     measured_busbw: float | None = None  # bytes/s from doctor.json, replaces intra when set
     fp8_peak_flops: float = 0.0  # float8 tensor cores (0: none, or a CPU)
+    device_mem_bw: float = HBM_BYTES_PER_S  # effective bytes/s of the memory-bound passes (comm.device_mem_bw)
 
     @property
     def world(self) -> int:
@@ -230,7 +231,7 @@ def plan_strategy(spec: ModelSpec, job: Job, setup: Setup, name: str, opts: Opts
     mem = estimate(spec, job, opts)
     n = max(1, shard_ranks(job, opts) // job.tp)  # data-parallel sharding: over the ranks of one tp position
     timing = step_time(spec, job, opts, n, setup.links(),
-                       Compute(setup.peak_flops, setup.mfu_for(job), fp8_peak_flops=setup.fp8_peak_flops))
+                       Compute(setup.peak_flops, setup.mfu_for(job), setup.device_mem_bw, setup.fp8_peak_flops))
     fits_dev = mem.total / GiB <= setup.device_mem_gib
     host_need = mem.host * setup.gpus_per_node / GiB
     fits_host = host_need <= setup.host_mem_gib * 0.9

@@ -5,6 +5,7 @@ from __future__ import annotations
 from shardwise import hardware
 from shardwise.errors import ShardwiseError
 from shardwise.plan import text
+from shardwise.plan.comm import HBM_BYTES_PER_S, device_mem_bw
 from shardwise.plan.decide import CPU_MFU, CPU_PEAK_FLOPS, Setup
 from shardwise.plan.memory import Job
 from shardwise.preflight.flags import MAX_NNODES, MAX_NPROC_PER_NODE
@@ -61,7 +62,8 @@ def job_from_config(cfg, setup: Setup) -> Job:
                sp=getattr(cfg, "sequence_parallel", 1), tp=getattr(cfg, "tensor_parallel", 1),
                sp_mode=getattr(cfg, "sp_mode", "auto"),
                selective_checkpointing=_ac(cfg) == "selective", float8=bool(getattr(cfg, "float8", False)),
-               offload_checkpoints=_ac(cfg) == "offload", mlp_tiles=_tiles(cfg), reference=reference(cfg))
+               offload_checkpoints=_ac(cfg) == "offload", mlp_tiles=_tiles(cfg), reference=reference(cfg),
+               task=getattr(cfg, "task", "sft"))
 
 
 def _tiles(cfg) -> int:
@@ -128,6 +130,7 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
     measured_bw = None
     peak = hardware.peak_flops(name, "bf16") if accel == "cuda" else None
     fp8 = (hardware.fp8_peak_flops(name) or 0.0) if accel == "cuda" else 0.0
+    mem_bw = device_mem_bw(name) if accel == "cuda" else HBM_BYTES_PER_S  # (the CPU plans no memory-bound passes)
     if doctor and doctor.get("accelerator") == accel:
         ar = (doctor.get("collectives") or {}).get("all_reduce") or []
         if ar and intra_gbps is None and nodes == 1:
@@ -143,7 +146,8 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
             notes.append(f"CPU matmul rate assumed {peak / 1e9:.0f} GFLOP/s per rank (run `shardwise doctor` to measure)")
         else:
             peak = hardware.peak_flops(DEFAULT_GPU, "bf16")
-            fp8 = hardware.fp8_peak_flops(DEFAULT_GPU)  # float8 too: the GPU is planned as the default one
+            fp8 = hardware.fp8_peak_flops(DEFAULT_GPU)  # float8 and memory too: the GPU is planned as the default one
+            mem_bw = device_mem_bw(DEFAULT_GPU)
             notes.append(f"peak FLOP/s of '{name}' unknown: assumed {DEFAULT_GPU} ({text.flops(peak)})")
     if intra_gbps is not None:
         intra, intra_label = intra_gbps, f"given: {intra_gbps:g} Gb/s"
@@ -163,4 +167,4 @@ def make_setup(hw: hardware.Hardware | None = None, *, gpus: int | None = None, 
     return Setup(gpus_per_node=count, nodes=nodes, accelerator=accel, device_name=name, device_mem_gib=mem,
                  host_mem_gib=host, intra_gbps=intra, intra_label=intra_label, inter_gbps=inter,
                  inter_label=inter_label, peak_flops=peak, mfu=mfu, notes=notes, measured_busbw=measured_bw,
-                 fp8_peak_flops=fp8)
+                 fp8_peak_flops=fp8, device_mem_bw=mem_bw)

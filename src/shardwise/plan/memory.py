@@ -93,6 +93,9 @@ class Job:
     # (a frozen copy: whole per rank, or sharded like the policy where the family gathers parameters) or "adapters"
     # (LoRA: the policy with its adapters off; no memory, one more forward). micro_batch then counts rows: 2 per pair.
     reference: str = "none"
+    # what the step optimises (config `task`): sft, or dpo, whose head gives per-token log-probabilities of the rows
+    # (any loss_type, with or without a reference in training: comm.head_time)
+    task: str = "sft"
 
     @property
     def gpus_per_node(self) -> int:
