@@ -260,6 +260,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
             if want_w:
                 part = (g.t() @ (h * sign[a:b])).float()
                 grad_w = part if grad_w is None else grad_w.add_(part)  # the first chunk's is the buffer: no zero fill
+                del part  # before the next chunk's is made: a V x h fp32 matrix
             del g
         if want_w and grad_w is None:  # no tokens
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
