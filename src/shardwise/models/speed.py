@@ -158,59 +158,125 @@ def linear_cross_entropy(hidden, weight, targets, chunk: int = 4096, compute_dty
                                          chunk, compute_dtype)
 
 
+def even_chunks(n: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, stop) of the fewest chunks of at most `chunk` rows that cover n rows, their sizes differing by at
+    most one: 4128 tokens in chunks of 4096 are two of 2064, not 4096 and 32, whose 32-token chunk would still pay a
+    whole pass over the head weight's gradient (and, compiled, a kernel specialised to its odd size)."""
+    k = -(-n // chunk)
+    if k == 0:
+        return []
+    q, r = divmod(n, k)
+    bounds, s = [], 0
+    for i in range(k):
+        e = s + q + (i < r)
+        bounds.append((s, e))
+        s = e
+    return bounds
+
+
+def _chunk_logp(h, w, t):
+    """One chunk: (each token's target log-probability, 0 where IGNORE; each token's log-sum-exp), fp32. The fp32
+    logits are made here and consumed in place (shift, exponentiate, sum), so no chunk-sized temporary exists
+    beside them; compiled, the passes are one fused reduction over the matmul's output."""
+    x = (h @ w.t()).float()
+    valid = t != IGNORE
+    top = x.amax(dim=-1)
+    picked = x.gather(1, torch.where(valid, t, 0)[:, None]).squeeze(1)
+    lse = x.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top)
+    return (picked - lse) * valid, lse
+
+
+def _chunk_logp_grad(h, w, t, shift, scale):
+    """One chunk's gradient of sum_t s_t logp_t with respect to its logits, up to each row's sign: |s| (softmax -
+    onehot(target)) in the compute dtype, where `scale` is |s| and `shift` the forward's log-sum-exp minus log |s|,
+    so exp(logits - shift) is |s| softmax in one pass, the scaling folded into the shift. The caller applies
+    -sign(s) to the rows of the matmuls' small operands (the chunk's hidden states and its hidden gradient), not to
+    the chunk x vocabulary matrix."""
+    x = (h @ w.t()).float()
+    tt = torch.where(t != IGNORE, t, 0)
+    if torch.compiler.is_compiling():  # the target's term as a comparison: one fused kernel, no scatter pass
+        hit = torch.arange(x.shape[1], device=x.device)[None, :] == tt[:, None]
+        g = torch.exp(x - shift[:, None]) - torch.where(hit, scale[:, None], 0.0)
+    else:  # in place over the logits: no chunk-sized temporary beside them
+        g = x.sub_(shift[:, None]).exp_()
+        g.scatter_add_(1, tt[:, None], -scale[:, None])
+    return g.to(h.dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _body(fn, compiled: bool):
+    """`fn` itself, or its torch.compile'd form (made once per process: the policy's head and a reference's run
+    the same compiled graphs, so their log-probabilities are bit-equal, as the first step's zero margin needs)."""
+    if not compiled:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
+
+
 class _LinearTokenLogProbs(torch.autograd.Function):
-    """log softmax(h_t W^T)[y_t] per token (0 where y_t is IGNORE), over chunks of tokens: peak memory holds one
-    chunk's fp32 logits, and none are kept for backward, which computes each chunk's logits again (one more head
-    matmul than _LinearCrossEntropy, whose gradients need no upstream value per token; these do)."""
+    """log softmax(h_t W^T)[y_t] per token (0 where y_t is IGNORE), over chunks of tokens (even_chunks): peak memory
+    holds one chunk's fp32 logits, and none are kept for backward, which computes each chunk's logits again (one
+    more head matmul than _LinearCrossEntropy, whose gradients need no upstream value per token; these do). The
+    forward keeps each token's log-sum-exp (one float per token) for the backward, which then makes the softmax in
+    one pass instead of reducing the logits again. `compiled`: each chunk's passes over its logits run through
+    torch.compile (_body), where the run compiles (strategies/parallelize.py compile_enabled)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int, compute_dtype):
+    def forward(ctx, hidden, weight, targets, chunk: int, compute_dtype, compiled: bool = False):
         n = hidden.shape[0]
-        h_all, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+        # detached: the compiled bodies then see the same inputs from a trained policy and a frozen reference
+        h_all, w = hidden.detach().to(compute_dtype), weight.detach().to(compute_dtype)
         out = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        for s in range(0, n, chunk):
-            logits = (h_all[s:s + chunk] @ w.t()).float()
-            t = targets[s:s + chunk]
-            valid = t != IGNORE
-            picked = logits.gather(1, torch.where(valid, t, 0)[:, None]).squeeze(1)
-            out[s:s + chunk] = (picked - torch.logsumexp(logits, dim=-1)) * valid
-            del logits
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.chunk, ctx.compute_dtype = chunk, compute_dtype
+        lse = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        body = _body(_chunk_logp, compiled)
+        for s, e in even_chunks(n, chunk):
+            out[s:e], lse[s:e] = body(h_all[s:e], w, targets[s:e])
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk, ctx.compute_dtype, ctx.compiled = chunk, compute_dtype, compiled
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, targets = ctx.saved_tensors
-        h_all, w = hidden.to(ctx.compute_dtype), weight.to(ctx.compute_dtype)
+        hidden, weight, targets, lse = ctx.saved_tensors
+        h_all, w = hidden.detach().to(ctx.compute_dtype), weight.detach().to(ctx.compute_dtype)
         want_w = ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        for s in range(0, hidden.shape[0], ctx.chunk):
-            h = h_all[s:s + ctx.chunk]
-            t = targets[s:s + ctx.chunk]
-            valid = t != IGNORE
-            # d logp_t / d logits = onehot(y_t) - softmax, times the upstream gradient of token t
-            g = torch.softmax((h @ w.t()).float(), dim=-1).neg_()
-            g.scatter_add_(1, torch.where(valid, t, 0)[:, None], torch.ones_like(g[:, :1]))
-            g.mul_((grad_out[s:s + ctx.chunk].float() * valid)[:, None])
-            g = g.to(ctx.compute_dtype)
-            grad_h[s:s + ctx.chunk] = (g @ w).to(hidden.dtype)
+        grad_w = None
+        # d logp_t / d logits = onehot(y_t) - softmax, times s_t, the upstream gradient of token t (0 where IGNORE)
+        s = grad_out.float() * (targets != IGNORE)
+        scale = s.abs()
+        # rows with s = 0 (IGNORE, or no upstream gradient) keep the plain softmax (their sign, 0, removes them):
+        # exp(-inf) for a whole row takes the CPU's slow path
+        shift = torch.where(scale > 0, lse - scale.log(), lse)
+        sign = -torch.sign(s)[:, None].to(ctx.compute_dtype)  # g = sign * |s| (softmax - onehot): exact in any dtype
+        body = _body(_chunk_logp_grad, ctx.compiled)
+        for a, b in even_chunks(hidden.shape[0], ctx.chunk):
+            h = h_all[a:b]
+            g = body(h, w, targets[a:b], shift[a:b], scale[a:b])
+            grad_h[a:b] = ((g @ w) * sign[a:b]).to(hidden.dtype)
             if want_w:
-                grad_w += (g.t() @ h).float()
+                part = (g.t() @ (h * sign[a:b])).float()
+                grad_w = part if grad_w is None else grad_w.add_(part)  # the first chunk's is the buffer: no zero fill
+                del part  # before the next chunk's is made: a V x h fp32 matrix
             del g
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+        if want_w and grad_w is None:  # no tokens
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
 
-def linear_token_logprobs(hidden, weight, targets, chunk: int = 4096, compute_dtype=None):
+def linear_token_logprobs(hidden, weight, targets, chunk: int = 4096, compute_dtype=None, compile: bool = False):
     """Per-token log-probabilities of `targets` under `hidden @ weight.T` (shape of `targets`, fp32, 0 where
-    IGNORE), never holding the full logits: what preference losses sum per sequence (train/objective.py)."""
+    IGNORE), never holding the full logits: what preference losses sum per sequence (train/objective.py). `compile`:
+    each chunk's passes over its logits through torch.compile (one fused kernel each way instead of several)."""
     if compute_dtype is None:
         compute_dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
             else weight.dtype
     with torch.autocast(hidden.device.type, enabled=False):
         out = _LinearTokenLogProbs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), chunk,
-                                         compute_dtype)
+                                         compute_dtype, compile)
     return out.view(targets.shape)
 
 
@@ -221,11 +287,12 @@ def token_logprobs(logits, targets) -> torch.Tensor:
     return logp.gather(-1, torch.where(valid, targets, 0).unsqueeze(-1)).squeeze(-1) * valid
 
 
-def install_fused_loss(model: nn.Module, chunk: int = FUSED_LOSS_CHUNK) -> bool:
+def install_fused_loss(model: nn.Module, chunk: int = FUSED_LOSS_CHUNK, compile: bool = False) -> bool:
     """Make the output head return the summed loss instead of logits when targets are
     set on it (`model.lm_head.loss_targets = targets`). The head stays the same module
     with the same parameter names, so every strategy's wrapping and every checkpoint are
-    unchanged; the loop clears the targets to get ordinary logits."""
+    unchanged; the loop clears the targets to get ordinary logits. `compile`: the per-token
+    log-probability head (task dpo) runs its per-chunk passes compiled (linear_token_logprobs)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or head.bias is not None:
         return False
@@ -237,7 +304,7 @@ def install_fused_loss(model: nn.Module, chunk: int = FUSED_LOSS_CHUNK) -> bool:
     def forward(self, hidden_states):
         logp_targets = getattr(self, "logp_targets", None)
         if logp_targets is not None:  # per-token log-probabilities (task dpo), not their summed loss
-            return linear_token_logprobs(hidden_states, self.weight, logp_targets, chunk)
+            return linear_token_logprobs(hidden_states, self.weight, logp_targets, chunk, compile=compile)
         targets = getattr(self, "loss_targets", None)
         if targets is None:
             return plain_forward(hidden_states)

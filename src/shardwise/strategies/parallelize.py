@@ -166,12 +166,15 @@ def apply_float8(model: nn.Module, cfg, device: torch.device) -> str:
 def apply_loss_head(model: nn.Module, cfg) -> str:
     """--fused-loss: the output head returns the summed token loss when the loop sets its targets, computed in
     chunks that never hold the full logits (models/speed.py; a head whose logits the model post-processes keeps
-    its plain forward)."""
+    its plain forward). Where the run compiles, so does the log-probability head's per-chunk work (task dpo)."""
     from shardwise.models.speed import install_fused_loss
+    from shardwise.plan.facts import FUSED_LOSS_CHUNK
 
     if not cfg.fused_loss:
         return "fused loss: off"
-    return "fused loss head" if install_fused_loss(model) else "fused loss: off (the model post-processes its logits)"
+    if install_fused_loss(model, FUSED_LOSS_CHUNK, compile=compile_enabled(cfg)):
+        return "fused loss head"
+    return "fused loss: off (the model post-processes its logits)"
 
 
 def apply_attention(model: nn.Module, cfg, dims: ParallelDims) -> str:
