@@ -30,8 +30,8 @@ def forked_ranks(*preload: str):
     `torch.multiprocessing.start_processes(..., start_method="forkserver")`). A spawned rank is a fresh interpreter
     that imports all of that itself, 2-5 CPU-s a rank on the suite's 2 cores; here the server imports it once and
     every rank begins with it imported. The fork server is one per process and shardwise's launcher uses it too
-    (train/zygote.py, as in-process CLI calls may), so none may be running on the way in and it is stopped on the
-    way out, with the preload put back."""
+    (train/zygote.py, as in-process CLI calls may), so one left running is stopped on the way in, and this one on
+    the way out, with the preload put back."""
     import multiprocessing
     from multiprocessing import forkserver
 
