@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,6 +21,31 @@ def benchmark_module(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@contextlib.contextmanager
+def forked_ranks(*preload: str):
+    """A multiprocessing context (yielded) whose processes are forks of one server that has imported torch,
+    transformers and the modules `preload` (multiprocessing's forkserver; start them with
+    `torch.multiprocessing.start_processes(..., start_method="forkserver")`). A spawned rank is a fresh interpreter
+    that imports all of that itself, 2-5 CPU-s a rank on the suite's 2 cores; here the server imports it once and
+    every rank begins with it imported. The fork server is one per process and shardwise's launcher uses it too
+    (train/zygote.py, as in-process CLI calls may), so one left running is stopped on the way in, and this one on
+    the way out, with the preload put back."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    from shardwise.train import zygote
+
+    zygote.stop()  # one an earlier test left would fork from its own preload and environment
+    saved = list(forkserver._forkserver._preload_modules)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", *preload])
+    try:
+        yield ctx
+    finally:
+        zygote.stop()
+        ctx.set_forkserver_preload(saved)
 
 
 def free_port() -> int:

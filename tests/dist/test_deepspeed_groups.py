@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers import forked_ranks
+
 # (find_spec: importing DeepSpeed here would cost every process that imports this module seconds)
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 
@@ -82,7 +84,9 @@ def _worker(rank, world, init_file, model_dir, out_dir):
 
 
 def test_deepspeed_takes_the_meshs_groups(tmp_path, tiny_dir):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), tiny_dir, str(tmp_path)), nprocs=2)
+    with forked_ranks("tests.dist.test_deepspeed_groups", "shardwise.strategies", "shardwise.train.loop"):
+        mp.start_processes(_worker, args=(2, str(tmp_path / "init"), tiny_dir, str(tmp_path)),
+                           nprocs=2, start_method="forkserver")
     for rank in range(2):
         reports = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert set(reports) == set(CASES)

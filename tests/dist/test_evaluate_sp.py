@@ -10,6 +10,8 @@ import json
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers import forked_ranks
+
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
@@ -63,7 +65,8 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 def test_validation_under_sequence_parallelism_equals_one_process(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    with forked_ranks("tests.dist.test_evaluate_sp", "shardwise.strategies", "shardwise.train.evaluate"):
+        mp.start_processes(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="forkserver")
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["got"]["val_tokens"] == r["ref_tokens"], r

@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers import forked_ranks
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "ds_tensor", None) if hasattr(t, "ds_tensor") else getattr(t, "_local_tensor", t)
@@ -86,7 +88,9 @@ def _measure_one(rank, world, model_dir, flags) -> dict:
 
 
 def measure(tmp_path, tiny_dir, world: int, runs: list[dict]) -> list[dict]:
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), tiny_dir, runs, str(tmp_path)), nprocs=world)
+    with forked_ranks("tests.dist.test_fsdp", "shardwise.strategies", "shardwise.train.loop"):
+        mp.start_processes(_worker, args=(world, str(tmp_path / "init"), tiny_dir, runs, str(tmp_path)),
+                           nprocs=world, start_method="forkserver")
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers import forked_ranks
+
 # sizes: a small tensor (torch's foreach norm); two whose shards reach the rows' threshold (gradnorm.SMALL), one
 # with elements left over after its rows of 4,096, one that splits evenly
 SIZES = [(6, 5), (2063, 1021), (2048, 1024)]
@@ -85,9 +87,9 @@ def _worker(rank: int, world: int, init_file: str, layouts, q) -> None:
 
 def test_host_grad_norm_on_two_gloo_ranks_equals_the_full_gradients_norm(tmp_path):
     layouts = ["1d", "2d-shard-inner", "2d-shard-outer-and-replicated", "strided-and-an-empty-shard"]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), layouts, q), nprocs=2, start_method="spawn")
+    with forked_ranks("tests.dist.test_gradnorm", "shardwise.strategies.gradnorm") as ctx:
+        q = ctx.Queue()
+        mp.start_processes(_worker, args=(2, str(tmp_path / "init"), layouts, q), nprocs=2, start_method="forkserver")
     for _ in range(2):
         rank, results = q.get(timeout=120)
         for lay, r in results.items():

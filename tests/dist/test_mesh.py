@@ -9,6 +9,8 @@ import os
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers import forked_ranks
+
 
 def _sampled_rows(dims) -> list[list[int]]:
     """The token rows this rank's sampler hands it at step 1, read with dims' rank and degree."""
@@ -60,7 +62,8 @@ def _worker(rank, init_file, out_dir):
 
 
 def test_one_mesh_gives_groups_ranks_and_the_samplers_share(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    with forked_ranks("tests.dist.test_mesh", "shardwise.strategies", "shardwise.train.dist"):
+        mp.start_processes(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="forkserver")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, r in enumerate(ranks):
         for preset, shape in (("ddp", [2, 1, 1, 1, 1]), ("fsdp", [1, 2, 1, 1, 1])):

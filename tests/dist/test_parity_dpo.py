@@ -2,7 +2,8 @@
 the same per-step loss, pre-clip gradient norm, rewards and reward margin as one process on the same global batch of
 pairs (fp32, tests/dist/shared.py's RTOL), the reference model being one copy (ddp), FSDP-sharded (fsdp) or ZeRO-3
 partitioned (zero3). --precompute-ref gives the same run from a table computed before training, and LoRA's reference
-(the policy with its adapters off) the same run on one process and on 2 zero3 or ddp ranks."""
+(the policy with its adapters off) the same run on one process and on 2 zero3 or ddp ranks. The one-process references
+train in this process (tests/inproc/trainer.py); their 2-rank partners launch through the real CLI."""
 
 import json
 
@@ -12,6 +13,7 @@ import torch
 from shardwise.data.demo import demo_preference_records
 from tests.dist.shared import LORA, RTOL, SINGLE, TWO, train_args
 from tests.helpers import ConcurrentRuns
+from tests.inproc.trainer import train
 
 STEPS = 6
 DPO = ("--task", "dpo", "--max-steps", str(STEPS), "--no-save-final", "--report-to", "none")
@@ -26,6 +28,7 @@ CASES = {
     "lora-zero3": ("--strategy", "zero3", *TWO, *LORA),
     "lora-ddp": ("--strategy", "ddp", *TWO, *LORA),
 }
+IN_PROCESS = ("single", "lora-single")  # one rank: the launcher's start-up would buy nothing
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +36,17 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("dpo-data")
     data = d / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in demo_preference_records(64)))
-    batch, outs = ConcurrentRuns(), {}
+    batch, outs, done = ConcurrentRuns(), {}, {}
     for name, extra in CASES.items():
         outs[name] = tmp_path_factory.mktemp(name)
-        batch.add(name, *train_args(outs[name], data, *extra, *DPO))
+        if name not in IN_PROCESS:
+            batch.add(name, *train_args(outs[name], data, *extra, *DPO))
+    for name in IN_PROCESS:
+        done[name] = train(*train_args(outs[name], data, *CASES[name], *DPO)[1:])
 
     def get(name):
+        if name in done:  # a failed in-process run raised in train() above, with its output
+            return done[name].metrics, done[name].stdout
         r = batch.get(name)
         assert r.returncode == 0, r.stderr[-3000:]
         return [json.loads(line) for line in (outs[name] / "metrics.jsonl").read_text().splitlines()], r.stdout

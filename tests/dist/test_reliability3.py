@@ -17,6 +17,7 @@ import pytest
 
 from tests.dist.shared import COMMON, DDP
 from tests.helpers import run_cli
+from tests.inproc.trainer import train as train_here
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -58,7 +59,9 @@ def test_a_tampered_rng_file_is_refused_in_shardwises_line_alone(chat_data, tmp_
     """An rng/rank0.pt replaced by a pickle made to run code (its size written into meta.json, as an attacker
     would): torch printed its two-line warning about the pickle's protocol before shardwise's line refusing it."""
     out = tmp_path / "run"
-    train(out, chat_data, *ONE, "--max-steps", "2", "--save-every", "2", "--no-save-final")
+    # the checkpoint is made in this process (tests/inproc/trainer.py); the resume that must refuse it is launched
+    train_here(*COMMON, "--data", chat_data, "--output-dir", out, *ONE, "--max-steps", "2", "--save-every", "2",
+               "--no-save-final")
     ck = out / "checkpoints" / "step_00000002"
     marker = tmp_path / "CODE_RAN"
     os.environ["MARKER"] = str(marker)

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers import forked_ranks
+
 B, S, D = 2, 48, 8
 
 
@@ -67,9 +69,10 @@ def _worker(rank: int, world: int, init_file: str, cases, q) -> None:
 
 
 def _spawn(tmp_path, world: int, cases) -> None:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    mp.start_processes(_worker, args=(world, str(tmp_path / "init"), cases, q), nprocs=world, start_method="spawn")
+    with forked_ranks("tests.dist.test_ring_attention", "shardwise.models.sequence_parallel") as ctx:
+        q = ctx.Queue()
+        mp.start_processes(_worker, args=(world, str(tmp_path / "init"), cases, q),
+                           nprocs=world, start_method="forkserver")
     for _ in range(world):
         rank, results = q.get(timeout=120)
         for case, close in results.items():

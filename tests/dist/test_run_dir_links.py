@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from tests.helpers import chat_records, run_cli, write_jsonl
+from tests.inproc.trainer import train
 
 COMMON = ("--model", "tiny", "--strategy", "single", "--nproc-per-node", "1", "--seq-len", "64",
           "--micro-batch-size", "2", "--log-every", "1", "--mixed-precision", "no", "--no-save-final")
@@ -20,7 +21,8 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("links")
     data = write_jsonl(str(root / "chat.jsonl"), chat_records(32))
     out = root / "run"
-    run_cli("train", *COMMON, "--data", data, "--output-dir", str(out), "--max-steps", "4", "--save-every", "2")
+    # the run being resumed is made in this process (tests/inproc/trainer.py); the resumes below are launched
+    train(*COMMON, "--data", data, "--output-dir", str(out), "--max-steps", "4", "--save-every", "2")
     return out
 
 

@@ -6,6 +6,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers import forked_ranks
+
 
 
 def _worker(rank: int, init_file: str, seed_by_rank: bool, q) -> None:
@@ -26,9 +28,9 @@ def _worker(rank: int, init_file: str, seed_by_rank: bool, q) -> None:
 
 
 def _run(tmp_path, seed_by_rank: bool):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    mp.start_processes(_worker, args=(str(tmp_path / "init"), seed_by_rank, q), nprocs=2, start_method="spawn")
+    with forked_ranks("tests.dist.test_same_weights", "shardwise.train.dist") as ctx:
+        q = ctx.Queue()
+        mp.start_processes(_worker, args=(str(tmp_path / "init"), seed_by_rank, q), nprocs=2, start_method="forkserver")
     return sorted(q.get(timeout=60) for _ in range(2))
 
 

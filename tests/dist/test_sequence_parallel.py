@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from tests.dist.shared import MAX_GRAD_NORM, RTOL, SINGLE, STEPS, TWO, Run, train_args
 from tests.dist.test_parity import assert_same_run
-from tests.helpers import ConcurrentRuns, run_cli
+from tests.helpers import ConcurrentRuns, forked_ranks, run_cli
 from tests.inproc.trainer import train
 
 
@@ -85,9 +85,9 @@ def _attention_worker(rank: int, init_file: str, q) -> None:
 
 
 def test_ulysses_attention_matches_the_unsplit_model(tmp_path):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    mp.start_processes(_attention_worker, args=(str(tmp_path / "init"), q), nprocs=2, start_method="spawn")
+    with forked_ranks("tests.dist.test_sequence_parallel", "shardwise.models.sequence_parallel") as ctx:
+        q = ctx.Queue()
+        mp.start_processes(_attention_worker, args=(str(tmp_path / "init"), q), nprocs=2, start_method="forkserver")
     for _ in range(2):
         rank, results = q.get(timeout=60)
         for case, (logits_ok, loss_ok, grads_ok) in results.items():

@@ -15,6 +15,8 @@ import types
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers import forked_ranks
+
 STEPS = 2
 
 
@@ -64,7 +66,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def test_compiled_tp_blocks_train_like_eager_tp(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    with forked_ranks("tests.dist.test_tensor_parallel_compile", "shardwise.strategies.parallelize"):
+        mp.start_processes(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)),
+                           nprocs=2, start_method="forkserver")
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         eager, compiled = r["eager"], r["compiled"]

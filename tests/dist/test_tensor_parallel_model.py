@@ -16,6 +16,8 @@ import types
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers import forked_ranks
+
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
@@ -71,7 +73,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def test_split_model_gives_one_process_loss_and_gradients_tied_fused_and_packed(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    with forked_ranks("tests.dist.test_tensor_parallel_model", "shardwise.strategies.parallelize"):
+        mp.start_processes(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)),
+                           nprocs=2, start_method="forkserver")
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(report) == 4

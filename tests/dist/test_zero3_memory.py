@@ -45,6 +45,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers import forked_ranks
+
 # (find_spec: importing DeepSpeed here would cost every process that imports this module seconds)
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 
@@ -127,7 +129,9 @@ def _worker(rank, world, init_file, model_dir, ds_json, out_dir):
 def test_zero3_releases_gathered_block_weights_between_forward_and_backward(tmp_path, tiny_dir):
     ds_json = tmp_path / "release_all.json"
     ds_json.write_text(json.dumps(RELEASE_ALL))
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), tiny_dir, str(ds_json), str(tmp_path)), nprocs=2)
+    with forked_ranks("tests.dist.test_zero3_memory", "shardwise.strategies", "shardwise.train.loop"):
+        mp.start_processes(_worker, args=(2, str(tmp_path / "init"), tiny_dir, str(ds_json), str(tmp_path)),
+                           nprocs=2, start_method="forkserver")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, reports in enumerate(ranks):
         assert set(reports) == set(CASES)

@@ -64,8 +64,10 @@ def server(runs_dir):
     s.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def browser():
+    """One Chromium for every UI module this process runs (each launch is seconds of the suite's 2 cores); each test
+    gets a context of its own (`page`), so no cookie, storage or page is shared between tests."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="the 'ui' extra (playwright) is not installed")
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} missing: apt-get install chromium (.ci/run does)")
