@@ -192,8 +192,8 @@ SUITES: dict[str, Suite] = {
     "long-context-1gpu": Suite(
         "one GPU past 128K tokens: offloaded checkpointing and MLP tiles on the Llama-3.1-8B shape (LoRA at 256K, "
         "then the 64K cost against plain checkpointing), the plan beside every row; ARGS --rows ... for others "
-        "(benchmarks/long_context_one_gpu.py)", "nvidia-h100-x1",
-        (script("long_context_one_gpu.py", "--budget-s", "470", "--out", OUT, timeout_s=500),)),
+        "(benchmarks/long_context_one_gpu.py; --gpu-gib 80: an H200 runs what an 80 GiB card would)", "nvidia-h100-x1",
+        (script("long_context_one_gpu.py", "--gpu-gib", "80", "--budget-s", "470", "--out", OUT, timeout_s=500),)),
     "tensor-parallel": Suite(
         "the Llama-3.1-8B shape at 8k tokens: tensor parallel 2 against fsdp on two GPUs, the same global batch",
         "nvidia-h200-x2",
