@@ -41,30 +41,29 @@ class Hardware:
     nvlink: bool | None = None  # GPUs of a node linked by NVLink (None: not known)
 
 
+def _datasheet(table: dict, device_name: str):
+    """The entry of the first key `device_name` contains (the tables list an A100 before an A10), or None."""
+    return next((row for key, row in table.items() if key in device_name), None)
+
+
 def peak_flops(device_name: str, dtype: str = "bf16") -> float | None:
     """Dense peak FLOP/s of one device for a compute dtype, or None when unknown (CPU)."""
-    for key, table in PEAK_TFLOPS.items():
-        if key in device_name:
-            return table.get(dtype, table["bf16"]) * 1e12
-    return None
+    table = _datasheet(PEAK_TFLOPS, device_name)
+    return None if table is None else table.get(dtype, table["bf16"]) * 1e12
 
 
 def fp8_peak_flops(device_name: str) -> float | None:
     """Dense float8 peak FLOP/s of one device: 0.0 for a known GPU without float8 tensor cores, None when the
     device is not in the table (as peak_flops)."""
-    for key, table in PEAK_TFLOPS.items():
-        if key in device_name:
-            return table.get("fp8", 0.0) * 1e12
-    return None
+    table = _datasheet(PEAK_TFLOPS, device_name)
+    return None if table is None else table.get("fp8", 0.0) * 1e12
 
 
 def memory_bandwidth(device_name: str) -> float | None:
     """Datasheet device memory bandwidth of one GPU in bytes/s, or None when the device is not in the table (as
-    peak_flops; the first key the name contains, so an A100 is not taken for an A10)."""
-    for key, tbps in MEMORY_TBPS.items():
-        if key in device_name:
-            return tbps * 1e12
-    return None
+    peak_flops)."""
+    tbps = _datasheet(MEMORY_TBPS, device_name)
+    return None if tbps is None else tbps * 1e12
 
 
 def host_memory_gib() -> float:
