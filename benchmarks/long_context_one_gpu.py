@@ -167,8 +167,9 @@ def train(model: str, data: str, name: str, length: int, row: Row, timeout: floa
     plan's choice for the GPU size of --gpu-gib, where the card is larger)."""
     out = os.path.join(work, name)
     flags = list(row.flags)
-    if tiles and "auto" in flags and flags[flags.index("auto") - 1] == "--mlp-tiles":
-        flags[flags.index("auto")] = str(tiles)
+    at = flags.index("--mlp-tiles") + 1 if "--mlp-tiles" in flags else 0
+    if tiles and at and flags[at] == "auto":
+        flags[at] = str(tiles)
     shutil.rmtree(out, ignore_errors=True)  # never report an earlier run's metrics
     cmd = [sys.executable, "-m", "shardwise", "train", "--model", model, "--data", data, "--data-format", "text",
            *common_flags(smoke), "--seq-len", str(length), "--max-steps", str(row.steps), "--log-every", "1",
