@@ -74,6 +74,10 @@ class Row:
 
 ROWS = {
     "lora-256k": Row("llama3.1-8b", (*LORA, *OFFLOAD, *TILES), 262144, 2, "LoRA at 256K, offload + tiles auto"),
+    # without adapter dropout: each dropped-out adapter input is its own saved tensor (7 of them a block, 28.5 GiB
+    # at 256K); without dropout the adapters share the projections' inputs
+    "lora-256k-nodrop": Row("llama3.1-8b", (*LORA, "--lora-dropout", "0", *OFFLOAD, *TILES), 262144, 2,
+                            "LoRA at 256K, dropout 0, offload + tiles auto"),
     "lora-64k-plain": Row("llama3.1-8b", (*LORA, *FULL_AC), 65536, 3, "LoRA at 64K, full checkpointing"),
     # at 64K the run fits without tiles, so auto takes none: the cost rows name the size rule's count
     "lora-64k-levers": Row("llama3.1-8b", (*LORA, *OFFLOAD, "--mlp-tiles", "8"), 65536, 3,
@@ -105,12 +109,12 @@ def common_flags(smoke: bool) -> list[str]:
             "--mixed-precision", "no" if smoke else "bf16"]
 
 
-def plan(model: str, length: int, flags: tuple, smoke: bool, hardware: tuple = ()) -> dict:
+def plan(model: str, length: int, flags: tuple, smoke: bool, hardware: tuple = (), extra: tuple = ()) -> dict:
     """`shardwise plan --json` for one row: its fit, tensor peak, host bytes per rank, step time and tokens/s, on the
     machine's GPU and host RAM as detected (`hardware`: plan flags that say them instead; --smoke: one 80 GiB GPU)."""
     hardware = hardware or (("--gpus", "1", "--gpu-memory", "80") if smoke else ())
     cmd = [sys.executable, "-m", "shardwise", "plan", "--model", model, "--seq-len", str(length), "--json",
-           *common_flags(smoke), *flags, *hardware]
+           *common_flags(smoke), *flags, *extra, *hardware]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if p.returncode != 0:
         return {"plan_error": (p.stderr or p.stdout).strip()[-300:]}
@@ -162,11 +166,11 @@ def used_bytes() -> int:
 
 
 def train(model: str, data: str, name: str, length: int, row: Row, timeout: float, work: str, smoke: bool,
-          tiles: int | None = None) -> dict:
+          tiles: int | None = None, extra: tuple = ()) -> dict:
     """One `shardwise train` run of a row; `tiles`: the count to run in place of the row's `--mlp-tiles auto` (the
     plan's choice for the GPU size of --gpu-gib, where the card is larger)."""
     out = os.path.join(work, name)
-    flags = list(row.flags)
+    flags = [*row.flags, *extra]
     at = flags.index("--mlp-tiles") + 1 if "--mlp-tiles" in flags else 0
     if tiles and at and flags[at] == "auto":
         flags[at] = str(tiles)
@@ -289,7 +293,7 @@ def host_gib() -> float:
     return round(kb / 2**20, 1)
 
 
-def lengths_for(model: str, row: Row, smoke: bool, hardware: tuple = ()) -> list[int]:
+def lengths_for(model: str, row: Row, smoke: bool, hardware: tuple = (), extra: tuple = ()) -> list[int]:
     """The lengths to try for a row: its own, or the ladder's longest planned to fit (its pinned checkpoints within
     3/4 of the host's RAM, a margin under the plan's 90% for the rest of the machine), then the shorter ones."""
     if row.length:
@@ -297,7 +301,7 @@ def lengths_for(model: str, row: Row, smoke: bool, hardware: tuple = ()) -> list
     ladder = SMOKE_LADDER if smoke else LADDER
 
     def planned(n: int) -> bool:
-        p = plan(model, n, row.flags, smoke, hardware)
+        p = plan(model, n, row.flags, smoke, hardware, extra)
         return bool(p.get("plan_fits")) and p.get("plan_host_gib", 0) <= 0.75 * host_gib()
 
     fits = [n for n in ladder if planned(n)]
@@ -314,12 +318,18 @@ def main() -> int:
     ap.add_argument("--gpu-gib", type=float, default=0,
                     help="plan for a GPU of this many GiB (e.g. 80 on a 141 GiB H200) and run `--mlp-tiles auto` rows "
                          "with the count that plan chooses for it; the report gives the card's own size beside it")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="build each shape with this many decoder blocks instead of its own (a probe of one block's "
+                         "memory at a length in a fraction of the time; the plan is of the same model)")
+    ap.add_argument("--flags", default="", help="more train flags for every row, one string (plan gets them too), "
+                    "e.g. --flags='--lora-dropout 0'")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "shardwise-long-context-1gpu"))
     a = ap.parse_args()
     start = time.time()
     table = SMOKE_ROWS if a.smoke else ROWS
+    extra = tuple(a.flags.split())
     names = list(SMOKE_ROWS) if a.smoke else [n.strip() for n in a.rows.split(",") if n.strip()]
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -336,6 +346,7 @@ def main() -> int:
     date = datetime.date.today().isoformat()
     hardware = ("--gpus", "1", "--gpu-memory", f"{a.gpu_gib:g}") if a.gpu_gib else ()
     meta = {"date": date, "versions": versions, "host_gib": host_gib(), "budget_s": a.budget_s, "gpu_gib": a.gpu_gib,
+            "layers": a.layers or "the shape's", "flags": a.flags,
             "rows": {n: asdict(table[n]) for n in names}}
     base = os.path.join(a.out, f"long-context-1gpu-{date}" + (f"-{a.tag}" if a.tag else ""))
     load_s = 15.0 if a.smoke else 60.0  # launch, imports, model load, data; then the first step's compilation
@@ -347,13 +358,15 @@ def main() -> int:
             if a.smoke:
                 models[row.shape] = "tiny"
             else:
-                path = os.path.join(a.work, row.shape.replace(".", ""))
+                shape = {**SHAPES[row.shape], **({"num_hidden_layers": a.layers} if a.layers else {})}
+                path = os.path.join(a.work, row.shape.replace(".", "") + (f"-{a.layers}l" if a.layers else ""))
                 models[row.shape] = in_child(f"import common\nprint(common.build_model_dir({path!r}, "
-                                             f"{SHAPES[row.shape]!r}, disk_dtype='bfloat16'))")
+                                             f"{shape!r}, disk_dtype='bfloat16'))")
         model = models[row.shape]
-        for length in lengths_for(model, row, a.smoke, hardware):
-            rec = {"row": name, "shape": row.shape, "levers": row.what, "length": length,
-                   **plan(model, length, row.flags, a.smoke, hardware)}
+        for length in lengths_for(model, row, a.smoke, hardware, extra):
+            rec = {"row": name, "shape": row.shape + (f" ({a.layers} layers)" if a.layers else ""),
+                   "levers": row.what + (f" {a.flags}" if a.flags else ""), "length": length,
+                   **plan(model, length, row.flags, a.smoke, hardware, extra)}
             left = a.budget_s - (time.time() - start)
             one_step = load_s + (0 if a.smoke else 60.0) + rec.get("plan_step_s", 0.0)
             if one_step > left:
@@ -363,7 +376,7 @@ def main() -> int:
                 data = make_data(a.work, length, row.steps + 2, vocab)
                 print(f"long_context_one_gpu: {name} at {length} tokens ({left:.0f} s left) ...", flush=True)
                 rec.update(train(model, data, f"{name}-{length}", length, row, left - 5, a.work, a.smoke,
-                                 rec.get("plan_tiles") if a.gpu_gib else None))
+                                 rec.get("plan_tiles") if a.gpu_gib else None, extra))
                 print(f"long_context_one_gpu: {name} {length}: {status(rec)}, {rec.get('tokens_per_s')} tok/s, "
                       f"{rec.get('peak_gib')} GiB (plan {rec.get('plan_gib')}), host {rec.get('host_used_gib')} "
                       f"GiB (plan {rec.get('plan_host_gib')}), {rec['wall_s']} s", flush=True)

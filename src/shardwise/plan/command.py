@@ -15,7 +15,7 @@ import sys
 from shardwise.errors import ShardwiseError
 
 # config keys that `plan` shares with `train` (same flag spelling and meaning)
-SHARED_KEYS = ["model", "strategy", "seq_len", "micro_batch_size", "grad_accum", "tuner", "lora.r", "lora.targets",
+SHARED_KEYS = ["model", "strategy", "seq_len", "micro_batch_size", "grad_accum", "tuner", "lora.r", "lora.targets", "lora.dropout",
                "mixed_precision", "param_dtype", "gradient_checkpointing", "packing", "nproc_per_node",
                "fsdp.reshard_after_forward", "fsdp.keep_gathered_one_rank", "fsdp.hybrid", "fsdp.shard_group_size",
                "fsdp.cpu_offload", "fsdp.wrap", "fsdp.prefetch", "deepspeed.stage", "deepspeed.offload_optimizer",
