@@ -187,22 +187,24 @@ def report(results: list[dict], a, info: dict) -> str:
     lines = [f"# DPO: shardwise vs TRL DPOTrainer ({info['date']})", "",
              f"Hardware and versions: `{json.dumps(info['versions'])}`", "",
              f"Job: {info['job']}", "",
+             "Peak GiB is torch.cuda.max_memory_allocated (tensors); the plan's beside it is its tensor peak, then its "
+             "peak with the allocator's reserve.", "",
              "| variant | tokens/s | peak GiB | vs TRL tokens/s | vs TRL memory | plan tokens/s (err) | "
-             "plan GiB (err) |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "plan tensor GiB (err) | plan with reserve GiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['name']} | error: {r['error']} | | | | | |")
+            lines.append(f"| {r['name']} | error: {r['error']} | | | | | | |")
             continue
         trl = by.get("trl-" + r["name"].split("-", 1)[1]) if r["name"].startswith("sw-") else None
         vs = (f"{r['tokens_per_s'] / trl['tokens_per_s']:.2f}x", f"{r['peak_mem_gib'] / trl['peak_mem_gib']:.2f}x") \
             if trl and "error" not in trl and trl["peak_mem_gib"] else ("", "")
         pr = r.get("plan") or {}
-        plan = ("", "") if not pr or "error" in pr else (
+        plan = ("", "", "") if not pr or "error" in pr else (
             f"{pr['tokens_per_s']:,.0f} ({pr['tokens_per_s'] / r['tokens_per_s'] - 1:+.0%})",
-            f"{pr['peak_mem_gib']:.2f} ({pr['peak_mem_gib'] / r['peak_mem_gib'] - 1:+.0%})" if r["peak_mem_gib"]
-            else f"{pr['peak_mem_gib']:.2f}")
+            f"{pr['peak_tensors_gib']:.2f} ({pr['peak_tensors_gib'] / r['peak_mem_gib'] - 1:+.0%})"
+            if r["peak_mem_gib"] else f"{pr['peak_tensors_gib']:.2f}", f"{pr['peak_mem_gib']:.2f}")
         lines.append(f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['peak_mem_gib']:.2f} | {vs[0]} | {vs[1]} | "
-                     f"{plan[0]} | {plan[1]} |")
+                     f"{plan[0]} | {plan[1]} | {plan[2]} |")
     lines += ["", "Goal (issue 44): >= 1.3x TRL's tokens/s at no more memory; the plan within 10% (memory) and "
               "20% (tokens/s).", "", "Raw per-step losses and reward margins: results.json beside this file."]
     if a.smoke:

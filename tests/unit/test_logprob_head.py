@@ -120,3 +120,31 @@ def test_a_compiled_policy_and_its_frozen_reference_give_bit_equal_log_probabili
 
     assert head_graphs("on") > 0
     assert head_graphs("off") == 0
+
+
+@pytest.mark.parametrize("compute, base", [(torch.float32, "fsdp"), (torch.bfloat16, "single")])
+def test_the_planner_counts_the_heads_measured_peak(compute, base):
+    """plan/memory.py preference_head_terms against the head's live bytes over 3 planner-sized chunks (eager, a
+    trained head): fp32 compute (FSDP's wrapper, no casts), and bf16 autocast over fp32 hidden states and weight
+    (single: the casts of both live through the passes, the fp32 copy of each chunk's logits beside the bf16 ones)."""
+    from shardwise.plan.facts import FUSED_LOSS_CHUNK
+    from shardwise.plan.memory import Job, Opts, preference_head_terms
+    from shardwise.plan.model_spec import from_hf_config, tiny_config
+    from shardwise.plan.simulate import LiveBytes
+
+    T, H, V = 3 * FUSED_LOSS_CHUNK, 32, 4096
+    spec = from_hf_config({**tiny_config(), "hidden_size": H, "vocab_size": V}, "head", "test")
+    job = Job(micro_batch=1, seq_len=T, task="dpo", compute="fp32" if compute == torch.float32 else "bf16")
+    planned = preference_head_terms(spec, job, Opts(base))["loss_transient"]
+    torch.manual_seed(0)
+    hidden = torch.randn(T, H, requires_grad=True)
+    w = torch.randn(V, H, requires_grad=True)
+    t = torch.randint(0, V, (T,))
+    up = torch.randn(T)
+    with LiveBytes() as lb:
+        lb.track(hidden, w, t, up)
+        base_bytes = lb.current
+        out = _LinearTokenLogProbs.apply(hidden, w, t, FUSED_LOSS_CHUNK, compute, False)
+        torch.autograd.grad((out * up).sum(), (hidden, w))
+        measured = lb.peak - base_bytes
+    assert measured == pytest.approx(planned, rel=0.1)

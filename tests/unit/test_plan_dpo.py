@@ -47,9 +47,15 @@ def test_the_reference_is_whole_where_the_strategy_replicates_and_sharded_where_
 def test_a_pair_is_two_rows_and_the_reference_forward_costs_a_third_of_a_step(plans):
     rows, dpo, pre = plans["sft-rows"], plans["dpo"], plans["pre"]
     assert dpo.job.micro_batch == rows.job.micro_batch == 4
-    # without a reference (precomputed) DPO is SFT on the same rows: same memory but the reference's weights
+    # without a reference (precomputed) DPO is SFT on the same rows but for the loss head (the log-probability
+    # head makes no gradient in its forward, memory.preference_head_terms) and, with one, the reference's weights
+    def head(p, s):
+        return sum(v for k, v in p.for_strategy(s).memory.detail.items() if k.startswith("act.head.loss_"))
+
     for s in ("ddp", "fsdp"):
-        assert pre.for_strategy(s).memory.total == pytest.approx(rows.for_strategy(s).memory.total)
+        assert head(pre, s) < head(rows, s)
+        assert pre.for_strategy(s).memory.peak_tensors - head(pre, s) == pytest.approx(
+            rows.for_strategy(s).memory.peak_tensors - head(rows, s))
         grown = dpo.for_strategy(s).memory.peak_tensors - pre.for_strategy(s).memory.peak_tensors
         assert grown == pytest.approx(ref_bytes(dpo, s))  # alive through the whole step
     compute = {k: plans[k].for_strategy("fsdp").timing.compute_s for k in ("dpo", "pre")}
@@ -142,7 +148,8 @@ def test_the_head_passes_and_the_reference_copys_weight_casts_are_memory_bound_t
     comp = Compute(989e12, 0.57)
     sft = Job(micro_batch=4, seq_len=1024, fused_loss=True)
     logits = sft.tokens * spec.vocab_size
-    (fwd, bwd), head = PREFERENCE_HEAD_BYTES_PER_LOGIT[True], spec.vocab_size * spec.hidden_size
+    assert not sft.compile  # the eager head's passes; compiled ones below
+    (fwd, bwd), head = PREFERENCE_HEAD_BYTES_PER_LOGIT[True, False], spec.vocab_size * spec.hidden_size
 
     def extra(job, autocast, than=sft):
         return (elementwise_time(spec, job, comp, autocast=autocast)
@@ -157,3 +164,7 @@ def test_the_head_passes_and_the_reference_copys_weight_casts_are_memory_bound_t
     assert extra(simpo, autocast=False) == pytest.approx((fwd + bwd - LOSS_BYTES_PER_LOGIT) * logits)
     lora = dataclasses.replace(ref, tuner="lora", reference="adapters")  # the base is stored in bf16: no casts
     assert extra(lora, autocast=True, than=dataclasses.replace(sft, tuner="lora")) == pytest.approx(base)
+    # compiled, each chunk's passes over its logits are one fused kernel each way: 4 and 6 bytes a logit
+    compiled = dataclasses.replace(ref, compile=True)
+    assert extra(compiled, autocast=False, than=dataclasses.replace(sft, compile=True)) == pytest.approx(
+        (2 * 4 + 6 - LOSS_BYTES_PER_LOGIT) * logits)

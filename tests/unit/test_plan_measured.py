@@ -104,7 +104,7 @@ def h100_rows() -> list[tuple]:
         rows.append(("1 H100, 1.14B Llama, 8 x 2048", anchor, strategy, r["tokens_per_s"], r["peak_mem_gib"]))
     bench = benchmark_module("dpo_vs_trl")
     for tuner in ("full", "lora"):
-        path = RESULTS / "dpo_vs_trl_h100_2026-12-07" / f"{tuner}.json"
+        path = RESULTS / "dpo_vs_trl_h100_2026-12-07b" / f"{tuner}.json"
         with open(path) as fh:
             job = json.load(fh)["info"]["job"]
         seq, pairs = int(re.search(r"seq_len (\d+)", job)[1]), int(re.search(r"(\d+) pairs a step", job)[1])

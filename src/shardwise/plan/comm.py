@@ -59,15 +59,18 @@ LORA_FORWARD_SHARE = value("lora_forward_share")
 # task dpo's head (models/speed.py) gives per-token log-probabilities. Their gradient needs each token's upstream
 # value, so the fused head cannot make its gradients in the forward as the cross-entropy head does
 # (LOSS_BYTES_PER_LOGIT): its backward makes each chunk's logits again (one more head matmul, flops_per_microbatch).
-# Device-memory bytes per token per vocabulary entry, counted pass by pass, (forward, backward) by the head:
-#   fused  forward: the bf16 logits written (2), cast to fp32 (read 2, write 4), torch.logsumexp's max (read 4),
-#          shift (read 4, write 4), exp (read 4, write 4) and sum (read 4): 32. Backward: the logits again (2), cast
-#          (6), softmax (max, sum, normalise: read 12, write 4), negated (8), scaled by the upstream gradient and
-#          masked (8), cast back to bf16 (read 4, write 2): 46
-#   plain  forward: the model's bf16 logits (2), cast (6), log_softmax (read 12, write 4): 24. Backward: the gather's
-#          zero-filled gradient (4), log_softmax's (read 12, write 4), the cast's (read 4, write 2): 26
+# Device-memory bytes per token per vocabulary entry, counted pass by pass, (forward, backward), keyed by
+# (fused head, compiled run):
+#   fused, compiled: forward the bf16 logits written (2) and read once by the fused log-sum-exp (2): 4. Backward
+#          the logits again (2), read by the fused softmax-gradient kernel (2), which writes the bf16 gradient (2): 6
+#   fused, eager: forward the logits (2), cast to fp32 (read 2, write 4), max (read 4), shift and exp in place
+#          (read 8, write 8), sum (read 4): 32. Backward the logits (2), cast (6), shift and exp in place (16), cast
+#          back to bf16 (read 4, write 2): 30
+#   plain (either): forward the model's bf16 logits (2), cast (6), log_softmax (read 12, write 4): 24. Backward the
+#          gather's zero-filled gradient (4), log_softmax's (read 12, write 4), the cast's (read 4, write 2): 26
 # The policy runs both; a reference in training (a frozen copy, or the policy with its adapters off) the forward.
-PREFERENCE_HEAD_BYTES_PER_LOGIT = {True: (32, 46), False: (24, 26)}  # by job.fused_loss
+PREFERENCE_HEAD_BYTES_PER_LOGIT = {(True, True): (4, 6), (True, False): (32, 30), (False, True): (24, 26),
+                                   (False, False): (24, 26)}
 # ZeRO-3: DeepSpeed's fetch/release hooks run on the host for every submodule that holds parameters, in forward,
 # backward and (checkpointing) the recomputed forward; the GPU's work hides them until the host's share is the longer:
 # the step is max(GPU step, hooks) (costs/deepspeed.py zero3_hook_time). Seconds per parameterized submodule per
@@ -302,7 +305,7 @@ def elementwise_time(spec: ModelSpec, job: Job, comp: Compute, adapters_in_compu
     if job.accelerator != "cuda":
         return 0.0
     if job.task == "dpo":
-        fwd, bwd = PREFERENCE_HEAD_BYTES_PER_LOGIT[job.fused_loss]
+        fwd, bwd = PREFERENCE_HEAD_BYTES_PER_LOGIT[job.fused_loss, job.compile]
         per_logit = fwd * (2 if job.reference != "none" else 1) + bwd
     else:
         per_logit = LOSS_BYTES_PER_LOGIT

@@ -395,7 +395,7 @@ def head_activations(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     d = {"inputs": 16 * T + 2 * r * T * spec.head_dim,  # ids + labels (int64), rotary cos/sin
          "final_norm": T * h * (4 + (r if full else 0)) / tp + T * h * (c if full else 0)}
     if fused_head(spec, job):
-        d.update(fused_loss_terms(spec, job, o))
+        d.update(preference_head_terms(spec, job, o) if job.task == "dpo" else fused_loss_terms(spec, job, o))
     else:
         # logits in compute dtype (kept by the model output), log_softmax output in fp32 (saved), and during the
         # loss backward its incoming gradient and its result, both fp32: c*T*V + 3 * 4*T*V at the peak
@@ -448,6 +448,32 @@ def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
          "loss_grad_head": V * h * (4 + (hw if hw != 4 else 0)) if trains else 0.0,
          "loss_transient": max(forward, backward)}
     if cost_of(o.base).gathers_root:  # the root unit (embeddings, norm, head) is gathered while the head runs
+        d["loss_root_gathered"] = c * local_root_params(spec, job.tp)
+    return d
+
+
+def preference_head_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
+    """task dpo's fused head at its peak (models/speed.py's _LinearTokenLogProbs): per-token log-probabilities,
+    whose gradients need each token's upstream value, so nothing of the head's gradients exists before backward.
+    Chunks are even (speed.even_chunks: 4,128 tokens are two of 2,064). Forward: one chunk's logits, in the compute
+    dtype from the matmul and, eager, their fp32 copy (compiled, one fused reduction reads the matmul's output);
+    backward: the chunk's logits again and its gradient in the compute dtype (eager: the fp32 logits, turned into
+    the gradient in place, and its cast), the hidden states' gradient, and where the head trains the fp32 weight
+    gradient beside the next chunk's part of it and that part's matmul output. The compute-dtype casts of the
+    hidden states and the weight live through both passes."""
+    T, h, V, c = job.tokens, spec.hidden_size, spec.vocab_size / job.tp, job.c
+    r = residual_bytes(job, o)
+    hw = head_weight_bytes(job, o)
+    pieces = -(-T // FUSED_LOSS_CHUNK)
+    chunk = -(-T // pieces) if T else 0
+    casts = (T * h * c if r != c else 0) + (V * h * c if hw != c else 0)
+    wide = 4 if c != 4 else 0  # eager: the fp32 copy of compute-dtype logits
+    forward = chunk * V * (c if job.compile else c + wide)
+    backward = chunk * V * (2 * c if job.compile else 4 + (c if c != 4 else 0)) + T * h * r
+    if job.tuner == "full":
+        backward += V * h * (4 + 4 + c)
+    d = {"loss_transient": casts + max(forward, backward)}
+    if cost_of(o.base).gathers_root:
         d["loss_root_gathered"] = c * local_root_params(spec, job.tp)
     return d
 
