@@ -376,6 +376,12 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
     # and need host RAM and recompute; ranked with the offload presets and the sequence split (the faster wins)
     for flags, changes in activation_levers(j):
         add(1, flags, dataclasses.replace(j, **changes))
+    if j.tuner != "full" and j.lora_dropout > 0:  # each adapter keeps its own dropped-out input (a block's 7 inputs
+        # at long lengths); without dropout they read the projections' own. It changes the training (no adapter
+        # dropout, as peft's, torchtune's and LLaMA-Factory's defaults), so the line says it
+        for flags, changes in [("", {}), *activation_levers(j)]:
+            add(1, f"--lora-dropout 0 {flags}".strip() + " (no adapter dropout)",
+                dataclasses.replace(j, lora_dropout=0.0, **changes))
     if j.micro_batch > 1:
         levers.append((f"--micro-batch-size 1 --grad-accum {j.grad_accum * j.micro_batch}",
                        {"micro_batch": 1, "grad_accum": j.grad_accum * j.micro_batch}))
