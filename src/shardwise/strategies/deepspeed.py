@@ -247,6 +247,10 @@ class DeepSpeedStrategy(Strategy):
                                                                     "zero_force_ds_cpu_optimizer")}
         config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items()
                                        if k != "offload_optimizer"}
+        # the policy's fetch units: with DeepSpeed's per-submodule hooks instead, a compiled block traces its
+        # submodules' fetch/release hooks (compile_hooks_eager leaves only a leaf's own hooks eager) and breaks into
+        # several graphs, whose bf16 roundings differ from the policy's one graph (the first step's margin not 0)
+        self.apply_leaves(model, trains=False)
         engine, *_ = deepspeed.initialize(model=model, config=config, mpu=MeshGroups(self.dims),
                                           dist_init_required=False)
         engine.eval()
@@ -265,13 +269,15 @@ class DeepSpeedStrategy(Strategy):
         forward, which is then one graph (the hooks are `torch.compiler.disable`d: traced inside they break it)."""
         return self.cfg.deepspeed.stage == 3 and self.cfg.deepspeed.fetch == "block"
 
-    def apply_leaves(self, model: torch.nn.Module) -> None:
+    def apply_leaves(self, model: torch.nn.Module, trains: bool = True) -> None:
         """ZeRO-3's fetch units, as DeepSpeed leaf modules (their parameters gathered and released together by one
         pair of hooks on the leaf, none on what it holds). `deepspeed.fetch: block` (the default): each decoder
         block, as FSDP's per-block units. DeepSpeed's default (`module`) hooks every submodule holding parameters,
         nine per Llama block, and that host work outlasts the GPU's on a step of compiled blocks (docs/speed.md).
         Either way each sparse MoE block is fetched whole, so the gathers do not depend on which experts this
-        rank's tokens chose (models/moe.py); a decoder block holding one already fetches it whole."""
+        rank's tokens chose (models/moe.py); a decoder block holding one already fetches it whole. `trains`: the
+        policy's (named in the run's header, its first block's input made to need a gradient); else a frozen
+        reference's, the same units."""
         from deepspeed.utils import set_z3_leaf_modules
 
         from shardwise.models.moe import moe_leaf_classes
@@ -287,8 +293,9 @@ class DeepSpeedStrategy(Strategy):
         classes += moe
         if classes:
             set_z3_leaf_modules(model, classes)
+        if classes and trains:
             self.leaves = ("blocks" if blocks else "MoE blocks", [c.__name__ for c in classes])
-        if blocks:
+        if blocks and trains:
             # DeepSpeed reduces (and frees) a leaf's gradients in the leaf's full backward hook, which torch runs
             # as soon as the gradients of the leaf's outputs exist when no input needs a gradient: under a frozen
             # embedding (LoRA) that is the first block, before its own backward has run (its adapters' gradients
