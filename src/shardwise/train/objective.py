@@ -139,14 +139,26 @@ class FrozenModel:
 
 
 class AdaptersOff:
-    """LoRA: the policy itself with its adapters disabled (peft's disable_adapter) is the base model."""
+    """LoRA: the policy itself with its adapters disabled is the base model. Each adapted layer's own switch
+    (peft's `disable_adapters`, which its forward reads) is turned, not peft's `disable_adapter()`: that one also
+    sets requires_grad False on the adapters for the duration, and FSDP2 fixes a unit's gradient dtype at its first
+    forward from the parameters that then require gradients. The reference runs first, so FSDP saw no trainable
+    parameter, reduced the adapters' bf16 gradients without casting them back to their fp32 (a failed step)."""
 
     def __init__(self, peft_model):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
         self.peft = peft_model
+        self.layers = [m for m in peft_model.modules() if isinstance(m, BaseTunerLayer)]
 
     def logps(self, policy, mb, fused_head) -> torch.Tensor:
-        with self.peft.disable_adapter():
+        for m in self.layers:
+            m._disable_adapters = True
+        try:
             return sequence_logps(policy, mb, fused_head)[0]
+        finally:
+            for m in self.layers:
+                m._disable_adapters = False
 
     def free(self) -> None:
         pass

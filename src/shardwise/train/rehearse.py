@@ -99,17 +99,19 @@ def hf_config(request: dict):
     return AutoConfig.for_model(d.pop("model_type"), **d)
 
 
-def build_model(request: dict, cfg):
-    """The model as train.loop.build_model makes it (storage dtype, adapters), with its parameters on meta."""
+def build_model(request: dict, cfg, dtype=None, adapters: bool = True):
+    """The model as train.loop.build_model makes it (storage dtype, adapters), with its parameters on meta;
+    `dtype` and `adapters=False`: a frozen reference's (task dpo), in the strategy's reference dtype."""
     from transformers import AutoModelForCausalLM
 
     from shardwise.strategies.base import DTYPES
 
     hf = hf_config(request)
     with params_on_meta():
-        model = AutoModelForCausalLM.from_config(hf, attn_implementation="sdpa", dtype=DTYPES[cfg.param_dtype])
+        model = AutoModelForCausalLM.from_config(hf, attn_implementation="sdpa",
+                                                 dtype=dtype or DTYPES[cfg.param_dtype])
         model.config.use_cache = False
-        if cfg.tuner != "full":
+        if adapters and cfg.tuner != "full":
             from shardwise.models.lora import apply_lora
 
             model = apply_lora(model, cfg)
@@ -204,7 +206,8 @@ def local_reduction(model):
 def synthetic_batch(cfg, dims, vocab: int, seed: int):
     """One optimizer step's batch for this rank, of the job's shape: grad_accum micro-batches of micro_batch_size
     full rows of seq_len tokens (this rank's 1/sp slice of each under sequence parallelism), random token ids;
-    with packing each row holds two documents (positions restart halfway, as the packer leaves them)."""
+    with packing each row holds two documents (positions restart halfway, as the packer leaves them). Task dpo:
+    micro_batch_size pairs, two rows each (the chosen rows, then the rejected), as the pair sampler batches them."""
     import torch
 
     from shardwise.data.batches import MicroBatch, StepBatch
@@ -213,15 +216,46 @@ def synthetic_batch(cfg, dims, vocab: int, seed: int):
     width, part = cfg.seq_len, cfg.seq_len // dims.sp
     half = width // 2
     row = torch.cat([torch.arange(half), torch.arange(width - half)]) if cfg.packing else torch.arange(width)
+    per = cfg.micro_batch_size * (2 if cfg.task == "dpo" else 1)
     micro = []
-    for _ in range(cfg.grad_accum):
-        ids = torch.randint(0, vocab, (cfg.micro_batch_size, width), generator=g)
+    for i in range(cfg.grad_accum):
+        ids = torch.randint(0, vocab, (per, width), generator=g)
         tg = torch.roll(ids, -1, dims=1)
-        pos = row.repeat(cfg.micro_batch_size, 1)
+        pos = row.repeat(per, 1)
         cut = slice(dims.sp_rank * part, (dims.sp_rank + 1) * part)
-        micro.append(MicroBatch(ids[:, cut].contiguous(), tg[:, cut].contiguous(), pos[:, cut].contiguous()))
-    rows = cfg.micro_batch_size * cfg.grad_accum * dims.dp_size
-    return StepBatch(micro, rows * width, rows * width, list(range(rows)))
+        micro.append(MicroBatch(ids[:, cut].contiguous(), tg[:, cut].contiguous(), pos[:, cut].contiguous(),
+                                rows=list(range(i * per, (i + 1) * per))))
+    units = cfg.micro_batch_size * cfg.grad_accum * dims.dp_size
+    rows = per * cfg.grad_accum * dims.dp_size
+    return StepBatch(micro, rows * width, rows * width, list(range(rows)), units)
+
+
+def rehearsal_objective(request: dict, cfg, strategy, policy, device, rows: int):
+    """What the step optimises, as train/objective.py builds it for the run: SFT, or task dpo with its reference: a
+    frozen copy of random weights wrapped by the strategy (sharded like the policy where it shards, made real
+    where it holds this rank's share, as the policy is), the policy with its adapters off (LoRA), none (simpo,
+    orpo), or with --precompute-ref the table of `rows` log-probabilities that remains once the reference is
+    freed."""
+    import torch
+
+    from shardwise.train import objective
+
+    if cfg.task != "dpo":
+        return objective.SFT()
+    if cfg.loss_type in ("simpo", "orpo"):
+        return objective.Preference(cfg, None)
+    if cfg.precompute_ref:
+        return objective.Preference(cfg, objective.Table(torch.zeros(rows, dtype=torch.float32, device=device)))
+    if cfg.tuner != "full":
+        return objective.Preference(cfg, objective.AdaptersOff(strategy.unwrap(policy)))
+    ref = build_model(request, cfg, dtype=strategy.reference_dtype(), adapters=False)
+    sharded = shards_on_wrap(strategy)
+    if not sharded:
+        materialize(ref, device)
+    wrapped, head = strategy.wrap_reference(ref)
+    if sharded:
+        materialize(wrapped, device)
+    return objective.Preference(cfg, objective.FrozenModel(wrapped, head))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -325,6 +359,7 @@ def rehearse(request: dict) -> dict:
         head = model_ref.get_output_embeddings()
         fused_head = head if getattr(head, "loss_targets", "absent") is None else None
         batch = synthetic_batch(cfg, dims, model_ref.config.vocab_size, cfg.seed)
+        goal = rehearsal_objective(request, cfg, strategy, model, env.device, len(batch.rows))
         faults = Faults(rank)
         meter = Meter(env.device, model, optimizer)
         model.train()
@@ -334,7 +369,7 @@ def rehearse(request: dict) -> dict:
                 meter.steady()
             start = time.perf_counter()
             loss = forward_backward_step(model, strategy, batch, dims.grad_size, env.device, faults, step + 1,
-                                         fused_head, loss_replicas=dims.tp, aux_weight=aux)
+                                         fused_head, loss_replicas=dims.tp, aux_weight=aux, objective=goal)
             strategy.step(model, optimizer)
             strategy.take_nonfinite()
             meter.sync()
@@ -347,6 +382,7 @@ def rehearse(request: dict) -> dict:
             dist.destroy_process_group()
     # this rank's share of the last step's loss (finite: the random init is at a trainable scale; under sequence
     # parallelism the fake exchange leaves other ranks' slices unwritten, so it may not be)
+    loss = loss[0] if loss.ndim else loss  # the objective's logged values: the loss first (task dpo: then rewards)
     return {"ok": True, "rank": rank, "world": world, "dims": dims.describe(), "steps": steps, "loss": float(loss),
             "step_s": statistics.median(times[1:]), "first_step_s": times[0], "seconds": time.time() - t0,
             **where, "applied": strategy.applied, "describe": strategy.describe(), **mem}
