@@ -115,6 +115,73 @@ def mlp_peak(tiles: int, mode: str) -> tuple[int, tuple]:
     return seen.numel, result
 
 
+
+def compiled_block_graphs(tiles: int) -> list:
+    """The AOT forward and backward graphs of a 1-block tiny Llama (1024 tokens, intermediate 2048) whose block runs as
+    the product runs it under `--activation-checkpointing offload --mlp-tiles N` with compile: tiles inside the
+    offloaded checkpoint, the checkpointed forward torch.compile'd (models/speed.py compile_blocks), partitioned by
+    inductor's own min-cut partitioner; the graphs themselves run uncompiled (no C++ toolchain needed)."""
+    import functools
+
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from shardwise.models.checkpointing import checkpoint_blocks
+    from shardwise.models.speed import decoder_blocks
+    from shardwise.models.tiles import tile_blocks
+
+    graphs = []
+
+    def keep(kind):
+        def compiler(gm, _inputs):
+            graphs.append((kind, gm))
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def backend(gm, inputs):
+        partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+        return aot_module_simplified(gm, inputs, fw_compiler=keep("fw"), bw_compiler=keep("bw"), partition_fn=partition)
+
+    torch._dynamo.reset()
+    model = tiny_llama(layers=1, intermediate_size=2048)
+    if tiles > 1:
+        tile_blocks(model, tiles, 1024, 4)
+    checkpoint_blocks(model, "offload")
+    for block in decoder_blocks(model):
+        block.checkpointed_forward = torch.compile(block.checkpointed_forward, backend=backend)
+    ids = torch.randint(0, 512, (1, 1024), generator=torch.Generator().manual_seed(2))
+    step(model, ids)
+    torch._dynamo.reset()
+    return graphs
+
+
+def interiors(gm) -> list[int]:
+    """Token counts of the (1, tokens, 2048) MLP-interior tensors a graph makes."""
+    return [n.meta["val"].shape[1] for n in gm.graph.nodes
+            if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 3 and n.meta["val"].shape[-1] == 2048]
+
+
+def test_compiled_block_keeps_the_mlp_tiles_one_at_a_time():
+    """Compiled, the block's forward saves only each tile's input for backward, never a (tokens x intermediate)
+    tensor, and its backward recomputes the interior one tile (128 tokens) at a time; untiled, the forward saves
+    the whole interior (1024 tokens)."""
+    whole = compiled_block_graphs(1)
+    tiled = compiled_block_graphs(8)
+
+    def saved(graphs):
+        fw = next(gm for kind, gm in graphs if kind == "fw")
+        outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+        return [tuple(o.meta["val"].shape) for o in outputs if isinstance(o.meta.get("val"), torch.Tensor)]
+
+    assert (1024, 2048) in saved(whole)
+    assert not any(s[-1] == 2048 and 1024 in s for s in saved(tiled))  # only the (2048, 128) weights
+    assert saved(tiled).count((1, 128, 128)) == 8  # the eight tile inputs
+    bw = next(gm for kind, gm in tiled if kind == "bw")
+    assert max(interiors(bw)) == 128
+    assert max(interiors(next(gm for kind, gm in whole if kind == "bw"))) == 1024
+
+
 @pytest.mark.parametrize("mode", ["off", "full"])
 def test_mlp_tiles_make_the_mlp_interior_one_tile_at_a_time(mode):
     whole, (loss, grads) = mlp_peak(1, mode)

@@ -1,0 +1,68 @@
+"""The planner against the long-context rows measured on one H100 (LoRA on the Llama-3.1-8B shape, strategy single,
+compiled blocks, bf16, `--activation-checkpointing offload`, `--mlp-tiles N`).
+
+Source: benchmarks/results/long_context_1gpu_h100_2026-12-07.md (the 32-layer rows at 64K and the 256K OOM) and
+long_context_1gpu_h100_2026-12-07b.md (the 2-layer probes and the 32-layer 256K row), torch 2.11, transformers 5.17,
+peak `max_memory_allocated`, plan `peak_tensors` for the same flags. Bound: the plan within 10% of the measured peak
+(docs/planner.md "Long context on one H100: the 256K gap"). The 64K rows hold; the 256K rows do not (the plan is
+24-32% low there and no term linear in the tokens closes that without breaking the 64K rows, docs/planner.md says
+why): they are strict xfails, pinned so that a change that closes the gap shows as XPASS and turns them on.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardwise import cli
+from shardwise.plan import command as plan_cmd
+
+GiB = 2**30
+TOL = 0.10
+LLAMA_8B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "max_position_embeddings": 524288, "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+GAP = pytest.mark.xfail(strict=True, reason="the 256K gap: plan 24-32% low (docs/planner.md)")
+
+# (layers, tokens, tuner, lora dropout, tiles, measured GiB, how): how "=" a peak, ">=" a lower bound (out of memory)
+ROWS = [
+    pytest.param(2, 65536, "lora", 0.05, 8, 16.02, "=", id="2l-64k-drop-8tiles"),
+    pytest.param(32, 65536, "lora", 0.05, 8, 28.79, "=", id="32l-64k-drop-8tiles"),
+    pytest.param(32, 262144, "lora", 0.0, 16, 59.11, "=", id="32l-256k-nodrop-16tiles", marks=GAP),
+    pytest.param(2, 262144, "lora", 0.0, 16, 46.33, "=", id="2l-256k-nodrop-16tiles", marks=GAP),
+    pytest.param(2, 262144, "qlora", 0.0, 16, 45.95, "=", id="2l-256k-qlora-16tiles", marks=GAP),
+    pytest.param(2, 262144, "lora", 0.05, 16, 71.13, "=", id="2l-256k-drop-16tiles", marks=GAP),
+    # out of memory with at least 71.42 GiB allocated and a 2 GiB buffer asked for
+    pytest.param(32, 262144, "lora", 0.05, 16, 73.4, ">=", id="32l-256k-drop-16tiles-oom"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_doctor_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def planned_gib(tmp_path, layers, tokens, tuner, dropout, tiles) -> float:
+    model = tmp_path / f"llama-8b-{layers}l"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**LLAMA_8B, "num_hidden_layers": layers}))
+    args = cli.build_parser().parse_args([
+        "plan", "--model", str(model), "--gpus", "1", "--gpu-memory", "80", "--gpu-type", "H100",
+        "--seq-len", str(tokens), "--micro-batch-size", "1", "--strategy", "single", "--mixed-precision", "bf16",
+        "--tuner", tuner, "--lora-r", "16", "--lora-dropout", str(dropout),
+        "--activation-checkpointing", "offload", "--mlp-tiles", str(tiles)])
+    p = plan_cmd.build(args)[0]
+    assert p.job.compile and p.job.offload_checkpoints and p.job.mlp_tiles == tiles
+    return p.for_strategy("single").memory.peak_tensors / GiB
+
+
+@pytest.mark.parametrize(("layers", "tokens", "tuner", "dropout", "tiles", "measured", "how"), ROWS)
+def test_long_context_plan_within_bounds_of_the_measured_peak(tmp_path, layers, tokens, tuner, dropout, tiles,
+                                                              measured, how):
+    plan = planned_gib(tmp_path, layers, tokens, tuner, dropout, tiles)
+    if how == ">=":
+        assert plan >= measured * (1 - TOL), f"plan {plan:.2f} GiB, measured at least {measured} GiB"
+    else:
+        assert abs(plan / measured - 1) <= TOL, f"plan {plan:.2f} GiB, measured {measured} GiB"
