@@ -96,3 +96,18 @@ def test_ddp_and_deepspeed_run_on_the_fake_group(tmp_path, strategy, wrapped):
     assert row["ok"], row
     assert row["world"] == 8 and row["describe"].startswith(wrapped)
     assert abs(row["memory_diff_pct"]) <= 10, row
+
+
+def test_task_dpo_rehearses_its_pairs_and_its_reference(tmp_path):
+    """task dpo rehearses its own step: two rows a pair, the reference's forward first (a frozen copy sharded like
+    the policy under fsdp, the base with the adapters off under LoRA), the planner's figures beside it. The frozen
+    copy is memory the precomputed table does not hold."""
+    rows = {}
+    for name, extra in (("dpo", ()), ("pre", ("--precompute-ref",)), ("lora", ("--tuner", "lora"))):
+        (row,) = rehearse(tmp_path, "--gpus", "2", "--strategy", "fsdp" if name != "lora" else "zero3",
+                          "--task", "dpo", *extra)["rehearsed"]["rows"]
+        assert row["ok"], row
+        assert abs(row["memory_diff_pct"]) <= 10, row
+        rows[name] = row
+    assert rows["dpo"]["peak_allocated_gib"] > rows["pre"]["peak_allocated_gib"]
+    assert rows["lora"]["describe"].startswith("deepspeed ZeRO-3")
