@@ -139,6 +139,7 @@ class Config:
     log_every: int = _f(10, "Log (terminal, metrics.jsonl, TensorBoard) every N steps.")
     profile_steps: int = _f(0, "Profile this many optimizer steps with torch.profiler; each is logged on its own with its communication time and the part no compute hides (comm_total_s, comm_exposed_s, profiled: true; its step time includes the profiler's overhead), and each rank leaves the step's operator table and Chrome trace in the run's profile/ (step-N-rankR.txt, step-N-rankR.json.gz: chrome://tracing or ui.perfetto.dev); 0 disables.")
     profile_start: int = _f(0, "First profiled step (1-based) when profile_steps > 0; 0 means the last profile_steps steps of the run.")
+    memory_snapshot: int = _f(0, "Record the CUDA allocator's history (every allocation with its Python stack) over the first N optimizer steps and write it to the run's memory/rankR.pickle after step N, or when a step runs out of memory first; drag it into pytorch.org/memory_viz to see what was alive at the peak and which line made it. CUDA only; 0 disables.")
     save_every: int = _f(0, "Save a checkpoint every N steps (and at the end); 0 disables periodic checkpoints.")
     save_every_minutes: float = _f(0.0, "Also save a checkpoint when this many minutes have passed since the last one; 0 disables.")
     keep_checkpoints: int = _f(2, "Keep the newest K checkpoints.")

@@ -346,34 +346,38 @@ def clear(output_dir: str) -> None:
     _clear_written_later(output_dir)
 
 
-# Entries a run adds to its directory only sometimes: the record of each resume, and --profile-steps's tables and
-# traces. Cleared with the run (a replaced run's resumes described checkpoints gone), but they do not mark a
-# directory as a run's (own_entries_present), and of profile/ only the profiler's own files go.
+# Entries a run adds to its directory only sometimes: the record of each resume, --profile-steps's tables and
+# traces, and --memory-snapshot's allocator histories. Cleared with the run (a replaced run's resumes described
+# checkpoints gone), but they do not mark a directory as a run's (own_entries_present), and of profile/ and memory/
+# only their own files go.
 RESUMES = "resumes.jsonl"
 PROFILE = "profile"
 PROFILE_FILE = re.compile(r"step-\d+-rank\d+\.(txt|json\.gz)")
+MEMORY = "memory"
+MEMORY_FILE = re.compile(r"rank\d+\.pickle")
 
 
 def _clear_written_later(output_dir: str) -> None:
     resumes = os.path.join(output_dir, RESUMES)
     if os.path.isfile(resumes) and not os.path.islink(resumes):
         os.remove(resumes)
-    profile = os.path.join(output_dir, PROFILE)
-    if not os.path.isdir(profile) or os.path.islink(profile):
-        return
-    for name in os.listdir(profile):
-        p = os.path.join(profile, name)
-        if PROFILE_FILE.fullmatch(name) and os.path.isfile(p) and not os.path.islink(p):
-            os.remove(p)
-    with contextlib.suppress(OSError):
-        os.rmdir(profile)  # only when nothing else is left in it
+    for folder, own in ((PROFILE, PROFILE_FILE), (MEMORY, MEMORY_FILE)):
+        d = os.path.join(output_dir, folder)
+        if not os.path.isdir(d) or os.path.islink(d):
+            continue
+        for name in os.listdir(d):
+            p = os.path.join(d, name)
+            if own.fullmatch(name) and os.path.isfile(p) and not os.path.islink(p):
+                os.remove(p)
+        with contextlib.suppress(OSError):
+            os.rmdir(d)  # only when nothing else is left in it
 
 
 def check_no_links(output_dir: str, where: str = "--output-dir") -> None:
     """Refuse a run directory where a path shardwise writes (or clears) is a symbolic link: the run would write
     through it into the link's target (a linked .prep has its errors/ removed and the preparation written there).
     The run directory itself may be a link: that is where the user put it."""
-    names = [*OWN_ENTRIES, LOCK, RESUMES, PROFILE]
+    names = [*OWN_ENTRIES, LOCK, RESUMES, PROFILE, MEMORY]
     prep = prep_dir(output_dir)
     inside = sorted(os.listdir(prep)) if os.path.isdir(prep) and not os.path.islink(prep) else []
     for path in [os.path.join(output_dir, n) for n in names] + [os.path.join(prep, n) for n in inside]:

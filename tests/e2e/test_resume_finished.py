@@ -100,6 +100,17 @@ def test_overwrite_replaces_the_runs_resume_records_and_profiles_but_not_a_users
     (out / "profile" / "my-notes.txt").write_text("the user's")
     rundir.clear(str(out))
     assert sorted(p.name for p in (out / "profile").iterdir()) == ["my-notes.txt"]
+    rundir.mark(str(out))  # --memory-snapshot's histories alike
+    (out / "memory").mkdir()
+    (out / "memory" / "rank0.pickle").write_bytes(b"the allocator's")
+    (out / "memory" / "rank0-notes.pickle").write_bytes(b"the user's")
+    rundir.clear(str(out))
+    assert sorted(p.name for p in (out / "memory").iterdir()) == ["rank0-notes.pickle"]
+    (out / "memory" / "rank0-notes.pickle").unlink()
+    rundir.mark(str(out))
+    (out / "memory" / "rank1.pickle").write_bytes(b"the allocator's")
+    rundir.clear(str(out))
+    assert not (out / "memory").exists()
 
 
 def test_resume_auto_with_overwrite_resumes_and_says_nothing_is_replaced(finished, tmp_path):

@@ -91,6 +91,10 @@ def resolve_runtime(res: Resolved) -> Config:
     if cuda and cfg.nproc_per_node > n_gpu:
         raise ShardwiseError(f"{res.where('nproc_per_node')}: {cfg.nproc_per_node} processes per node but this "
                              f"node has {n_gpu} GPU(s); one GPU per rank")
+    if cfg.memory_snapshot and not cuda:
+        raise ShardwiseError(f"{res.where('memory_snapshot')}: the memory snapshot records the CUDA allocator, and "
+                             "this machine has no CUDA GPU; on the CPU, `shardwise plan --rehearse` measures a rank's "
+                             "tensor memory instead")
     if cfg.tuner == "qlora" and not cuda:
         raise ShardwiseError(f"{res.where('tuner')}: QLoRA needs a CUDA GPU (4-bit bitsandbytes kernels); "
                              "use --tuner lora on the CPU")

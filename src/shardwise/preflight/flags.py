@@ -107,6 +107,11 @@ def run_control(res) -> Refusal | None:
         (c.max_steps == -1 or c.profile_steps <= c.max_steps, "profile_steps",
          f"profile_steps {c.profile_steps} is more than max_steps {c.max_steps}"),
         (c.keep_checkpoints >= 1, "keep_checkpoints", f"keep_checkpoints must be >= 1, got {c.keep_checkpoints}"),
+        (c.memory_snapshot >= 0, "memory_snapshot",
+         f"memory_snapshot must be >= 0 (0 disables it), got {c.memory_snapshot}"),
+        (c.max_steps == -1 or c.memory_snapshot <= c.max_steps, "memory_snapshot",
+         f"memory_snapshot {c.memory_snapshot} is more than max_steps {c.max_steps}: the snapshot is written after "
+         "that step"),
     ])
 
 

@@ -36,6 +36,7 @@ from shardwise.train import objective, peers
 from shardwise.train.control import Control
 from shardwise.train.evaluate import Evaluator
 from shardwise.train.faults import Faults
+from shardwise.train.memsnap import MemorySnapshot
 from shardwise.train.metrics import Reporter, Window, flops_per_token, peak_memory_gib
 from shardwise.train.objective import SFT
 from shardwise.train.profile import StepProfiler
@@ -176,6 +177,7 @@ class Trainer:
                                    cfg.mixed_precision if cfg.mixed_precision != "no" else "fp32")
         self.control = Control(env, cfg.save_every_minutes)
         self.profiler = StepProfiler.from_config(cfg, env.device, self.total, self.out, env.rank)
+        self.snapshot = MemorySnapshot(cfg.memory_snapshot, self.out, env.rank, env.device)
         self.evaluator = Evaluator(cfg, env, job.val_file, self.tokenizer.pad_token_id, self.total, self.out)
         self.new_window()
         self.skipped, self.tokens_run, self.first_loss, self.last_rec = 0, 0, self.earlier["first_loss"], {}
@@ -353,7 +355,17 @@ class Trainer:
         self.model.train()
         try:
             while self.step < total:
-                grad_norm = self.train_step()
+                try:
+                    grad_norm = self.train_step()
+                except torch.OutOfMemoryError:
+                    if self.snapshot.on_out_of_memory():
+                        self.rep.say(f"shardwise: rank {env.rank}: out of memory in step {self.step + 1}; the "
+                                     f"allocator's history up to it is in {self.snapshot.path}")
+                    raise
+                written = self.snapshot.after_step()
+                if written:
+                    self.rep.say(f"shardwise: rank {env.rank}: the allocator's history of this launch's first "
+                                 f"{cfg.memory_snapshot} step(s) is in {written} (pytorch.org/memory_viz)")
                 if "first_step" not in self.marks:
                     if env.device.type == "cuda":
                         torch.cuda.synchronize(env.device)  # once: the first step's time, compile included
