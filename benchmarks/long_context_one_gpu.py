@@ -24,6 +24,8 @@ is rewritten after every row.
     python benchmarks/long_context_one_gpu.py --rows lora-256k,lora-64k-levers --budget-s 470 --out $OUT
     python benchmarks/long_context_one_gpu.py --rows lora-64k-plain,lora-64k-levers,lora-128k-levers,full-1.5b-ladder \
         --budget-s 470 --out $OUT
+    python benchmarks/long_context_one_gpu.py --layers 2 --rows lora-256k-nodrop --flags="--mlp-tiles 16" \
+        --lengths 131072,196608,262144 --snapshot --gpu-gib 80 --budget-s 470 --out $OUT  # where a block's peak goes
     python benchmarks/long_context_one_gpu.py --smoke --out /tmp/lc  # the CPU, the tiny model: the script's own check
 
 QLoRA rows need bitsandbytes (carried in .whl/, benchmarks/run.py). Needs one CUDA GPU (not with --smoke).
@@ -195,6 +197,9 @@ def train(model: str, data: str, name: str, length: int, row: Row, timeout: floa
     rec["wall_s"] = round(time.time() - t0, 1)
     rec["host_peak_gib"] = round(host.peak / 2**30, 2)
     rec["host_used_gib"] = round(host.grew / 2**30, 2)
+    snap = os.path.join(out, "memory", "rank0.pickle")  # --snapshot: the allocator's history of the first step
+    if os.path.isfile(snap):
+        rec["peak_breakdown"] = breakdown(snap)
     metrics = os.path.join(out, "metrics.jsonl")
     rows = [json.loads(x) for x in open(metrics)] if os.path.isfile(metrics) else []
     rows = [r for r in rows if "tokens_per_s" in r]
@@ -210,6 +215,17 @@ def train(model: str, data: str, name: str, length: int, row: Row, timeout: floa
         rec["error_tail"] = text[-1500:]
     shutil.rmtree(out, ignore_errors=True)
     return rec
+
+
+def breakdown(path: str) -> dict:
+    """What was alive at the largest total of a run's allocator history (`--memory-snapshot`), grouped by the
+    line that made it (benchmarks/plan_accuracy.py peak_breakdown); the history is the run's own file."""
+    import pickle
+
+    from plan_accuracy import peak_breakdown
+
+    with open(path, "rb") as fh:
+        return peak_breakdown(pickle.load(fh))
 
 
 def status(r: dict) -> str:
@@ -253,6 +269,13 @@ def write_report(base: str, meta: dict, results: list[dict]) -> None:
                      f"{round(r['plan_tokens_per_s']) if r.get('plan_tokens_per_s') else '—'} |")
     lines += ["", "Commands (from the repository root):", ""]
     lines += [f"- {r['row']}: `python {r['command']}`" for r in results if r.get("command")]
+    for r in results:
+        if r.get("peak_breakdown"):
+            b = r["peak_breakdown"]
+            lines += ["", f"## {r['row']} at {r.get('length', 0):,}: alive at the first step's peak "
+                      f"({b['peak_bytes_in_trace'] / 2**30:.2f} GiB above the start of the record)", ""]
+            lines += [f"- {x['bytes'] / 2**30:.2f} GiB in {x['blocks']} block(s): {x['where']}" for x in b["top"]]
+            lines += [f"- reached in: {' <- '.join(b['at'])}"] if b.get("at") else []
     for r in results:
         if r.get("error_tail") and not r.get("oom"):
             lines += ["", f"## {r['row']}: last output", "", "```", r["error_tail"].strip()[-1200:], "```"]
@@ -323,6 +346,11 @@ def main() -> int:
                          "memory at a length in a fraction of the time; the plan is of the same model)")
     ap.add_argument("--flags", default="", help="more train flags for every row, one string (plan gets them too), "
                     "e.g. --flags='--lora-dropout 0'")
+    ap.add_argument("--lengths", default="", help="comma-separated token counts to run every row at, in place of "
+                    "the rows' own (with --layers 2: where along the lengths a block's peak departs from the plan)")
+    ap.add_argument("--snapshot", action="store_true",
+                    help="record the allocator's history of each run's first step (--memory-snapshot 1) and report "
+                         "what was alive at its peak, by the line that made it (the JSON's peak_breakdown)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "shardwise-long-context-1gpu"))
@@ -330,6 +358,7 @@ def main() -> int:
     start = time.time()
     table = SMOKE_ROWS if a.smoke else ROWS
     extra = tuple(a.flags.split())
+    snapshot = ("--memory-snapshot", "1") if a.snapshot and not a.smoke else ()  # train's only: plan has no such flag
     names = list(SMOKE_ROWS) if a.smoke else [n.strip() for n in a.rows.split(",") if n.strip()]
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -363,7 +392,8 @@ def main() -> int:
                 models[row.shape] = in_child(f"import common\nprint(common.build_model_dir({path!r}, "
                                              f"{shape!r}, disk_dtype='bfloat16'))")
         model = models[row.shape]
-        for length in lengths_for(model, row, a.smoke, hardware, extra):
+        for length in ([int(x) for x in a.lengths.split(",")] if a.lengths else
+                       lengths_for(model, row, a.smoke, hardware, extra)):
             rec = {"row": name, "shape": row.shape + (f" ({a.layers} layers)" if a.layers else ""),
                    "levers": row.what + (f" {a.flags}" if a.flags else ""), "length": length,
                    **plan(model, length, row.flags, a.smoke, hardware, extra)}
@@ -376,14 +406,14 @@ def main() -> int:
                 data = make_data(a.work, length, row.steps + 2, vocab)
                 print(f"long_context_one_gpu: {name} at {length} tokens ({left:.0f} s left) ...", flush=True)
                 rec.update(train(model, data, f"{name}-{length}", length, row, left - 5, a.work, a.smoke,
-                                 rec.get("plan_tiles") if a.gpu_gib else None, extra))
+                                 rec.get("plan_tiles") if a.gpu_gib else None, extra + snapshot))
                 print(f"long_context_one_gpu: {name} {length}: {status(rec)}, {rec.get('tokens_per_s')} tok/s, "
                       f"{rec.get('peak_gib')} GiB (plan {rec.get('plan_gib')}), host {rec.get('host_used_gib')} "
                       f"GiB (plan {rec.get('plan_host_gib')}), {rec['wall_s']} s", flush=True)
             results.append(rec)
             write_report(base, meta, results)
-            if rec.get("exit_code") == 0 or rec.get("skipped") or rec.get("exit_code") == "timeout":
-                break  # a ladder tries a shorter length only after a failure
+            if not a.lengths and (rec.get("exit_code") == 0 or rec.get("skipped") or rec.get("exit_code") == "timeout"):
+                break  # a ladder tries a shorter length only after a failure; --lengths runs each
     print(f"long_context_one_gpu: wrote {base}.md and .json")
     return 0 if all(r.get("exit_code") in (0, "timeout") or r.get("oom") or r.get("skipped") for r in results) else 1
 

@@ -194,6 +194,13 @@ SUITES: dict[str, Suite] = {
         "then the 64K cost against plain checkpointing), the plan beside every row; ARGS --rows ... for others "
         "(benchmarks/long_context_one_gpu.py; --gpu-gib 80: an H200 runs what an 80 GiB card would)", "nvidia-h100-x1",
         (script("long_context_one_gpu.py", "--gpu-gib", "80", "--budget-s", "470", "--out", OUT, timeout_s=500),)),
+    "long-context-probe": Suite(
+        "where one block's peak departs from the plan past 64K tokens: the Llama-3.1-8B shape with 2 blocks, LoRA "
+        "without adapter dropout, offload + 16 MLP tiles, at 128K, 192K and 256K, each run's allocator history of its "
+        "first step replayed to what was alive at the peak (--memory-snapshot)", "nvidia-h100-x1",
+        (script("long_context_one_gpu.py", "--layers", "2", "--rows", "lora-256k-nodrop", "--flags=--mlp-tiles 16",
+                "--lengths", "131072,196608,262144", "--snapshot", "--gpu-gib", "80", "--budget-s", "470",
+                "--tag", "probe", "--out", OUT, timeout_s=500),)),
     "tensor-parallel": Suite(
         "the Llama-3.1-8B shape at 8k tokens: tensor parallel 2 against fsdp on two GPUs, the same global batch",
         "nvidia-h200-x2",

@@ -39,3 +39,31 @@ def test_report_rows_status_and_the_64k_ratio(tmp_path):
     assert "| lora-256k | llama3.1-8b | both | 262,144 | stopped at the budget after 1 step(s) | 1500 (1st) |" in md
     assert "| skipped: 220 s for one step, 40 s left |" in md
     assert json.load(open(base + ".json"))["results"][3]["skipped"]
+
+
+def test_snapshot_breakdown_names_what_was_alive_at_the_peak_and_the_report_lists_it(tmp_path):
+    """--snapshot: a run's allocator history (torch's snapshot format: device_traces of alloc / free_completed
+    events with their Python frames) is replayed to its largest total; what was alive there, by the line that
+    made it, goes into the row and the report. A block freed before the peak is not in it."""
+    import pickle
+
+    def frame(path, line, name):
+        return [{"filename": f"/site-packages/{path}", "line": line, "name": name}]
+
+    events = [{"action": "alloc", "addr": 1, "size": 3 << 30, "frames": frame("shardwise/models/tiles.py", 30, "t")},
+              {"action": "alloc", "addr": 2, "size": 1 << 30, "frames": frame("transformers/x.py", 5, "a")},
+              {"action": "free_completed", "addr": 2, "size": 1 << 30, "frames": []},
+              {"action": "alloc", "addr": 3, "size": 2 << 30, "frames": frame("shardwise/models/speed.py", 9, "h")},
+              {"action": "free_completed", "addr": 1, "size": 3 << 30, "frames": []}]
+    path = tmp_path / "rank0.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
+    b = lc.breakdown(str(path))
+    assert b["peak_bytes_in_trace"] == 5 << 30
+    assert [(x["where"], x["bytes"]) for x in b["top"]] == [("models/tiles.py:30 t", 3 << 30),
+                                                            ("models/speed.py:9 h", 2 << 30)]
+    meta = {"date": "2026-12-07", "versions": {"gpu": "H100"}, "host_gib": 128.0}
+    rec = {"row": "lora-256k", "shape": "llama3.1-8b", "levers": "both", "length": 262144, "exit_code": 0,
+           "peak_breakdown": b}
+    lc.write_report(str(tmp_path / "r"), meta, [rec])
+    text = (tmp_path / "r.md").read_text()
+    assert "alive at the first step's peak (5.00 GiB" in text and "- 3.00 GiB in 1 block(s): models/tiles.py:30 t" in text
