@@ -395,3 +395,19 @@ def test_plan_takes_lora_dropout_and_counts_each_dropped_adapter_input():
     shared = T * 2 * (4096 + 4096 + 4096 + 14336 / 16)  # q/k/v's, o's, gate/up's and one tile of down's inputs
     assert drop_layer - nodrop_layer == pytest.approx(T * width * 3 - shared, rel=1e-9)
     assert drop - nodrop == pytest.approx(drop_layer - nodrop_layer, rel=0.01)  # one recomputed block at the peak
+
+
+@pytest.mark.usefixtures("_no_doctor_cache")
+def test_no_adapter_dropout_is_offered_only_where_nothing_that_keeps_the_training_fits():
+    """fit_advice ranks `--lora-dropout 0` (a change to the training) after every change that keeps it: at 256K the
+    activation levers fit and are named; at 384K with both levers on, only dropping the adapters' dropout fits one
+    80 GiB GPU, and the line says it changes the training."""
+    from shardwise.plan.decide import fit_advice
+
+    for tokens in (196608, 262144):  # at 192K dropping the dropout with offload alone would be faster: not offered
+        advice = fit_advice(one_gpu(tokens), "single")
+        assert "Cheapest change that fits: --activation-checkpointing offload --mlp-tiles auto" in advice, advice
+    both = one_gpu(393216, offload_checkpoints=True, mlp_tiles=16)
+    assert not both.for_strategy("single").fits
+    assert one_gpu(393216, offload_checkpoints=True, mlp_tiles=16, lora_dropout=0.0).for_strategy("single").fits
+    assert "Cheapest change that fits: --lora-dropout 0 (no adapter dropout)" in fit_advice(both, "single")

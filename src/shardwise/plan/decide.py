@@ -351,9 +351,9 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
         head += (f"; host RAM: {host_need:.1f} GiB per node to hold, of {plan.setup.host_mem_gib:.0f} GiB "
                  f"(90% usable){' (offloaded checkpoints)' if plan.job.offload_checkpoints else ''}")
     j = plan.job
-    cands: list[tuple[int, str, StrategyPlan]] = []
+    cands: list[tuple[float, str, StrategyPlan]] = []
 
-    def add(rank: int, text: str, job: Job | None = None, name: str | None = None, setup: Setup | None = None):
+    def add(rank: float, text: str, job: Job | None = None, name: str | None = None, setup: Setup | None = None):
         cands.append((rank, text, _variant(plan, name or strategy_name, job, setup)))
 
     mb = j.micro_batch
@@ -378,9 +378,10 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
         add(1, flags, dataclasses.replace(j, **changes))
     if j.tuner != "full" and j.lora_dropout > 0:  # each adapter keeps its own dropped-out input (a block's 7 inputs
         # at long lengths); without dropout they read the projections' own. It changes the training (no adapter
-        # dropout, as peft's, torchtune's and LLaMA-Factory's defaults), so the line says it
+        # dropout, as peft's, torchtune's and LLaMA-Factory's defaults), so the line says it, and it comes only where
+        # nothing that keeps the training as it is fits on these GPUs (ranked after those, before more GPUs)
         for flags, changes in [("", {}), *activation_levers(j)]:
-            add(1, f"--lora-dropout 0 {flags}".strip() + " (no adapter dropout)",
+            add(1.5, f"--lora-dropout 0 {flags}".strip() + " (no adapter dropout)",
                 dataclasses.replace(j, lora_dropout=0.0, **changes))
     if j.micro_batch > 1:
         levers.append((f"--micro-batch-size 1 --grad-accum {j.grad_accum * j.micro_batch}",

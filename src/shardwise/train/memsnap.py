@@ -1,7 +1,7 @@
 """`memory_snapshot: N`: the CUDA caching allocator's history (every allocation and free, with its Python stack)
 over the first N optimizer steps of a launch (a resumed run's first N after its resume), written as torch's own snapshot format to output_dir/memory/rankR.pickle, which
 https://pytorch.org/memory_viz draws: what was alive at the peak and which line made it. Written after step N, or
-when a step runs out of memory before that (what filled the device then). Recording costs host time on every
+when the loop ends before that (out of memory: what filled the device then; a stop, or fewer steps left). Recording costs host time on every
 allocation, so it stops once written. CUDA only (the launch refuses it on the CPU: launch/preflight.py)."""
 
 from __future__ import annotations
@@ -30,12 +30,22 @@ class MemorySnapshot:
         self.ran += 1
         return self.write() if self.ran >= self.steps else None
 
-    def on_out_of_memory(self) -> str | None:
-        return self.write() if self.steps else None
+    def close(self) -> str | None:
+        """The loop ends (its steps done, a stop, an error such as running out of memory) before step N: the
+        history recorded so far, written (the path), so that a launch shorter than N steps still leaves one."""
+        if not self.steps:
+            return None
+        try:
+            return self.write()
+        except Exception:  # never in place of the error that ended the loop
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.steps = 0
+            return None
 
     def write(self) -> str:
         from shardwise.rundir import atomic_path
 
+        torch.cuda.synchronize()  # the frees the stream still owes are in the history
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with atomic_path(self.path, ".pickle") as tmp:
             torch.cuda.memory._dump_snapshot(tmp)

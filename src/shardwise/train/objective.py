@@ -140,10 +140,11 @@ class FrozenModel:
 
 class AdaptersOff:
     """LoRA: the policy itself with its adapters disabled is the base model. Each adapted layer's own switch
-    (peft's `disable_adapters`, which its forward reads) is turned, not peft's `disable_adapter()`: that one also
-    sets requires_grad False on the adapters for the duration, and FSDP2 fixes a unit's gradient dtype at its first
-    forward from the parameters that then require gradients. The reference runs first, so FSDP saw no trainable
-    parameter, reduced the adapters' bf16 gradients without casting them back to their fp32 (a failed step)."""
+    (peft's `disable_adapters`, which its forward reads) is turned, not peft's `disable_adapter()`, which also turns
+    requires_grad off on the adapters for the duration: the adapters keep requiring gradients, because FSDP2 fixes a
+    unit's gradient dtype at its first forward from the parameters that require them then, and the reference's
+    forward comes first (without them FSDP would reduce the adapters' bf16 gradients and not cast them back to the
+    adapters' fp32)."""
 
     def __init__(self, peft_model):
         from peft.tuners.tuners_utils import BaseTunerLayer

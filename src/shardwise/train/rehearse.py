@@ -286,7 +286,8 @@ def join_fake_group(rank: int, world: int, gpus_per_node: int):
 class Meter:
     """The rank's peak memory over the measured steps: the CUDA allocator's, or live tensor bytes on the CPU."""
 
-    def __init__(self, device, model, optimizer):
+    def __init__(self, device, model, optimizer, held=()):
+        """`held`: what else the rank keeps through the steps (task dpo: the frozen reference, or its table)."""
         import torch
 
         self.cuda = device.type == "cuda"
@@ -299,6 +300,8 @@ class Meter:
             self.tracker = LiveBytes()
             self.tracker.__enter__()
             self.tracker.track_module(model, optimizer)
+            for x in held:
+                self.tracker.track_module(x) if isinstance(x, torch.nn.Module) else self.tracker.track(x)
 
     def steady(self) -> None:
         """From here on the peak counts (after the warm-up step: compile, the optimizer's lazy state)."""
@@ -361,7 +364,9 @@ def rehearse(request: dict) -> dict:
         batch = synthetic_batch(cfg, dims, model_ref.config.vocab_size, cfg.seed)
         goal = rehearsal_objective(request, cfg, strategy, model, env.device, len(batch.rows))
         faults = Faults(rank)
-        meter = Meter(env.device, model, optimizer)
+        ref = getattr(goal, "reference", None)
+        meter = Meter(env.device, model, optimizer, held=[x for x in (getattr(ref, "model", None),
+                                                                        getattr(ref, "values", None)) if x is not None])
         model.train()
         times = []
         for step in range(steps):
