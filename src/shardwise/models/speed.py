@@ -16,7 +16,7 @@ import types
 import torch
 from torch import nn
 
-from shardwise.plan.facts import FUSED_LOSS_CHUNK
+from shardwise.plan.facts import FUSED_LOSS_CHUNK, even_chunks
 
 IGNORE = -100
 
@@ -156,22 +156,6 @@ def linear_cross_entropy(hidden, weight, targets, chunk: int = 4096, compute_dty
     with torch.autocast(hidden.device.type, enabled=False):
         return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
                                          chunk, compute_dtype)
-
-
-def even_chunks(n: int, chunk: int) -> list[tuple[int, int]]:
-    """[start, stop) of the fewest chunks of at most `chunk` rows that cover n rows, their sizes differing by at
-    most one: 4128 tokens in chunks of 4096 are two of 2064, not 4096 and 32, whose 32-token chunk would still pay a
-    whole pass over the head weight's gradient (and, compiled, a kernel specialised to its odd size)."""
-    k = -(-n // chunk)
-    if k == 0:
-        return []
-    q, r = divmod(n, k)
-    bounds, s = [], 0
-    for i in range(k):
-        e = s + q + (i < r)
-        bounds.append((s, e))
-        s = e
-    return bounds
 
 
 def _chunk_logp(h, w, t):

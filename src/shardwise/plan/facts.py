@@ -18,6 +18,25 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default, which the engine k
 # tokens per chunk of the fused linear + cross-entropy head (models/speed.py install_fused_loss)
 FUSED_LOSS_CHUNK = 4096
 
+
+# how task dpo's log-probability head (models/speed.py _LinearTokenLogProbs) cuts its tokens into chunks, and what
+# the planner's memory of it holds (plan/memory.py preference_head_terms)
+def even_chunks(n: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, stop) of the fewest chunks of at most `chunk` rows that cover n rows, their sizes differing by at
+    most one: 4128 tokens in chunks of 4096 are two of 2064, not 4096 and 32, whose 32-token chunk would still pay a
+    whole pass over the head weight's gradient (and, compiled, a kernel specialised to its odd size)."""
+    k = -(-n // chunk)
+    if k == 0:
+        return []
+    q, r = divmod(n, k)
+    bounds, s = [], 0
+    for i in range(k):
+        e = s + q + (i < r)
+        bounds.append((s, e))
+        s = e
+    return bounds
+
+
 # Past this sequence length a packed sequence on CUDA (or any sequence-parallel one) is attended through
 # FlexAttention's block mask, not a dense (B, 1, S, S) mask (models/sequence_parallel.py)
 DENSE_MASK_MAX_SEQ = 8192

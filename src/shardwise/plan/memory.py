@@ -38,6 +38,7 @@ from shardwise.plan.facts import (  # noqa: F401 (DDP_BUCKET_BYTES and the DS_* 
     FLOAT8_NARROW_IN,
     FLOAT8_NARROW_OUT,
     FUSED_LOSS_CHUNK,
+    even_chunks,
 )
 from shardwise.plan.long_context import auto_mlp_tiles, offload_host_bytes
 from shardwise.plan.model_spec import ModelSpec
@@ -455,7 +456,7 @@ def fused_loss_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
 def preference_head_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float]:
     """task dpo's fused head at its peak (models/speed.py's _LinearTokenLogProbs): per-token log-probabilities,
     whose gradients need each token's upstream value, so nothing of the head's gradients exists before backward.
-    Chunks are even (speed.even_chunks: 4,128 tokens are two of 2,064). Forward: one chunk's logits, in the compute
+    Chunks are even (facts.even_chunks: 4,128 tokens are two of 2,064). Forward: one chunk's logits, in the compute
     dtype from the matmul and, eager, their fp32 copy (compiled, one fused reduction reads the matmul's output);
     backward: the chunk's logits again and its gradient in the compute dtype (eager: the fp32 logits, turned into
     the gradient in place, and its cast), the hidden states' gradient, and where the head trains the fp32 weight
@@ -464,8 +465,7 @@ def preference_head_terms(spec: ModelSpec, job: Job, o: Opts) -> dict[str, float
     T, h, V, c = job.tokens, spec.hidden_size, spec.vocab_size / job.tp, job.c
     r = residual_bytes(job, o)
     hw = head_weight_bytes(job, o)
-    pieces = -(-T // FUSED_LOSS_CHUNK)
-    chunk = -(-T // pieces) if T else 0
+    chunk = max((e - s for s, e in even_chunks(T, FUSED_LOSS_CHUNK)), default=0)
     casts = (T * h * c if r != c else 0) + (V * h * c if hw != c else 0)
     wide = 4 if c != 4 else 0  # eager: the fp32 copy of compute-dtype logits
     forward = chunk * V * (c if job.compile else c + wide)
