@@ -372,17 +372,8 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
         levers.append(("--param-dtype bf16", {"param_dtype": "bf16"}))
     if not j.checkpointing:
         levers.append(("--gradient-checkpointing", {"checkpointing": True}))
-    # the long-context levers (docs/long-context.md): they keep the strategy, the batch and every state on the device,
-    # and need host RAM and recompute; ranked with the offload presets and the sequence split (the faster wins)
-    for flags, changes in activation_levers(j):
-        add(1, flags, dataclasses.replace(j, **changes))
-    if j.tuner != "full" and j.lora_dropout > 0:  # each adapter keeps its own dropped-out input (a block's 7 inputs
-        # at long lengths); without dropout they read the projections' own. It changes the training (no adapter
-        # dropout, as peft's, torchtune's and LLaMA-Factory's defaults), so the line says it, and it comes only where
-        # nothing that keeps the training as it is fits on these GPUs (ranked after those, before more GPUs)
-        for flags, changes in [("", {}), *activation_levers(j)]:
-            add(1.5, f"--lora-dropout 0 {flags}".strip() + " (no adapter dropout)",
-                dataclasses.replace(j, lora_dropout=0.0, **changes))
+    for c in activation_changes(j):
+        add(*c)
     if j.micro_batch > 1:
         levers.append((f"--micro-batch-size 1 --grad-accum {j.grad_accum * j.micro_batch}",
                        {"micro_batch": 1, "grad_accum": j.grad_accum * j.micro_batch}))
@@ -413,16 +404,8 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
                 for t, d in tp_sp_pairs(plan.spec, j, s):
                     add(1, f"--tensor-parallel {t} --sequence-parallel {d}{no8}",
                         dataclasses.replace(j, tp=t, sp=d, **off))
-    sharded = strategy_name if presets.SPECS[sp.base].shards_state else "fsdp"
-    for mult in (2, 4, 8):
-        if s.accelerator == "cuda":
-            more = dataclasses.replace(s, nodes=s.nodes * mult)
-            add(2, f"{more.world} GPUs ({more.nodes} nodes) with --strategy {sharded}",
-                dataclasses.replace(j, world=more.world, nodes=more.nodes), sharded, more)
-    adapters = {"full": ["lora", "qlora"], "lora": ["qlora"]}.get(j.tuner, []) if j.tp == 1 else []  # TP: full only
-    for tuner in adapters:  # float8 is full fine-tuning only: an adapter drops it
-        add(3, f"--tuner {tuner}" + (" --no-float8" if j.float8 else ""), dataclasses.replace(j, tuner=tuner,
-                                                                                             float8=False))
+    for c in last_resorts(plan, sp.base, strategy_name):
+        add(*c)
     ok = [c for c in cands if c[2].fits]
     if not ok:
         return head + "; no change found that fits (alone, or param dtype, checkpointing and micro-batch together): use a smaller model, more or larger GPUs"
@@ -430,6 +413,38 @@ def fit_advice(plan: Plan, strategy_name: str) -> str:
     _, text, best = max((c for c in ok if c[0] == rank), key=lambda c: c[2].tokens_per_s)
     return (head + f"; does not fit. Cheapest change that fits: {text} "
             f"(~{best.memory.total / GiB:.1f} GiB, ~{best.tokens_per_s:,.0f} tokens/s)")
+
+
+def activation_changes(j: Job) -> list[tuple[float, str, Job]]:
+    """fit_advice's (rank, flags, job) for what shrinks a rank's activations on its own device. The long-context
+    levers (docs/long-context.md) keep the strategy, the batch and every state on the device, and need host RAM and
+    recompute: ranked with the offload presets and the sequence split (the faster wins). Without LoRA dropout each
+    adapter reads the projection's own input instead of keeping a dropped-out copy (a block's 7 at long lengths);
+    it changes the training (peft's, torchtune's and LLaMA-Factory's defaults have no adapter dropout), so the line
+    says it, and it comes only where nothing that keeps the training as it is fits (after those, before more GPUs)."""
+    out = [(1.0, flags, dataclasses.replace(j, **changes)) for flags, changes in activation_levers(j)]
+    if j.tuner != "full" and j.lora_dropout > 0:
+        out += [(1.5, f"--lora-dropout 0 {flags}".strip() + " (no adapter dropout)",
+                 dataclasses.replace(j, lora_dropout=0.0, **changes))
+                for flags, changes in [("", {}), *activation_levers(j)]]
+    return out
+
+
+def last_resorts(plan: Plan, base: str, strategy_name: str) -> list[tuple]:
+    """fit_advice's (rank, text, job, strategy, setup) that change the machine or the method: more nodes (GPUs),
+    with a strategy that shards the states, then an adapter (LoRA, QLoRA) instead of full fine-tuning."""
+    j, s, out = plan.job, plan.setup, []
+    sharded = strategy_name if presets.SPECS[base].shards_state else "fsdp"
+    if s.accelerator == "cuda":
+        for mult in (2, 4, 8):
+            more = dataclasses.replace(s, nodes=s.nodes * mult)
+            out.append((2, f"{more.world} GPUs ({more.nodes} nodes) with --strategy {sharded}",
+                        dataclasses.replace(j, world=more.world, nodes=more.nodes), sharded, more))
+    adapters = {"full": ["lora", "qlora"], "lora": ["qlora"]}.get(j.tuner, []) if j.tp == 1 else []  # TP: full only
+    for tuner in adapters:  # float8 is full fine-tuning only: an adapter drops it
+        out.append((3, f"--tuner {tuner}" + (" --no-float8" if j.float8 else ""),
+                    dataclasses.replace(j, tuner=tuner, float8=False), None, None))
+    return out
 
 
 def auto_tiles(spec: ModelSpec, job: Job, setup: Setup, name: str, cfg=None) -> Job:
