@@ -10,7 +10,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 
@@ -87,13 +86,6 @@ FINISH_GRACE_S = 120.0  # a finished worker's teardown (trackers closed, barrier
 
 
 _kept: list = []  # an agent worker's Trainer, never torn down (run)
-
-
-def snapshot_written(rank: int, path: str, what: str) -> None:
-    """Every rank says where its own allocator history went (--memory-snapshot), on stderr: the reporter speaks
-    for rank 0 only."""
-    print(f"shardwise: rank {rank}: the CUDA allocator's history {what} is in {path} (pytorch.org/memory_viz)",
-          file=sys.stderr, flush=True)
 
 
 def run(job: Job) -> dict:
@@ -369,9 +361,7 @@ class Trainer:
                         torch.cuda.synchronize(env.device)  # once: the first step's time, compile included
                     self.marks["first_step"] = time.time()
                     phases.release_full_gc()  # started: collect as usual from here (phases.py)
-                written = self.snapshot.after_step()
-                if written:
-                    snapshot_written(env.rank, written, f"of this launch's first {cfg.memory_snapshot} step(s)")
+                self.snapshot.after_step()
                 step, profiler = self.step, self.profiler
                 # a profiled step is logged on its own: the step before it closes the window
                 if (step % cfg.log_every == 0 or step == total or profiler.wants(step) or profiler.wants(step + 1)
@@ -402,10 +392,7 @@ class Trainer:
                 raise ShardwiseError(self.collective_failure(e)) from e
             raise
         finally:
-            written = self.snapshot.close()
-            if written:
-                snapshot_written(env.rank, written, f"of this launch up to where its loop ended ({self.step} "
-                                                    "step(s) done)")
+            self.snapshot.close()
             self.control.close()
         return self.finish()
 

@@ -7,6 +7,7 @@ allocation, so it stops once written. CUDA only (the launch refuses it on the CP
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -15,34 +16,35 @@ MAX_ENTRIES = 1_000_000  # allocations and frees kept (torch's ring buffer): sev
 
 class MemorySnapshot:
     def __init__(self, steps: int, out: str, rank: int, device: torch.device):
-        self.steps = steps if device.type == "cuda" else 0
-        self.ran = 0
         from shardwise.rundir import MEMORY
 
+        self.steps = steps if device.type == "cuda" else 0
+        self.ran, self.rank = 0, rank
         self.path = os.path.join(out, MEMORY, f"rank{rank}.pickle")  # rundir.MEMORY_FILE: cleared with the run
         if self.steps:
             torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, context="all", stacks="python")
 
-    def after_step(self) -> str | None:
-        """The snapshot's path once this launch's step N has run (written then), else None."""
-        if not self.steps:
-            return None
-        self.ran += 1
-        return self.write() if self.ran >= self.steps else None
+    def after_step(self) -> None:
+        """Once this launch's step N has run: the history written, and said."""
+        if self.steps:
+            self.ran += 1
+            if self.ran >= self.steps:
+                self.write(f"of this launch's first {self.steps} step(s)")
 
-    def close(self) -> str | None:
+    def close(self) -> None:
         """The loop ends (its steps done, a stop, an error such as running out of memory) before step N: the
-        history recorded so far, written (the path), so that a launch shorter than N steps still leaves one."""
+        history recorded so far, written, so that a launch shorter than N steps still leaves one."""
         if not self.steps:
-            return None
+            return
         try:
-            return self.write()
+            self.write(f"of this launch up to where its loop ended ({self.ran} step(s) done)")
         except Exception:  # never in place of the error that ended the loop
             torch.cuda.memory._record_memory_history(enabled=None)
             self.steps = 0
-            return None
 
-    def write(self) -> str:
+    def write(self, what: str) -> None:
+        """Write the history and stop recording; every rank says where its own went, on stderr (the run's
+        reporter speaks for rank 0 only)."""
         from shardwise.rundir import atomic_path
 
         torch.cuda.synchronize()  # the frees the stream still owes are in the history
@@ -51,4 +53,5 @@ class MemorySnapshot:
             torch.cuda.memory._dump_snapshot(tmp)
         torch.cuda.memory._record_memory_history(enabled=None)
         self.steps = 0
-        return self.path
+        print(f"shardwise: rank {self.rank}: the CUDA allocator's history {what} is in {self.path} "
+              "(pytorch.org/memory_viz)", file=sys.stderr, flush=True)

@@ -202,15 +202,18 @@ def _to(mb, device):
                    position_ids=mb.position_ids.to(device))
 
 
-def build(cfg, model_dir: str, strategy, policy):
+def build(cfg, model_dir: str, strategy, policy, frozen=None):
     """The run's objective: SFT, or Preference with its reference (none for simpo/orpo; the policy with its
-    adapters off under LoRA; else the reference model loaded and wrapped by the strategy, frozen, no optimizer)."""
+    adapters off under LoRA; else the reference model loaded and wrapped by the strategy, frozen, no optimizer).
+    `frozen`: what makes that wrapped reference instead, (module, fused head) (the rehearsal's random weights)."""
     if cfg.task != "dpo":
         return SFT()
     if cfg.loss_type in ("simpo", "orpo"):
         return Preference(cfg, None)
     if cfg.tuner != "full":
         return Preference(cfg, AdaptersOff(strategy.unwrap(policy)))
+    if frozen is not None:
+        return Preference(cfg, FrozenModel(*frozen()))
     from shardwise.models.load import load_model
 
     ref = load_model(cfg.ref_model or model_dir, strategy.reference_dtype(), cfg.trust_remote_code)

@@ -231,31 +231,29 @@ def synthetic_batch(cfg, dims, vocab: int, seed: int):
 
 
 def rehearsal_objective(request: dict, cfg, strategy, policy, device, rows: int):
-    """What the step optimises, as train/objective.py builds it for the run: SFT, or task dpo with its reference: a
-    frozen copy of random weights wrapped by the strategy (sharded like the policy where it shards, made real
-    where it holds this rank's share, as the policy is), the policy with its adapters off (LoRA), none (simpo,
-    orpo), or with --precompute-ref the table of `rows` log-probabilities that remains once the reference is
-    freed."""
+    """What the step optimises, as the run builds it (train/objective.py build), with a frozen reference of random
+    weights: built on meta, wrapped by the strategy (sharded like the policy where it shards) and made real where it
+    holds this rank's share, as the policy is. With --precompute-ref, the reference freed as the run frees it once
+    its table of `rows` log-probabilities is made (the table's values are not computed: zeros)."""
     import torch
 
     from shardwise.train import objective
 
-    if cfg.task != "dpo":
-        return objective.SFT()
-    if cfg.loss_type in ("simpo", "orpo"):
-        return objective.Preference(cfg, None)
-    if cfg.precompute_ref:
-        return objective.Preference(cfg, objective.Table(torch.zeros(rows, dtype=torch.float32, device=device)))
-    if cfg.tuner != "full":
-        return objective.Preference(cfg, objective.AdaptersOff(strategy.unwrap(policy)))
-    ref = build_model(request, cfg, dtype=strategy.reference_dtype(), adapters=False)
-    sharded = shards_on_wrap(strategy)
-    if not sharded:
-        materialize(ref, device)
-    wrapped, head = strategy.wrap_reference(ref)
-    if sharded:
-        materialize(wrapped, device)
-    return objective.Preference(cfg, objective.FrozenModel(wrapped, head))
+    def frozen():
+        ref = build_model(request, cfg, dtype=strategy.reference_dtype(), adapters=False)
+        sharded = shards_on_wrap(strategy)
+        if not sharded:
+            materialize(ref, device)
+        wrapped, head = strategy.wrap_reference(ref)
+        if sharded:
+            materialize(wrapped, device)
+        return wrapped, head
+
+    goal = objective.build(cfg, "", strategy, policy, frozen=frozen)
+    if cfg.precompute_ref and getattr(goal, "reference", None) is not None:  # as the run does before its first step
+        goal.reference.free()
+        goal.reference = objective.Table(torch.zeros(rows, dtype=torch.float32, device=device))
+    return goal
 
 
 # ----------------------------------------------------------------------------- the run
