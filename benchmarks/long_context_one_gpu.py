@@ -276,6 +276,9 @@ def write_report(base: str, meta: dict, results: list[dict]) -> None:
                       f"({b['peak_bytes_in_trace'] / 2**30:.2f} GiB above the start of the record)", ""]
             lines += [f"- {x['bytes'] / 2**30:.2f} GiB in {x['blocks']} block(s): {x['where']}" for x in b["top"]]
             lines += [f"- reached in: {' <- '.join(b['at'])}"] if b.get("at") else []
+            lines += ["", "largest blocks alive there:"] + [
+                f"- {x['bytes'] / 2**30:.3f} GiB: {' <- '.join(x['made_in'])} ({' <- '.join(x['own'])})"
+                for x in b.get("largest", [])]
     for r in results:
         if r.get("error_tail") and not r.get("oom"):
             lines += ["", f"## {r['row']}: last output", "", "```", r["error_tail"].strip()[-1200:], "```"]

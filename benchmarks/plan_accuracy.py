@@ -542,8 +542,11 @@ def peak_breakdown(snapshot: dict, top: int = 15) -> dict:
         groups[key] = (n + 1, b + e["size"])
     rows = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
     at = [_frame_key(f) for f in own(events[best_i].get("frames") or [])][:6] if best_i >= 0 else []
+    largest = sorted(live.values(), key=lambda e: -e["size"])[:top]
     return {"peak_bytes_in_trace": best, "events": len(events), "window_from_event": start, "at": at,
-            "top": [{"where": k, "blocks": n, "bytes": b} for k, (n, b) in rows]}
+            "top": [{"where": k, "blocks": n, "bytes": b} for k, (n, b) in rows],
+            "largest": [{"bytes": e["size"], "made_in": [_frame_key(f) for f in (e.get("frames") or [])[:3]],
+                         "own": [_frame_key(f) for f in own(e.get("frames") or [])][:2]} for e in largest]}
 
 
 def cleanup(cuda: bool) -> None:

@@ -32,6 +32,11 @@ def test_peak_breakdown_replays_the_trace_to_its_largest_total_and_groups_by_own
     assert top == {"zero/stage3.py:10 bucket": (1, 100), "zero/stage3.py:20 fetch": (2, 100),
                    "train/loop.py:5 step": (1, 50)}
     assert [x["bytes"] for x in out["top"]] == sorted((x["bytes"] for x in out["top"]), reverse=True)
+    # each block alive at the peak, largest first, with the frames that made it (innermost first)
+    assert [(x["bytes"], x["own"]) for x in out["largest"]] == [
+        (100, ["zero/stage3.py:10 bucket"]), (70, ["zero/stage3.py:20 fetch"]), (50, ["train/loop.py:5 step"]),
+        (30, ["zero/stage3.py:20 fetch"])]
+    assert out["largest"][0]["made_in"] == ["nn/functional.py:9 linear", "zero/stage3.py:10 bucket"]
 
 
 def test_peak_breakdown_takes_the_peak_inside_the_measured_window_only():
