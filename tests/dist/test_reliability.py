@@ -38,12 +38,14 @@ def reference(ddp_ref):
 def quiet_runs(tmp_path_factory, data, ddp_ref, single_ref, lora_single_ref):
     """This module's runs that neither inject a fault into a multi-rank run nor depend on
     timing (a resume, exports), started together, two at a time. (The one-process NaN runs are
-    in-process now: tests/inproc/test_nonfinite.py.)"""
+    in-process now: tests/inproc/test_nonfinite.py; an export that succeeds runs in this process
+    too, shardwise.export.export as the command calls it: a subprocess would add only the
+    interpreter's start and torch's imports. The refusal and the merged export, whose stderr is
+    checked, stay commands.)"""
     d = tmp_path_factory.mktemp("quiet")
     runs = ConcurrentRuns()
     runs.add("two", "train", *COMMON, "--data", data, "--output-dir", str(d / "two"), *DDP,
              "--resume", str(single_ref.ckpt(4)))
-    runs.add("export", "export", str(ddp_ref.out), "--out", str(d / "exp"))
     (d / "full").mkdir()
     (d / "full" / "model.safetensors").write_text("not ours")
     runs.add("export-onto-full", "export", str(ddp_ref.out), "--out", str(d / "full"), check=False)
@@ -133,17 +135,21 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(data, tmp_path):
         shutil.copytree(out / "checkpoints" / kept[-1], tmp_path / "kept")
     finally:
         subprocess.run(["umount", str(mnt)])
-    # the kept checkpoint is whole: it exports
-    run_cli("export", str(tmp_path / "kept"), "--out", str(tmp_path / "exported"))
+    # the kept checkpoint is whole: it exports (in this process, as the command does)
+    from shardwise.export import export
+
+    export(str(tmp_path / "kept"), str(tmp_path / "exported"))
     assert (tmp_path / "exported" / "model.safetensors").is_file()
 
 
 def test_export_gives_the_final_model(reference, quiet_runs):
     from transformers import AutoModelForCausalLM
 
+    from shardwise.export import export
+
     out, _ = reference
     runs, tmp_path = quiet_runs
-    runs.get("export")
+    export(str(out), str(tmp_path / "exp"))  # in this process, as the command calls it
     a = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exp")).state_dict()
     b = AutoModelForCausalLM.from_pretrained(str(out / "final")).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in b)
@@ -165,6 +171,8 @@ def test_ddp_to_fsdp_and_back_resume_and_fsdp_export_matches_training(reference,
     the model the fsdp run ended with."""
     from transformers import AutoModelForCausalLM
 
+    from shardwise.export import export
+
     ref_out, ref = reference
     fsdp_out = tmp_path / "fsdp"
     p = train(fsdp_out, data, "--strategy", "fsdp", "--nproc-per-node", "2", "--grad-accum", "2", "--save-every", "4",
@@ -172,13 +180,9 @@ def test_ddp_to_fsdp_and_back_resume_and_fsdp_export_matches_training(reference,
     assert "saved by ddp on 2 ranks; now fsdp on 2" in p.stdout
     torch.testing.assert_close(torch.tensor(losses(str(fsdp_out))), torch.tensor(ref[4:]), rtol=RTOL, atol=0)
     back = tmp_path / "back"
-    runs = ConcurrentRuns()  # both read the fsdp run's checkpoints only
-    runs.add("back", "train", *COMMON, "--data", data, "--output-dir", str(back), *DDP, "--resume",
-             str(fsdp_out / "checkpoints" / "step_00000008"), "--no-save-final")
-    runs.add("export", "export", str(fsdp_out / "checkpoints" / "step_00000012"), "--out", str(tmp_path / "exp"))
-    runs.get("back")
+    train(back, data, *DDP, "--resume", str(fsdp_out / "checkpoints" / "step_00000008"), "--no-save-final")
     torch.testing.assert_close(torch.tensor(losses(str(back))), torch.tensor(ref[8:]), rtol=RTOL, atol=0)
-    runs.get("export")
+    export(str(fsdp_out / "checkpoints" / "step_00000012"), str(tmp_path / "exp"))  # in this process
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exp")).eval()
     trained = AutoModelForCausalLM.from_pretrained(str(fsdp_out / "final")).eval()
     ids = torch.randint(0, 400, (2, 20), generator=torch.Generator().manual_seed(0))

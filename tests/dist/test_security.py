@@ -129,7 +129,9 @@ def test_export_never_deletes_a_sibling_tmp_and_refuses_an_empty_out(base, tmp_p
     users = tmp_path / "release.tmp"
     users.mkdir()
     (users / "keep.txt").write_text("the user's")
-    run_cli("export", str(base), "--out", str(tmp_path / "release"))
+    from shardwise.export import export
+
+    export(str(base), str(tmp_path / "release"))  # in this process, as the command calls it
     assert (tmp_path / "release" / "model.safetensors").is_file()
     assert (users / "keep.txt").read_text() == "the user's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["release", "release.tmp"]  # no temporary left
