@@ -353,7 +353,9 @@ def main() -> int:
                     "the rows' own (with --layers 2: where along the lengths a block's peak departs from the plan)")
     ap.add_argument("--snapshot", action="store_true",
                     help="record the allocator's history of each run's first step (--memory-snapshot 1) and report "
-                         "what was alive at its peak, by the line that made it (the JSON's peak_breakdown)")
+                         "what was alive at its peak, by the line that made it (the JSON's peak_breakdown); with torch 2.11 "
+                         "and later give --flags='... --compile off': train refuses a compiled checkpointed snapshot "
+                         "there (pytorch/pytorch#179536)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "shardwise-long-context-1gpu"))

@@ -197,8 +197,11 @@ SUITES: dict[str, Suite] = {
     "long-context-probe": Suite(
         "where one block's peak departs from the plan past 64K tokens: the Llama-3.1-8B shape with 2 blocks, LoRA "
         "without adapter dropout, offload + 16 MLP tiles, at 128K, 192K and 256K, each run's allocator history of its "
-        "first step replayed to what was alive at the peak (--memory-snapshot)", "nvidia-h100-x1",
-        (script("long_context_one_gpu.py", "--layers", "2", "--rows", "lora-256k-nodrop", "--flags=--mlp-tiles 16",
+        "first step replayed to what was alive at the peak (--memory-snapshot); eager blocks, beside the eager plan: "
+        "torch 2.11 and later fail compiled checkpointed blocks while recording (pytorch/pytorch#179536)",
+        "nvidia-h100-x1",
+        (script("long_context_one_gpu.py", "--layers", "2", "--rows", "lora-256k-nodrop",
+                "--flags=--mlp-tiles 16 --compile off",
                 "--lengths", "131072,196608,262144", "--snapshot", "--gpu-gib", "80", "--budget-s", "470",
                 "--tag", "probe", "--out", OUT, timeout_s=500),)),
     "tensor-parallel": Suite(

@@ -28,3 +28,18 @@ def test_the_first_steps_history_is_written_and_recording_stops(tiny_dir, tmp_pa
     frames = [f.get("filename", "") for e in events for f in e.get("frames") or []]
     assert any("shardwise" in f for f in frames)  # Python stacks: the allocations are traced to our lines
     assert not [n for n in os.listdir(out / "memory") if n != "rank0.pickle"]  # no temporary left
+
+
+def test_compiled_checkpointed_blocks_are_refused_in_one_line_where_torch_breaks_the_recording(tiny_dir, tmp_path):
+    """torch from 2.11 fails the first backward of compiled blocks under checkpointing while the history is recorded
+    (pytorch/pytorch#179536): the launch refuses it before anything is written."""
+    from shardwise.train.memsnap import BROKEN_UNDER_CHECKPOINTED_COMPILE
+
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < BROKEN_UNDER_CHECKPOINTED_COMPILE:
+        pytest.skip("this torch records compiled checkpointed blocks")
+    out = tmp_path / "run"
+    p = run_cli("train", "--model", tiny_dir, "--data", "demo", "--max-steps", "2", "--memory-snapshot", "1",
+                "--compile", "on", "--gradient-checkpointing", "--output-dir", str(out), "--nproc-per-node", "1",
+                check=False)
+    assert p.returncode == 2 and "pytorch/pytorch#179536" in p.stderr, p.stderr[-2000:]
+    assert not out.exists()

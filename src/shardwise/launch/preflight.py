@@ -95,6 +95,13 @@ def resolve_runtime(res: Resolved) -> Config:
         raise ShardwiseError(f"{res.where('memory_snapshot')}: the memory snapshot records the CUDA allocator, and "
                              "this machine has no CUDA GPU; on the CPU, `shardwise plan --rehearse` measures a rank's "
                              "tensor memory instead")
+    if cfg.memory_snapshot:
+        from shardwise.config import checkpointing_mode
+        from shardwise.train.memsnap import refusal as snapshot_refusal
+
+        why = snapshot_refusal(cfg.compile == "on" or cfg.compile == "auto", checkpointing_mode(cfg))
+        if why:
+            raise ShardwiseError(f"{res.where('memory_snapshot')}: {why}")
     if cfg.tuner == "qlora" and not cuda:
         raise ShardwiseError(f"{res.where('tuner')}: QLoRA needs a CUDA GPU (4-bit bitsandbytes kernels); "
                              "use --tuner lora on the CPU")

@@ -12,6 +12,21 @@ import sys
 import torch
 
 MAX_ENTRIES = 1_000_000  # allocations and frees kept (torch's ring buffer): several steps of a long-context run
+# torch releases whose compiled autograd functions fail inside an activation-checkpointed region while the allocator
+# records its history (pytorch/pytorch#179536: "apply of FunctionMeta returned NULL without setting an exception")
+BROKEN_UNDER_CHECKPOINTED_COMPILE = (2, 11)
+
+
+def refusal(compiled: bool, checkpointing: str, torch_version: str = torch.__version__) -> str | None:
+    """Why this run cannot record its allocator history, or None: on the torch releases of
+    BROKEN_UNDER_CHECKPOINTED_COMPILE onwards, compiled blocks under activation checkpointing (any mode) fail their
+    first backward while the history is recorded, so the run would end at its first step."""
+    major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
+    if not compiled or checkpointing == "off" or (major, minor) < BROKEN_UNDER_CHECKPOINTED_COMPILE:
+        return None
+    return (f"torch {torch_version} fails the first backward of compiled blocks under activation checkpointing "
+            f"({checkpointing}) while the allocator's history is recorded (pytorch/pytorch#179536); record the "
+            "snapshot with --compile off (the eager step's memory), or without checkpointing")
 
 
 class MemorySnapshot:
