@@ -1127,8 +1127,11 @@ def _meta_line(rows: list[dict], m: dict) -> str:
 def _set_heading(name: str, m: dict, hardware: str, source: str) -> str:
     from shardwise.plan import calibration
 
-    wide = "; ".join(f"{calibration.row_name(m, w['row'])} to {w['step_tol']:.0%} ({w['why']})" for w in m["wide"])
+    wide = "; ".join(f"{calibration.row_name(m, w['row'])} to {w['step_tol']:.0%} ({w['why']})" for w in m["wide"]
+                     if w["step_tol"] is not None)
+    outside = "; ".join(f"{calibration.row_name(m, w['row'])}: {w['why']}" for w in m["wide"] if w["step_tol"] is None)
     step = (f"step time within {m['step_tol']:.0%}{' (wider: ' + wide + ')' if wide else ''}"
+            f"{' (not held yet: ' + outside + ')' if outside else ''}"
             if m["step_tol"] is not None else "step time not bounded")
     return (f"**`{name}`**: {hardware}; rows {_code(source)}; checked by {_code(m['test'])}. Bounds: peak within "
             f"{m['mem_tol']:.0%}, {step}."
@@ -1164,6 +1167,13 @@ def accuracy_blocks() -> dict[str, str]:
         _set_heading("h100_one_gpu", h100, f"{h100['hardware']}, {h100['date']}", h100["source"]),
         _markdown(TRAIN_HEAD + ["within bounds"], h100_cells), _summary(h100_cells, True)])
     blocks["accuracy archived"] = archived
+    name = "h100_rehearsed_grid"
+    m = calibration.measured_set(name)
+    cells = _grid_cells(name, m)
+    blocks[f"accuracy {name}"] = "\n\n".join([
+        _set_heading(name, m, f"{m['hardware']}, {m['date']}", m["source"]) + " Memory: the plan's tensor peak "
+        "against the rank's peak allocated bytes; compute: the plan's forward/backward time against the rank's "
+        "compute-only step.", _markdown(GRID_HEAD + ["within bounds"], cells), _summary(cells, True)])
     name = "h200_float8"
     m = calibration.measured_set(name)
     cells = _float8_cells(m)
@@ -1172,6 +1182,33 @@ def accuracy_blocks() -> dict[str, str]:
         "autocast over fp32 weights, the fused head, one rank.",
         _markdown(FLOAT8_HEAD + ["within bounds"], cells), _summary(cells, True)])
     return blocks
+
+
+GRID_HEAD = ["row", "ranks", "layout", "allocated GiB", "planned tensors GiB", "error", "measured compute s",
+             "planned compute s", "error"]
+
+
+def _grid_cells(name: str, m: dict) -> list[list]:
+    """tests/unit/test_plan_rehearsed_grid.py's rows (rehearsed ranks of the issue-41 grid), planned as it plans
+    them."""
+    t = _test_module("test_plan_rehearsed_grid")
+    old = os.environ.get("SHARDWISE_CACHE_DIR")
+    cells = []
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["SHARDWISE_CACHE_DIR"] = os.path.join(tmp, "cache")  # no doctor.json: the flags' hardware only
+        try:
+            for r in t.ROWS:
+                p, h = t._plan(r), r["rehearsed"]
+                gap = r["name"] in t.COMPUTE_GAPS
+                row = [r["name"], str(h["world"]), h["dims"]] + _checked(
+                    (h["peak_allocated_gib"], p["mem_gib"]["peak_tensors"]),
+                    (f"{h['compute_s']:.3f}", f"{p['compute_s']:.3f}"), p["compute_s"] / h["compute_s"] - 1, m, None)
+                if gap:
+                    row[-1] = "**NO** (the step time: see the set's rows outside the bound)"
+                cells.append(row)
+        finally:
+            os.environ.pop("SHARDWISE_CACHE_DIR") if old is None else os.environ.update(SHARDWISE_CACHE_DIR=old)
+    return cells
 
 
 def _archived_block(tmp: str) -> str:
