@@ -65,6 +65,16 @@ def rows_to_rehearse(plan, only: str | None) -> list:
     return [s for s in plan.strategies if s.fits]
 
 
+def worker_env(env: dict, cwd: str) -> dict:
+    """The worker's environment: this process's, with PYTHONPATH's relative entries made absolute against `cwd`
+    (the worker runs in its own temporary folder, where `PYTHONPATH=src` would name nothing)."""
+    path = env.get("PYTHONPATH")
+    if not path:
+        return dict(env)
+    entries = [os.path.join(cwd, p) if p and not os.path.isabs(p) else p for p in path.split(os.pathsep)]
+    return {**env, "PYTHONPATH": os.pathsep.join(e for e in entries if e)}
+
+
 def run_worker(request: dict, timeout_s: float | None = None) -> dict:
     """One rehearsal in a subprocess; its result (or why there is none)."""
     with tempfile.TemporaryDirectory(prefix="shardwise-rehearse-") as tmp:
@@ -73,7 +83,8 @@ def run_worker(request: dict, timeout_s: float | None = None) -> dict:
             json.dump(request, fh)
         try:
             proc = subprocess.run([sys.executable, "-m", "shardwise.train.rehearse", req, out], cwd=tmp,
-                                  capture_output=True, text=True, timeout=timeout_s)
+                                  env=worker_env(dict(os.environ), os.getcwd()), capture_output=True, text=True,
+                                  timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return {"ok": False, "oom": False, "error": f"did not finish within {timeout_s:.0f} s"}
         if not os.path.exists(out):
