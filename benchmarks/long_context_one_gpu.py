@@ -251,7 +251,8 @@ def write_report(base: str, meta: dict, results: list[dict]) -> None:
              f"{v.get('gpu', 'no GPU')}, CUDA {v.get('cuda')}; torch {v.get('torch')}, transformers "
              f"{v.get('transformers')}, bitsandbytes {v.get('bitsandbytes')}; host RAM {meta['host_gib']} GiB.", "",
              "strategy single, one sequence per step, bf16 compute (fp32 master weights for the trained ones), "
-             "compiled blocks, random init. tok/s: median of the steps after the first (1st: only the first step "
+             f"{'eager' if any('--compile off' in r.get('levers', '') for r in results) else 'compiled'} blocks, "
+             "random init. tok/s: median of the steps after the first (1st: only the first step "
              "finished, compilation included). Device GiB: max_memory_allocated; host GiB: the growth of the machine's "
              "used memory over its level before the run, at its peak (in brackets: the peak RssAnon of the run's "
              "processes, which leaves out pinned pages). Plan: `shardwise plan` for the same flags (tensor peak; host per rank; tokens/s). "
