@@ -1159,6 +1159,8 @@ def accuracy_blocks() -> dict[str, str]:
             h100 = calibration.measured_set("h100_one_gpu")
             h100_cells = [_train_row(*row, tmp, h100, _train_rows().H100) for row in _train_rows().H100_ROWS]
             archived = _archived_block(tmp)
+            grid = calibration.measured_set("h100_rehearsed_grid")
+            grid_cells = _grid_cells(grid)
         finally:
             os.environ.pop("SHARDWISE_CACHE_DIR") if old is None else os.environ.update(SHARDWISE_CACHE_DIR=old)
     blocks[f"accuracy {name}"] = "\n\n".join([_set_heading(name, m, f"{m['hardware']}, {m['date']}", m["source"]),
@@ -1167,13 +1169,11 @@ def accuracy_blocks() -> dict[str, str]:
         _set_heading("h100_one_gpu", h100, f"{h100['hardware']}, {h100['date']}", h100["source"]),
         _markdown(TRAIN_HEAD + ["within bounds"], h100_cells), _summary(h100_cells, True)])
     blocks["accuracy archived"] = archived
-    name = "h100_rehearsed_grid"
-    m = calibration.measured_set(name)
-    cells = _grid_cells(name, m)
-    blocks[f"accuracy {name}"] = "\n\n".join([
-        _set_heading(name, m, f"{m['hardware']}, {m['date']}", m["source"]) + " Memory: the plan's tensor peak "
-        "against the rank's peak allocated bytes; compute: the plan's forward/backward time against the rank's "
-        "compute-only step.", _markdown(GRID_HEAD + ["within bounds"], cells), _summary(cells, True)])
+    blocks["accuracy h100_rehearsed_grid"] = "\n\n".join([
+        _set_heading("h100_rehearsed_grid", grid, f"{grid['hardware']}, {grid['date']}", grid["source"])
+        + " Memory: the plan's tensor peak against the rank's peak allocated bytes; compute: the plan's "
+        "forward/backward time against the rank's compute-only step.",
+        _markdown(GRID_HEAD + ["within bounds"], grid_cells), _summary(grid_cells, True)])
     name = "h200_float8"
     m = calibration.measured_set(name)
     cells = _float8_cells(m)
@@ -1188,26 +1188,19 @@ GRID_HEAD = ["row", "ranks", "layout", "allocated GiB", "planned tensors GiB", "
              "planned compute s", "error"]
 
 
-def _grid_cells(name: str, m: dict) -> list[list]:
+def _grid_cells(m: dict) -> list[list]:
     """tests/unit/test_plan_rehearsed_grid.py's rows (rehearsed ranks of the issue-41 grid), planned as it plans
-    them."""
+    them (the caller supplies the cache-free environment)."""
     t = _test_module("test_plan_rehearsed_grid")
-    old = os.environ.get("SHARDWISE_CACHE_DIR")
     cells = []
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["SHARDWISE_CACHE_DIR"] = os.path.join(tmp, "cache")  # no doctor.json: the flags' hardware only
-        try:
-            for r in t.ROWS:
-                p, h = t._plan(r), r["rehearsed"]
-                gap = r["name"] in t.COMPUTE_GAPS
-                row = [r["name"], str(h["world"]), h["dims"]] + _checked(
-                    (h["peak_allocated_gib"], p["mem_gib"]["peak_tensors"]),
-                    (f"{h['compute_s']:.3f}", f"{p['compute_s']:.3f}"), p["compute_s"] / h["compute_s"] - 1, m, None)
-                if gap:
-                    row[-1] = "**NO** (the step time: see the set's rows outside the bound)"
-                cells.append(row)
-        finally:
-            os.environ.pop("SHARDWISE_CACHE_DIR") if old is None else os.environ.update(SHARDWISE_CACHE_DIR=old)
+    for r in t.ROWS:
+        p, h = t._plan(r), r["rehearsed"]
+        row = [r["name"], str(h["world"]), h["dims"]] + _checked(
+            (h["peak_allocated_gib"], p["mem_gib"]["peak_tensors"]),
+            (f"{h['compute_s']:.3f}", f"{p['compute_s']:.3f}"), p["compute_s"] / h["compute_s"] - 1, m, None)
+        if r["name"] in t.COMPUTE_GAPS:
+            row[-1] = "**NO** (the step time: see the set's rows outside the bound)"
+        cells.append(row)
     return cells
 
 

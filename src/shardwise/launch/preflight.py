@@ -97,9 +97,10 @@ def resolve_runtime(res: Resolved) -> Config:
                              "tensor memory instead")
     if cfg.memory_snapshot:
         from shardwise.config import checkpointing_mode
+        from shardwise.plan.inputs import compile_on
         from shardwise.train.memsnap import refusal as snapshot_refusal
 
-        why = snapshot_refusal(cfg.compile == "on" or cfg.compile == "auto", checkpointing_mode(cfg))
+        why = snapshot_refusal(compile_on(cfg.compile, "cuda"), checkpointing_mode(cfg))
         if why:
             raise ShardwiseError(f"{res.where('memory_snapshot')}: {why}")
     if cfg.tuner == "qlora" and not cuda:

@@ -21,8 +21,9 @@ def refusal(compiled: bool, checkpointing: str, torch_version: str = torch.__ver
     """Why this run cannot record its allocator history, or None: on the torch releases of
     BROKEN_UNDER_CHECKPOINTED_COMPILE onwards, compiled blocks under activation checkpointing (any mode) fail their
     first backward while the history is recorded, so the run would end at its first step."""
-    major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
-    if not compiled or checkpointing == "off" or (major, minor) < BROKEN_UNDER_CHECKPOINTED_COMPILE:
+    from torch.torch_version import TorchVersion
+
+    if not compiled or checkpointing == "off" or TorchVersion(torch_version) < BROKEN_UNDER_CHECKPOINTED_COMPILE:
         return None
     return (f"torch {torch_version} fails the first backward of compiled blocks under activation checkpointing "
             f"({checkpointing}) while the allocator's history is recorded (pytorch/pytorch#179536); record the "
