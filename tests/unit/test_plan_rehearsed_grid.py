@@ -20,6 +20,7 @@ import pytest
 
 from shardwise.plan import calibration
 from shardwise.plan import command as plan_cmd
+from tests.helpers import benchmark_module
 
 GRID = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "rehearse_grid_h100_2026-12-07.json"
 H100 = ["--gpu-type", "H100", "--gpu-memory", "80"]
@@ -51,12 +52,7 @@ def _no_doctor_cache(tmp_path, monkeypatch):
 
 
 def test_the_grid_file_is_the_h100_rehearsal_of_the_grid_rows():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rehearse_grid", GRID.parents[1] / "rehearse_grid.py")
-    grid = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(grid)
-    names = {g["name"] for g in grid.GRID}
+    names = {g["name"] for g in benchmark_module("rehearse_grid").GRID}
     assert len(ROWS) >= 10 and all(r["name"] in names for r in ROWS)
     assert all(r["device"].startswith("NVIDIA H100") and r["rehearsed"]["world"] == r["gpus"] * r["nodes"]
                for r in ROWS)
