@@ -156,6 +156,14 @@ def shards_on_wrap(strategy) -> bool:
     return isinstance(strategy, FSDPStrategy)
 
 
+def shard_home(strategy, device):
+    """Where the rank's FSDP shards are made: on the host under CPU offload (`fsdp.cpu_offload`), as an offloaded
+    run loads them there (FSDP's CPUOffloadPolicy refuses shards on the GPU at its first forward), else on
+    `device`. FSDP pins the host shards itself where its policy asks (pin_memory on CUDA): its `_apply`, which
+    to_empty goes through, re-registers each shard pinned (`FSDPParam.reset_sharded_param`)."""
+    return "cpu" if strategy.cfg.fsdp.cpu_offload else device
+
+
 def rehearse_wrap(strategy, device) -> None:
     """Make the meta parameters real where they hold this rank's share: right after FSDP's sharding (inside its
     `wrap`, before the optimizer is built over the shards), or just before a replica's data-parallel step
@@ -165,7 +173,7 @@ def rehearse_wrap(strategy, device) -> None:
 
         def wrap(model):
             model = own_wrap(model)
-            materialize(model, device)
+            materialize(model, shard_home(strategy, device))
             return model
 
         strategy.wrap = wrap
@@ -246,7 +254,7 @@ def rehearsal_objective(request: dict, cfg, strategy, policy, device, rows: int)
             materialize(ref, device)
         wrapped, head = strategy.wrap_reference(ref)
         if sharded:
-            materialize(wrapped, device)
+            materialize(wrapped, shard_home(strategy, device))
         return wrapped, head
 
     goal = objective.build(cfg, "", strategy, policy, frozen=frozen)
