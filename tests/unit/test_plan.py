@@ -209,11 +209,24 @@ def test_compile_raises_the_assumed_mfu_and_given_mfu_wins():
 
     eager = gpu_plan("llama-3.2-1b", gpus=1, mem=140.0, micro_batch=8)
     comp = gpu_plan("llama-3.2-1b", gpus=1, mem=140.0, micro_batch=8, compile=True)
-    assert eager.setup.mfu_for(eager.job) == EAGER_MFU and comp.setup.mfu_for(comp.job) == COMPILED_MFU
+    assert eager.setup.mfu_for(eager.job, eager.spec) == EAGER_MFU and comp.setup.mfu_for(comp.job, comp.spec) == COMPILED_MFU
     ratio = comp.for_strategy("single").timing.compute_s / eager.for_strategy("single").timing.compute_s
     assert ratio == pytest.approx(EAGER_MFU / COMPILED_MFU)
     setup = make_setup(gpus=1, gpu_memory=140.0, mfu=0.3, use_doctor=False)
-    assert setup.mfu_for(Job(compile=True)) == 0.3
+    assert setup.mfu_for(Job(compile=True), eager.spec) == 0.3
+
+
+def test_eager_mfu_grows_with_the_models_width_and_never_drops_below_the_anchor():
+    from shardwise.plan.calibration import value
+    from shardwise.plan.decide import EAGER_MFU, eager_mfu
+
+    step = value("eager_mfu_per_width_doubling")
+    assert eager_mfu(2048) == EAGER_MFU and eager_mfu(1536) == EAGER_MFU  # the anchor's width and narrower
+    assert eager_mfu(4096) == pytest.approx(EAGER_MFU + step) and eager_mfu(8192) == pytest.approx(EAGER_MFU + 2 * step)
+    # the plan of an 8B-wide model (hidden 4096) runs its eager FLOPs at that rate, compiled ones at COMPILED_MFU
+    eight = gpu_plan("llama-3.1-8b", gpus=8, mem=80.0, micro_batch=1)
+    assert eight.setup.mfu_for(eight.job, eight.spec) == pytest.approx(EAGER_MFU + step)
+    assert eight.to_json()["hardware"]["mfu"] == pytest.approx(EAGER_MFU + step)
 
 
 def test_h200_calibration_rows_stay_within_ten_percent(tmp_path):

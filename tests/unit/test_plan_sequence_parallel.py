@@ -99,7 +99,7 @@ def test_ring_exchanges_follow_the_kv_formula_and_hide_behind_attention():
         plain = plan_model(spec, replace(ring, sp_mode="ulysses"), s, configured="fsdp", escalate=False)
         ul = plain.for_strategy("fsdp").timing
         links = s.links()
-        attn = attention_flops(spec, ring) / (s.peak_flops * s.mfu_for(ring))
+        attn = attention_flops(spec, ring) / (s.peak_flops * s.mfu_for(ring, spec))
         hidden = {"fwd": attn, "bwd": 2 * attn}
         ring_exposed = sum(max(0.0, coll_time(c, links) - hidden[c.phase]) for c in (fwd, bwd))
         ul_exposed = sum(coll_time(c, links) for c in ulysses_exchanges(spec, replace(ring, sp_mode="ulysses")))

@@ -40,7 +40,8 @@ def add_parser(subparsers) -> None:
                    "(default: measured by `shardwise doctor`, else NVLink for H100/H200/A100, PCIe otherwise).")
     p.add_argument("--inter-node-gbps", metavar="Y", help="Network bandwidth per node, Gb/s (default 100; 25/100/400 Ethernet/IB).")
     p.add_argument("--mfu", metavar="F", help="Model FLOPs utilisation of the forward/backward to assume (default on GPU: 0.57 with "
-                   "compiled blocks, 0.42 eager; calibrated on one H200, docs/planner.md).")
+                   "compiled blocks, 0.42 eager (more for models wider than hidden 2048); calibrated on one H200 and one H100, "
+                   "docs/planner.md).")
     p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     p.add_argument("--explain", action="store_true", help="Also print the article's decision tree: the path it "
                    "takes for this model and hardware, and why the planner agrees or differs (without it, one line "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from shardwise import hardware, presets
@@ -39,6 +40,13 @@ TIE = 0.05  # strategies within 5% of the fastest count as equally fast; the sim
 TIGHT = 0.05  # less than 5% of device memory left is reported as tight
 
 
+def eager_mfu(hidden_size: int) -> float:
+    """Eager blocks pay a fixed host cost per op beside matmul work that grows with the model's width: EAGER_MFU at
+    the width it was fitted on, more for each doubling beyond it (calibration.json eager_mfu_per_width_doubling)."""
+    doublings = max(0.0, math.log2(hidden_size / value("eager_mfu_width")))
+    return EAGER_MFU + value("eager_mfu_per_width_doubling") * doublings
+
+
 @dataclass
 class Setup:
     """The hardware a plan is for, and where each number came from."""
@@ -64,11 +72,11 @@ class Setup:
     def world(self) -> int:
         return self.gpus_per_node * self.nodes
 
-    def mfu_for(self, job: Job) -> float:
-        """The MFU a job runs at: the given one, else compiled or eager blocks (GPU)."""
+    def mfu_for(self, job: Job, spec: ModelSpec) -> float:
+        """The MFU a job runs at: the given one, else compiled or eager blocks (GPU; eager by the model's width)."""
         if self.mfu is not None:
             return self.mfu
-        return COMPILED_MFU if job.compile else EAGER_MFU
+        return COMPILED_MFU if job.compile else eager_mfu(spec.hidden_size)
 
     def links(self) -> Links:
         eff = hardware.LINK_EFFICIENCY
@@ -164,7 +172,7 @@ class Plan:
                          "intra_node_gbps": h.intra_gbps, "intra_node_link": h.intra_label,
                          "inter_node_gbps": h.inter_gbps, "inter_node_link": h.inter_label,
                          "measured_busbw_gbps": h.measured_busbw * 8 / 1e9 if h.measured_busbw else None,
-                         "peak_tflops": h.peak_flops / 1e12, "mfu": h.mfu_for(j), "notes": h.notes},
+                         "peak_tflops": h.peak_flops / 1e12, "mfu": h.mfu_for(j, s), "notes": h.notes},
             "strategies": [x.to_json() for x in self.strategies],
             "recommended": self.recommended,
             "reasons": self.reasons,
@@ -231,7 +239,7 @@ def plan_strategy(spec: ModelSpec, job: Job, setup: Setup, name: str, opts: Opts
     mem = estimate(spec, job, opts)
     n = max(1, shard_ranks(job, opts) // job.tp)  # data-parallel sharding: over the ranks of one tp position
     timing = step_time(spec, job, opts, n, setup.links(),
-                       Compute(setup.peak_flops, setup.mfu_for(job), setup.device_mem_bw, setup.fp8_peak_flops))
+                       Compute(setup.peak_flops, setup.mfu_for(job, spec), setup.device_mem_bw, setup.fp8_peak_flops))
     fits_dev = mem.total / GiB <= setup.device_mem_gib
     host_need = mem.host * setup.gpus_per_node / GiB
     fits_host = host_need <= setup.host_mem_gib * 0.9

@@ -88,7 +88,7 @@ def assumptions(plan) -> list[str]:
            "DeepSpeed: default buckets (reduce 5e8, prefetch 5e7 elements), fp32 master partition, "
            "overlap_comm off for ZeRO-1/2; ZeRO-3 fetches each decoder block whole (deepspeed.fetch block: one hook "
            "pair a block, DeepSpeed's linear only in eager blocks) unless deepspeed.fetch is module",
-           f"step time: FLOPs (6N + 12*L*H*S per token) at {s.mfu_for(j):.0%} of {text.flops(s.peak_flops)}"
+           f"step time: FLOPs (6N + 12*L*H*S per token) at {s.mfu_for(j, plan.spec):.0%} of {text.flops(s.peak_flops)}"
            + ("" if s.mfu is not None else " (compiled blocks)" if j.compile else " (eager blocks)")
            + (" (measured matmul rate)" if "doctor" in " ".join(s.notes) and s.accelerator == "cpu" else "")
            + "; communication overlapped with compute where the strategy does it",
