@@ -1,13 +1,16 @@
 """The planner against the long-context rows measured on one H100 (LoRA on the Llama-3.1-8B shape, strategy single,
-compiled blocks, bf16, `--activation-checkpointing offload`, `--mlp-tiles N`).
+bf16, `--activation-checkpointing offload`, `--mlp-tiles N`; compiled blocks unless a row says eager).
 
-Source: benchmarks/results/long_context_1gpu_h100_2026-12-07.md (the 32-layer rows at 64K and the 256K OOM) and
-long_context_1gpu_h100_2026-12-07b.md (the 2-layer probes and the 32-layer 256K row), torch 2.11, transformers 5.17,
-peak `max_memory_allocated`, plan `peak_tensors` for the same flags. Bound: the plan within 10% of the measured peak
-(docs/planner.md "Long context on one H100: the 256K gap"); a row that ran out of memory must not plan as fitting.
-The 64K rows hold; the 256K rows do not: the plan is 24-32% low there and plans the out-of-memory row as fitting,
-and no term linear in the tokens closes that without breaking the 64K rows (docs/planner.md says why). They are
-strict xfails, pinned so that a change that closes the gap shows as XPASS and turns them on.
+Source: benchmarks/results/long_context_1gpu_h100_2026-12-07.md (the 32-layer rows at 64K and the 256K OOM),
+long_context_1gpu_h100_2026-12-07b.md (the 2-layer probes and the 32-layer 256K row), long_context_probe_h100_2026-12-07b.md
+(the eager 2-layer probes at 128K and 256K) and long_context_1gpu_h100_2026-12-07c.md (128K, 64K without adapter
+dropout, the full fine-tune at 256K), torch 2.11, transformers 5.17, peak `max_memory_allocated`, plan `peak_tensors`
+for the same flags. Bound: the plan within 10% of the measured peak (docs/planner.md "Long context on one H100: the
+256K gap"); a row that ran out of memory must not plan as fitting.
+The 64K and 128K rows hold, and so do the eager 128K and 256K probes (the eager block's peak is its second norm's
+backward, `memory.eager_norm_backward`). The compiled 256K rows do not: the plan is 24-32% low there, where the
+compiled blocks measured what the eager ones do. They are strict xfails, pinned so that a change that closes the gap
+shows as XPASS and turns them on; so is the full fine-tune at 256K, where the plan is 18% high.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ LLAMA_8B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab
             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
             "num_key_value_heads": 8, "max_position_embeddings": 524288, "rope_theta": 500000.0,
             "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
-GAP = pytest.mark.xfail(strict=True, reason="the 256K gap: plan 24-32% low (docs/planner.md)")
+GAP = pytest.mark.xfail(strict=True, reason="the compiled 256K gap: plan 24-32% low, the compiled blocks measured "
+                        "about what eager ones do (docs/planner.md)")
 
 # (layers, tokens, tuner, lora dropout, tiles, measured GiB, how): how "=" a peak, ">=" a lower bound (out of memory)
 ROWS = [
@@ -37,6 +41,10 @@ ROWS = [
     pytest.param(2, 262144, "lora", 0.05, 16, 71.13, "=", id="2l-256k-drop-16tiles", marks=GAP),
     # out of memory with at least 71.42 GiB allocated and a 2 GiB buffer asked for
     pytest.param(32, 262144, "lora", 0.05, 16, 73.4, ">=", id="32l-256k-drop-16tiles-oom", marks=GAP),
+    pytest.param(32, 65536, "lora", 0.0, 8, 24.67, "=", id="32l-64k-nodrop-8tiles"),
+    pytest.param(32, 131072, "lora", 0.05, 1, 57.49, "=", id="32l-128k-drop-auto-1tile"),  # auto chose no tiles
+    pytest.param(2, 131072, "lora", 0.0, 16, 25.46, "=eager", id="2l-128k-nodrop-16tiles-eager"),
+    pytest.param(2, 262144, "lora", 0.0, 16, 48.06, "=eager", id="2l-256k-nodrop-16tiles-eager"),
 ]
 
 
@@ -45,17 +53,19 @@ def _no_doctor_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def planned_gib(tmp_path, layers, tokens, tuner, dropout, tiles) -> float:
-    model = tmp_path / f"llama-8b-{layers}l"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({**LLAMA_8B, "num_hidden_layers": layers}))
+def planned_gib(tmp_path, layers, tokens, tuner, dropout, tiles, compiled=True, model=None) -> float:
+    if model is None:
+        model = tmp_path / f"llama-8b-{layers}l"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({**LLAMA_8B, "num_hidden_layers": layers}))
+    lora = ["--lora-r", "16", "--lora-dropout", str(dropout)] if tuner != "full" else []
     args = cli.build_parser().parse_args([
         "plan", "--model", str(model), "--gpus", "1", "--gpu-memory", "80", "--gpu-type", "H100",
         "--seq-len", str(tokens), "--micro-batch-size", "1", "--strategy", "single", "--mixed-precision", "bf16",
-        "--tuner", tuner, "--lora-r", "16", "--lora-dropout", str(dropout),
+        "--tuner", tuner, *lora, "--compile", "on" if compiled else "off",
         "--activation-checkpointing", "offload", "--mlp-tiles", str(tiles)])
     p = plan_cmd.build(args)[0]
-    assert p.job.compile and p.job.offload_checkpoints and p.job.mlp_tiles == tiles
+    assert p.job.compile == compiled and p.job.offload_checkpoints and p.job.mlp_tiles == tiles
     row = p.for_strategy("single")
     return row.memory.peak_tensors / GiB, row.fits
 
@@ -63,8 +73,16 @@ def planned_gib(tmp_path, layers, tokens, tuner, dropout, tiles) -> float:
 @pytest.mark.parametrize(("layers", "tokens", "tuner", "dropout", "tiles", "measured", "how"), ROWS)
 def test_long_context_plan_within_bounds_of_the_measured_peak(tmp_path, layers, tokens, tuner, dropout, tiles,
                                                               measured, how):
-    plan, fits = planned_gib(tmp_path, layers, tokens, tuner, dropout, tiles)
+    plan, fits = planned_gib(tmp_path, layers, tokens, tuner, dropout, tiles, compiled=how != "=eager")
     if how == ">=":  # it ran out of memory on the 80 GiB card: the plan must not say it fits
         assert plan >= measured * (1 - TOL) and not fits, f"plan {plan:.2f} GiB (fits: {fits}), measured at least {measured} GiB"
     else:
         assert abs(plan / measured - 1) <= TOL, f"plan {plan:.2f} GiB, measured {measured} GiB"
+
+
+@pytest.mark.xfail(strict=True, reason="the full fine-tune at 256K: plan 18% high at the end of backward, not explained")
+def test_the_full_fine_tune_at_256k_plans_within_bounds_of_its_measured_peak(tmp_path):
+    """The Qwen2.5-1.5B shape, full fine-tune, offloaded checkpoints, no tiles (what the plan chose as the longest
+    length that fits one 80 GiB card): 49.13 GiB measured at 262,144 tokens, 4,610 tokens/s."""
+    plan, fits = planned_gib(tmp_path, 0, 262144, "full", 0.0, 1, model="qwen2.5-1.5b")
+    assert fits and abs(plan / 49.13 - 1) <= TOL, f"plan {plan:.2f} GiB, measured 49.13 GiB"

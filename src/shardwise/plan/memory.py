@@ -569,6 +569,20 @@ def reference_bytes(spec: ModelSpec, job: Job, shard_n: int, autocast: bool) -> 
     return spec.total_params * (job.w if autocast else min(job.c, job.w)) / shard_n
 
 
+def eager_norm_backward(spec: ModelSpec, job: Job, o: Opts, per_layer: float) -> float:
+    """A block's backward at its second RMSNorm, eager (0 compiled: inductor fuses the norm's backward into one
+    kernel). HF's RMSNorm computes in fp32, and autograd runs its variance branch op by op: the gradient in fp32 and
+    four fp32 (tokens x hidden) temporaries of pow, mean and rsqrt's backward are alive at once (5 x 4 bytes a token
+    and channel), beside the block's incoming gradient and the gradient of the norm's output (compute dtype). The
+    MLP above it has finished its backward, so its interior is gone; the rest of the block's saved tensors are still
+    held. Traced on the CPU (the same eager ops, tests/unit/test_plan_long_context.py) and seen in the allocator's
+    history of an eager 256K block on an H100 (docs/planner.md, "the 256K gap")."""
+    if job.compile or not spec.num_layers:
+        return 0.0
+    interior = layer_activations(spec, job, o)["mlp"]
+    return per_layer - interior + job.tokens * spec.hidden_size * (2 * job.c + 5 * 4) / job.tp
+
+
 def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     """Per-rank memory of one steady-state step (optimizer states exist; grads set to None by zero_grad)."""
     if o.base not in presets.SPECS:
@@ -594,6 +608,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     # a block's backward: its saved activations (recomputed under checkpointing) plus the gradients in flight
     workspace = (per_layer + job.tokens * (3 * spec.mlp_width * job.c / mlp_tiles(spec, job) + 8 * spec.hidden_size) / job.tp
                  + float8_backward_bytes(spec, job))
+    workspace = max(workspace, eager_norm_backward(spec, job, o, per_layer))
     g = 0.0 if st.grads_persist else grads
     moment_b = states + g + max(workspace + sum(extraB.values()), st.root_bwd)  # the fused AdamW: no temporaries
     # start of backward (the last block's backward) under checkpointing, where the gradients leave the device
