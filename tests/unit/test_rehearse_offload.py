@@ -43,6 +43,10 @@ def test_fsdp_shards_are_made_on_the_host_under_cpu_offload_else_on_the_given_de
 
     rehearse_wrap(strategy, torch.device("meta"))
     model = strategy.wrap(model)
+    # real buffers (the rotary table) stay where the wrap put them, whatever device the shards are made on: under
+    # offload on a GPU the shards go to the host while the rotary table must stay on the GPU beside the activations
+    buffers = dict(model.named_buffers())
+    assert buffers and all(b.device.type == "cpu" for b in buffers.values()), {n: b.device for n, b in buffers.items()}
 
     shards = [p.to_local() for p in model.parameters()]
     assert shards and all(s.device.type == made_on for s in shards), {s.device for s in shards}

@@ -121,20 +121,21 @@ def build_model(request: dict, cfg, dtype=None, adapters: bool = True):
 def materialize(model, device) -> int:
     """Give every meta parameter storage on `device`, in the shape it has now (a DTensor's local shard after
     FSDP or tensor parallelism: only this rank's share), and a random init: normal(0, 0.02) for matrices and
-    ones for vectors (norm weights), a scale at which a step's loss stays finite. Real buffers are kept (to_empty
-    empties them too: they are put back). Returns the bytes made."""
+    ones for vectors (norm weights), a scale at which a step's loss stays finite. Real buffers are kept where they
+    are (to_empty empties and moves them too: the same tensors are put back, so a rotary table FSDP moved to the GPU
+    stays there when the shards are made on the host under CPU offload). Returns the bytes made."""
     import torch
 
     metas = [p for p in model.parameters() if p.is_meta or getattr(p, "_local_tensor", p).is_meta]
     if not metas:
         return 0
-    kept = {n: b.detach().clone() for n, b in model.named_buffers() if not b.is_meta}
+    kept = {n: b for n, b in model.named_buffers() if not b.is_meta}
     model.to_empty(device=device)
     made = 0
     with torch.no_grad():
-        for n, b in model.named_buffers():
-            if n in kept:
-                b.copy_(kept[n].to(b.device))
+        for n, b in kept.items():
+            owner, _, leaf = n.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = b
         seen: set[int] = set()
         for p in model.parameters():
             if id(p) in seen:
