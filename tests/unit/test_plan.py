@@ -216,17 +216,22 @@ def test_compile_raises_the_assumed_mfu_and_given_mfu_wins():
     assert setup.mfu_for(Job(compile=True), eager.spec) == 0.3
 
 
-def test_eager_mfu_grows_with_the_models_width_and_never_drops_below_the_anchor():
+def test_eager_mfu_grows_with_the_matmul_width_between_the_anchor_and_compiled():
     from shardwise.plan.calibration import value
-    from shardwise.plan.decide import EAGER_MFU, eager_mfu
+    from shardwise.plan.decide import COMPILED_MFU, EAGER_MFU, eager_mfu
 
     step = value("eager_mfu_per_width_doubling")
     assert eager_mfu(2048) == EAGER_MFU and eager_mfu(1536) == EAGER_MFU  # the anchor's width and narrower
-    assert eager_mfu(4096) == pytest.approx(EAGER_MFU + step) and eager_mfu(8192) == pytest.approx(EAGER_MFU + 2 * step)
+    assert eager_mfu(4096) == pytest.approx(EAGER_MFU + step)
+    assert eager_mfu(16384) == COMPILED_MFU  # never faster than compiled blocks
+    assert eager_mfu(8192, tp=4) == EAGER_MFU  # a rank's matmuls under tensor parallelism are hidden / tp wide
+    assert eager_mfu(4096, experts=8) == EAGER_MFU  # experts' narrow matmuls in a loop
     # the plan of an 8B-wide model (hidden 4096) runs its eager FLOPs at that rate, compiled ones at COMPILED_MFU
     eight = gpu_plan("llama-3.1-8b", gpus=8, mem=80.0, micro_batch=1)
     assert eight.setup.mfu_for(eight.job, eight.spec) == pytest.approx(EAGER_MFU + step)
     assert eight.to_json()["hardware"]["mfu"] == pytest.approx(EAGER_MFU + step)
+    compiled = gpu_plan("llama-3.1-8b", gpus=8, mem=80.0, micro_batch=1, compile=True)
+    assert compiled.setup.mfu_for(compiled.job, compiled.spec) == COMPILED_MFU
 
 
 def test_h200_calibration_rows_stay_within_ten_percent(tmp_path):

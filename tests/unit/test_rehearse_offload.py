@@ -1,6 +1,6 @@
 """The rehearsal makes FSDP's shards real right after the wrap: on the rank's device, except under CPU offload
 (`fsdp.cpu_offload`, the fsdp-offload preset), where an offloaded run holds them on the host and FSDP refuses them
-anywhere else at its first forward (seen on an H100: every parameter made on cuda:0). Rank 0 of a fake world of 2,
+anywhere else at its first forward (CPUOffloadPolicy checks that every parameter is on the CPU). Rank 0 of a fake world of 2,
 the tiny model's shape built on meta, the strategy's own wrap; the device handed to the rehearsal is meta, which
 materialize leaves as it is, so only the offload choice makes the shards real on the CPU."""
 

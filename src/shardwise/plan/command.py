@@ -13,6 +13,7 @@ import json
 import sys
 
 from shardwise.errors import ShardwiseError
+from shardwise.plan.calibration import value
 
 # config keys that `plan` shares with `train` (same flag spelling and meaning)
 SHARED_KEYS = ["model", "strategy", "seq_len", "micro_batch_size", "grad_accum", "tuner", "lora.r", "lora.targets", "lora.dropout",
@@ -39,9 +40,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--intra-node-gbps", metavar="X", help="GPU-to-GPU bandwidth in a node, Gb/s per GPU "
                    "(default: measured by `shardwise doctor`, else NVLink for H100/H200/A100, PCIe otherwise).")
     p.add_argument("--inter-node-gbps", metavar="Y", help="Network bandwidth per node, Gb/s (default 100; 25/100/400 Ethernet/IB).")
-    p.add_argument("--mfu", metavar="F", help="Model FLOPs utilisation of the forward/backward to assume (default on GPU: 0.57 with "
-                   "compiled blocks, 0.42 eager (more for models wider than hidden 2048); calibrated on one H200 and one H100, "
-                   "docs/planner.md).")
+    p.add_argument("--mfu", metavar="F", help="Model FLOPs utilisation of the forward/backward to assume (default on GPU: "
+                   f"{value('compiled_mfu'):g} with compiled blocks, {value('eager_mfu'):g} eager, more for matmuls wider "
+                   f"than hidden {value('eager_mfu_width'):g}; calibrated on one H200 and one H100, docs/planner.md).")
     p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     p.add_argument("--explain", action="store_true", help="Also print the article's decision tree: the path it "
                    "takes for this model and hardware, and why the planner agrees or differs (without it, one line "

@@ -40,11 +40,15 @@ TIE = 0.05  # strategies within 5% of the fastest count as equally fast; the sim
 TIGHT = 0.05  # less than 5% of device memory left is reported as tight
 
 
-def eager_mfu(hidden_size: int) -> float:
-    """Eager blocks pay a fixed host cost per op beside matmul work that grows with the model's width: EAGER_MFU at
-    the width it was fitted on, more for each doubling beyond it (calibration.json eager_mfu_per_width_doubling)."""
-    doublings = max(0.0, math.log2(hidden_size / value("eager_mfu_width")))
-    return EAGER_MFU + value("eager_mfu_per_width_doubling") * doublings
+def eager_mfu(hidden_size: int, tp: int = 1, experts: int = 0) -> float:
+    """Eager blocks pay a fixed host cost per op beside matmul work that grows with the width of a rank's matmuls
+    (hidden / tp): EAGER_MFU at the width it was fitted on, more for each doubling beyond it
+    (calibration.json eager_mfu_per_width_doubling), never above COMPILED_MFU. A mixture-of-experts block's matmuls
+    are its experts', narrow and looped over: EAGER_MFU."""
+    if experts:
+        return EAGER_MFU
+    doublings = max(0.0, math.log2(hidden_size / tp / value("eager_mfu_width")))
+    return min(COMPILED_MFU, EAGER_MFU + value("eager_mfu_per_width_doubling") * doublings)
 
 
 @dataclass
@@ -62,7 +66,7 @@ class Setup:
     inter_gbps: float
     inter_label: str
     peak_flops: float
-    mfu: float | None  # None: by the job, EAGER_MFU or COMPILED_MFU (GPU); given by --mfu or CPU_MFU otherwise
+    mfu: float | None  # None: by the job, eager_mfu (by width) or COMPILED_MFU (GPU); --mfu or CPU_MFU otherwise
     notes: list = field(default_factory=list)
     measured_busbw: float | None = None  # bytes/s from doctor.json, replaces intra when set
     fp8_peak_flops: float = 0.0  # float8 tensor cores (0: none, or a CPU)
@@ -76,7 +80,7 @@ class Setup:
         """The MFU a job runs at: the given one, else compiled or eager blocks (GPU; eager by the model's width)."""
         if self.mfu is not None:
             return self.mfu
-        return COMPILED_MFU if job.compile else eager_mfu(spec.hidden_size)
+        return COMPILED_MFU if job.compile else eager_mfu(spec.hidden_size, job.tp, spec.num_experts)
 
     def links(self) -> Links:
         eff = hardware.LINK_EFFICIENCY

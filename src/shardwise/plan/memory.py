@@ -569,18 +569,25 @@ def reference_bytes(spec: ModelSpec, job: Job, shard_n: int, autocast: bool) -> 
     return spec.total_params * (job.w if autocast else min(job.c, job.w)) / shard_n
 
 
+# fp32 (tokens x hidden) tensors alive at once in an eager RMSNorm's backward (HF's norm computes in fp32): the
+# gradient in fp32 and the temporaries of pow, mean and rsqrt's backward (tests/unit/test_plan_eager_norm_backward.py)
+EAGER_NORM_FP32_ROWS = 5
+
+
 def eager_norm_backward(spec: ModelSpec, job: Job, o: Opts, per_layer: float) -> float:
     """A block's backward at its second RMSNorm, eager (0 compiled: inductor fuses the norm's backward into one
-    kernel). HF's RMSNorm computes in fp32, and autograd runs its variance branch op by op: the gradient in fp32 and
-    four fp32 (tokens x hidden) temporaries of pow, mean and rsqrt's backward are alive at once (5 x 4 bytes a token
-    and channel), beside the block's incoming gradient and the gradient of the norm's output (compute dtype). The
-    MLP above it has finished its backward, so its interior is gone; the rest of the block's saved tensors are still
-    held. Traced on the CPU (the same eager ops, tests/unit/test_plan_long_context.py) and seen in the allocator's
-    history of an eager 256K block on an H100 (docs/planner.md, "the 256K gap")."""
+    kernel). Autograd runs the norm's variance branch op by op, so EAGER_NORM_FP32_ROWS fp32 (tokens x hidden)
+    tensors are alive at once beside the gradient coming into the block (compute dtype). In a Llama-style block the
+    MLP above that norm has finished its backward, so its interior (and an MoE block's routing) is gone; the rest of
+    the block's saved tensors are still held. Blocks with a norm after the MLP (Gemma 2) run one such backward
+    before the MLP's, with its interior still held. Traced on the CPU (the same eager ops,
+    tests/unit/test_plan_eager_norm_backward.py) and seen in the allocator's history of an eager 256K block on an
+    H100 (docs/planner.md, "the 256K gap")."""
     if job.compile or not spec.num_layers:
         return 0.0
-    interior = layer_activations(spec, job, o)["mlp"]
-    return per_layer - interior + job.tokens * spec.hidden_size * (2 * job.c + 5 * 4) / job.tp
+    d = layer_activations(spec, job, o)
+    gone = d["mlp"] + d.get("moe_routing", 0.0) if spec.norms_per_layer <= 2 else 0.0
+    return per_layer - gone + job.tokens * spec.hidden_size * (job.c + EAGER_NORM_FP32_ROWS * 4) / job.tp
 
 
 def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:

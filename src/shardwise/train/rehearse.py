@@ -129,7 +129,7 @@ def materialize(model, device) -> int:
     metas = [p for p in model.parameters() if p.is_meta or getattr(p, "_local_tensor", p).is_meta]
     if not metas:
         return 0
-    kept = {n: b for n, b in model.named_buffers() if not b.is_meta}
+    kept = {n: b for n, b in model.named_buffers(remove_duplicate=False) if not b.is_meta}  # shared: each name
     model.to_empty(device=device)
     made = 0
     with torch.no_grad():
