@@ -182,6 +182,36 @@ def test_compiled_block_keeps_the_mlp_tiles_one_at_a_time():
     assert max(interiors(next(gm for kind, gm in whole if kind == "bw"))) == 1024
 
 
+def test_tiled_mlp_compiles_whole_when_the_sequence_length_changes():
+    """A compiled block recompiles with dynamic shapes once the sequence length changes (unpacked data pads each
+    batch to its own length); the tiling must trace symbolically there, or dynamo gives up on the whole block and
+    runs it eager, with eager's speed and memory. fullgraph=True turns such a fallback into an error."""
+    from torch import nn
+
+    from shardwise.models.tiles import tile_mlp
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    torch.manual_seed(0)
+    plain = MLP()
+    tiled = MLP()
+    tiled.load_state_dict(plain.state_dict())
+    tile_mlp(tiled, 4)
+    run = torch.compile(tiled, dynamic=True, fullgraph=True, backend="eager")
+    for tokens in (37, 50):  # not multiples of the tile count: the first tiles are one token longer
+        x = torch.randn(1, tokens, 8, requires_grad=True)
+        out = run(x)
+        torch.testing.assert_close(out, plain(x))
+        out.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+
+
 @pytest.mark.parametrize("mode", ["off", "full"])
 def test_mlp_tiles_make_the_mlp_interior_one_tile_at_a_time(mode):
     whole, (loss, grads) = mlp_peak(1, mode)

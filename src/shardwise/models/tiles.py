@@ -27,8 +27,9 @@ def tile_mlp(mlp: nn.Module, tiles: int) -> None:
         n = min(tiles, x.shape[1]) if x.dim() == 3 else 1
         if n <= 1 or args or kwargs:
             return whole(x, *args, **kwargs)
-        size, rest = divmod(x.shape[1], n)
-        pieces = torch.split(x, [size + (i < rest) for i in range(n)], dim=1)
+        # the first (length mod n) tiles one token longer; an aten op, so a compiled block with dynamic sequence
+        # lengths (a recompile after the length changes) traces it instead of falling back to eager
+        pieces = torch.tensor_split(x, n, dim=1)
         if not torch.is_grad_enabled():
             return torch.cat([whole(p) for p in pieces], dim=1)
         return torch.cat([checkpoint(whole, p, use_reentrant=False) for p in pieces], dim=1)
