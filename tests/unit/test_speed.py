@@ -125,3 +125,44 @@ def test_the_loop_drops_the_models_output_before_backward():
     loss = forward_backward_step(model, strategy, batch, 1, torch.device("cpu"), Faults(0), 1)
     assert torch.isfinite(loss) and model.get_input_embeddings().weight.grad is not None
     assert alive_in_backward == [[False]]  # the backward reached the embedding with the output already gone
+
+
+def test_a_checkpointed_block_traces_as_one_graph_once_hub_kernel_routing_is_off():
+    """transformers routes some modules' forward through the `kernels` package (use_kernelized_func: a context
+    variable set on every call). Inside a checkpointed block dynamo refuses that side effect, and the compiled block
+    breaks its graph there; compile_blocks gives those modules their own forward back. fullgraph=True turns a graph
+    break into an error; the block computes the same either way."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from shardwise.models.speed import unroute_hub_kernels
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=1, vocab_size=32)
+    cfg._attn_implementation = "sdpa"
+    block = LlamaDecoderLayer(cfg, 0)
+    x = torch.randn(1, 16, 64)
+    pos = torch.arange(16)[None]
+    rope = LlamaRotaryEmbedding(cfg)(x, pos)
+
+    def run(h):
+        out = checkpoint(lambda t: block(t, attention_mask=None, position_ids=pos, position_embeddings=rope), h,
+                         use_reentrant=False)
+        return out[0] if isinstance(out, tuple) else out
+
+    routed = run(x)
+    if any("_kernel_funcs" in m.__dict__ for m in block.modules()):  # this transformers routes through `kernels`
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="side effect"):
+            torch.compile(run, fullgraph=True, backend="eager")(x.clone().requires_grad_(True))
+    assert unroute_hub_kernels(block) == sum("_kernel_funcs" in m.__dict__ for m in block.modules())
+    assert not any("_kernel_funcs" in m.__dict__ and "forward" not in m.__dict__ for m in block.modules())
+    torch._dynamo.reset()
+    compiled = torch.compile(run, fullgraph=True, backend="eager")
+    h = x.clone().requires_grad_(True)
+    out = compiled(h)
+    out.sum().backward()
+    torch.testing.assert_close(out, routed)
+    assert h.grad is not None

@@ -343,6 +343,22 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
+def unroute_hub_kernels(block: nn.Module) -> int:
+    """Give the block's modules that the `kernels` package routes (transformers' `use_kernelized_func`, on the
+    attention of Llama, Qwen2 and others) their own forward back. The routing wrapper sets a context variable on
+    every call so that a `kernelize`d model can swap in hub kernels; shardwise never kernelizes, and inside a
+    checkpointed block dynamo refuses that side effect in the checkpoint's higher-order op, so the compiled block
+    breaks its graph there and the checkpointed body runs eagerly. The wrapped forward is the same computation
+    (functools.wraps keeps it as `__wrapped__`). Returns how many modules it unwrapped."""
+    n = 0
+    for m in block.modules():
+        own = getattr(type(m).forward, "__wrapped__", None)
+        if own is not None and "_kernel_funcs" in m.__dict__:
+            m.forward = types.MethodType(own, m)
+            n += 1
+    return n
+
+
 def compile_blocks(model: nn.Module, hooks_eager: bool = False) -> int:
     """torch.compile each decoder block in place (parameter names unchanged): the whole call, its module hooks
     included, or with `hooks_eager` only its forward, the block's own hooks running eagerly around it. Tensor
@@ -351,6 +367,7 @@ def compile_blocks(model: nn.Module, hooks_eager: bool = False) -> int:
     cut loses its gradient (torch 2.13: the embedding then gets none, silently)."""
     blocks = decoder_blocks(model)
     for b in blocks:
+        unroute_hub_kernels(b)
         if hasattr(b, "checkpointed_forward"):  # offloaded checkpointing (models/offload.py): its hooks stay eager
             b.checkpointed_forward = torch.compile(b.checkpointed_forward)
         elif hooks_eager:
