@@ -348,8 +348,8 @@ def unroute_hub_kernels(block: nn.Module) -> int:
     attention of Llama, Qwen2 and others) their own forward back. The routing wrapper sets a context variable on
     every call so that a `kernelize`d model can swap in hub kernels; shardwise never kernelizes, and inside a
     checkpointed block dynamo refuses that side effect in the checkpoint's higher-order op, so the compiled block
-    breaks its graph there and the checkpointed body runs eagerly. The wrapped forward is the same computation
-    (functools.wraps keeps it as `__wrapped__`). Returns how many modules it unwrapped."""
+    breaks its graph there and its checkpointed body is no longer one compiled graph. The wrapped forward is the same
+    computation (functools.wraps keeps it as `__wrapped__`). Returns how many modules it unwrapped."""
     n = 0
     for m in block.modules():
         own = getattr(type(m).forward, "__wrapped__", None)
