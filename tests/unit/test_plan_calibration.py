@@ -24,6 +24,8 @@ def test_every_entry_says_what_it_was_fitted_on():
 def test_the_planner_reads_its_constants_from_the_file():
     v = calibration.value
     assert (decide.EAGER_MFU, decide.COMPILED_MFU) == (v("eager_mfu"), v("compiled_mfu"))
+    assert (decide.EAGER_MFU_WIDTH, decide.EAGER_MFU_PER_DOUBLING) == (v("eager_mfu_width"),
+                                                                       v("eager_mfu_per_width_doubling"))
     assert memory.COMPILE_ACT_FACTOR == v("compile_act_factor")
     assert memory.CUDA_CONTEXT_GIB == v("cuda_context_gib")
     assert comm.FLOAT8_CAST_BYTES == v("float8_cast_bytes")

@@ -34,6 +34,8 @@ from shardwise.plan.model_spec import ModelSpec
 # and with compiled blocks; checkpointing needs no constant of its own (its recompute FLOPs at the same MFU)
 EAGER_MFU = value("eager_mfu")
 COMPILED_MFU = value("compiled_mfu")
+EAGER_MFU_WIDTH = value("eager_mfu_width")  # the hidden size EAGER_MFU was fitted on
+EAGER_MFU_PER_DOUBLING = value("eager_mfu_per_width_doubling")  # per doubling of a rank's matmul width beyond it
 CPU_PEAK_FLOPS = value("cpu_peak_flops")  # per rank, when `shardwise doctor` has not measured a matmul
 CPU_MFU = value("cpu_mfu")  # of the measured matmul rate
 TIE = 0.05  # strategies within 5% of the fastest count as equally fast; the simpler one wins
@@ -47,8 +49,8 @@ def eager_mfu(hidden_size: int, tp: int = 1, experts: int = 0) -> float:
     are its experts', narrow and looped over: EAGER_MFU."""
     if experts:
         return EAGER_MFU
-    doublings = max(0.0, math.log2(hidden_size / tp / value("eager_mfu_width")))
-    return min(COMPILED_MFU, EAGER_MFU + value("eager_mfu_per_width_doubling") * doublings)
+    doublings = max(0.0, math.log2(hidden_size / tp / EAGER_MFU_WIDTH))
+    return min(COMPILED_MFU, EAGER_MFU + EAGER_MFU_PER_DOUBLING * doublings)
 
 
 @dataclass
