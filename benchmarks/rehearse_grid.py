@@ -83,7 +83,7 @@ GRID = [
     row("70b-fsdp8-lora-8k", "llama-3.1-70b", 8, 1, "fsdp", 8192, *CK, *LORA),
     row("70b-fsdp64-8k", "llama-3.1-70b", 8, 8, "fsdp", 8192, *CK),
     row("70b-fsdp-offload8-8k", "llama-3.1-70b", 8, 1, "fsdp-offload", 8192, *CK),
-    row("70b-ddp8-qlora-8k", "llama-3.1-70b", 8, 1, "ddp", 8192, *CK, "--tuner", "qlora", "--lora-r", "16"),  # by name
+    row("70b-ddp8-qlora-8k", "llama-3.1-70b", 8, 1, "ddp", 8192, *CK, "--tuner", "qlora", "--lora-r", "16"),
     # Qwen2.5-7B and a mixture-of-experts shape under fsdp 8 and zero3 8
     row("qwen7b-fsdp8-8k", "qwen2.5-7b", 8, 1, "fsdp", 8192, *CK),
     row("qwen7b-zero3-8-8k", "qwen2.5-7b", 8, 1, "zero3", 8192, *CK),
@@ -91,8 +91,6 @@ GRID = [
     row("qwenmoe-zero3-8-8k", "qwen-moe", 8, 1, "zero3", 8192, *CK),
 ]
 
-# asked for by name only: QLoRA's bf16 base of 70B is made on the host before the GPU quantises it (~150 GB of RAM)
-BY_NAME_ONLY = {"70b-ddp8-qlora-8k"}
 SMOKE = ["8b-fsdp8-8k", "8b-fsdp8-tp2-8k", "8b-fsdp8-sp2-8k", "qwen7b-zero3-8-8k"]  # their shapes as the tiny model
 
 
@@ -197,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="the tiny model on the CPU for a few rows' shapes")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
-    names = (args.rows.split(",") if args.rows else SMOKE if args.smoke
-             else [r["name"] for r in GRID if r["name"] not in BY_NAME_ONLY])
+    names = args.rows.split(",") if args.rows else SMOKE if args.smoke else [r["name"] for r in GRID]
     by_name = {r["name"]: r for r in GRID}
     unknown = [n for n in names if n not in by_name]
     if unknown:

@@ -70,3 +70,17 @@ def test_a_rank_too_large_for_this_gpu_is_one_line_with_the_plans_prediction(tmp
     line = next(ln for ln in p.stdout.splitlines() if ln.strip().startswith("single ") and "does not fit" in ln)
     assert "out of memory; the plan predicts" in line and "GiB per rank" in line
     assert torch.cuda.get_device_name(0) in line
+
+
+def test_qlora_rehearses_a_4bit_base_smaller_than_loras(tmp_path):
+    """QLoRA under ddp: each 4-bit linear is made and quantised on the GPU one at a time (the 70B base in bf16 would
+    not fit a host), so the rank holds the NF4 base, and less than LoRA's bf16 one."""
+    pytest.importorskip("bitsandbytes")
+    rows = {}
+    for tuner in ("lora", "qlora"):
+        d = rehearse(tmp_path, "--gpus", "8", "--strategy", "ddp", "--tuner", tuner, "--lora-r", "16")
+        (row,) = d["rehearsed"]["rows"]
+        assert row["ok"], row
+        rows[tuner] = row
+    # the 1B shape's ~1.0e9 block weights: 2 bytes each in bf16, about half a byte in NF4
+    assert rows["qlora"]["peak_allocated_gib"] < rows["lora"]["peak_allocated_gib"] - 0.8

@@ -118,26 +118,27 @@ def build_model(request: dict, cfg, dtype=None, adapters: bool = True):
     return model
 
 
-def materialize(model, device) -> int:
+def materialize(model, device, recurse: bool = True) -> int:
     """Give every meta parameter storage on `device`, in the shape it has now (a DTensor's local shard after
     FSDP or tensor parallelism: only this rank's share), and a random init: normal(0, 0.02) for matrices and
     ones for vectors (norm weights), a scale at which a step's loss stays finite. Real buffers are kept where they
     are (to_empty empties and moves them too: the same tensors are put back, so a rotary table FSDP moved to the GPU
-    stays there when the shards are made on the host under CPU offload). Returns the bytes made."""
+    stays there when the shards are made on the host under CPU offload). `recurse=False`: the module's own
+    parameters only, its children left as they are. Returns the bytes made."""
     import torch
 
-    metas = [p for p in model.parameters() if p.is_meta or getattr(p, "_local_tensor", p).is_meta]
+    metas = [p for p in model.parameters(recurse) if p.is_meta or getattr(p, "_local_tensor", p).is_meta]
     if not metas:
         return 0
-    kept = {n: b for n, b in model.named_buffers(remove_duplicate=False) if not b.is_meta}  # shared: each name
-    model.to_empty(device=device)
+    kept = {n: b for n, b in model.named_buffers(remove_duplicate=False, recurse=recurse) if not b.is_meta}
+    model.to_empty(device=device, recurse=recurse)
     made = 0
     with torch.no_grad():
-        for n, b in kept.items():
+        for n, b in kept.items():  # shared buffers: each name
             owner, _, leaf = n.rpartition(".")
             model.get_submodule(owner)._buffers[leaf] = b
         seen: set[int] = set()
-        for p in model.parameters():
+        for p in model.parameters(recurse):
             if id(p) in seen:
                 continue
             seen.add(id(p))
@@ -145,6 +146,30 @@ def materialize(model, device) -> int:
             if local.is_floating_point():
                 local.normal_(0.0, 0.02) if local.ndim >= 2 else local.fill_(1.0)
             made += local.numel() * local.element_size()
+    return made
+
+
+def materialize_quantised(model, device) -> int:
+    """A QLoRA replica: each 4-bit linear is made in the compute dtype on `device` and quantised there at once
+    (bitsandbytes' Params4bit quantises on its first move to a device), one linear at a time, so the base's
+    full-precision copy (140 GB at 70B, more than a host's RAM) never exists; then the rest of the model (embeddings,
+    norms, head, adapters), module by module: a whole-model `to_empty` would empty the quantised weights again. The
+    4-bit weight is made anew: `to_empty` turns a meta Params4bit into a plain parameter, which nothing quantises."""
+    import bitsandbytes as bnb
+    import torch
+
+    made = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, bnb.nn.Linear4bit) and w is not None and w.is_meta:
+            full = torch.empty(w.shape, dtype=w.dtype, device=device).normal_(0.0, 0.02)
+            m.weight = bnb.nn.Params4bit(full, requires_grad=False, blocksize=w.blocksize,
+                                         compress_statistics=w.compress_statistics, quant_type=w.quant_type,
+                                         quant_storage=w.quant_storage, module=w.module).to(device)
+            del full
+            made += m.weight.numel() * m.weight.element_size()
+    for m in model.modules():
+        made += materialize(m, device, recurse=False)
     return made
 
 
@@ -180,11 +205,10 @@ def rehearse_wrap(strategy, device) -> None:
         strategy.wrap = wrap
         return
     own = strategy.apply_data_parallel
-    # QLoRA's 4-bit layers quantise their weights as the wrap moves them to the GPU: made on the host first
-    where = "cpu" if strategy.cfg.tuner == "qlora" else device
+    make = materialize_quantised if strategy.cfg.tuner == "qlora" else materialize
 
     def apply_data_parallel(model):
-        materialize(model, where)
+        make(model, device)
         model, optimizer = own(model)
         return local_reduction(model), optimizer
 
