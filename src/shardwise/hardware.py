@@ -73,6 +73,18 @@ def host_memory_gib() -> float:
         return 0.0
 
 
+def host_available_gib() -> float:
+    """RAM this machine can give a new process now (Linux's MemAvailable), else its total."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return host_memory_gib()
+
+
 def detect() -> Hardware:
     import torch
 

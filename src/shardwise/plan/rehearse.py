@@ -27,6 +27,7 @@ from shardwise.plan.memory import CUDA_CONTEXT_GIB, FRAGMENTATION, GiB
 
 MEMORY_TOLERANCE = 0.10  # rehearsal and plan further apart than this in memory: the row says so, trusts the rehearsal
 STEPS = 3  # the worker's steps: one warm-up, two measured
+HOST_SHARE = 0.9  # of the RAM available now, what one rehearsed rank may plan to keep in host memory
 RANK = 0  # FSDP's and tensor parallelism's dim-0 chunks (torch.chunk) give rank 0 the largest share
 RANK_WHY = "rank 0: torch.chunk gives the first ranks the larger FSDP / tensor-parallel shards where they do not divide"
 COMPUTE = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -137,6 +138,17 @@ def refused(sp, result: dict) -> dict:
     return row
 
 
+def host_refused(sp, free_gib: float) -> dict | None:
+    """A row whose one rank keeps more in host RAM (offloaded states, offloaded checkpoints: the plan's per-rank host
+    bytes) than this machine has free is not run: it would take the machine's memory, not measure the job."""
+    host = sp.memory.host / GiB
+    if host <= HOST_SHARE * free_gib:
+        return None
+    return {"strategy": sp.strategy, "ok": False, "analytic_total_gib": sp.memory.total / GiB, "host": True,
+            "error": f"not rehearsed: one rank keeps {host:.1f} GiB in host RAM by the plan and this machine has "
+                     f"{free_gib:.1f} GiB available; rehearse it on a host with more RAM"}
+
+
 NO_GPU = ("--rehearse: this machine has no GPU, and one rank of {model} runs on a GPU; rehearse on a machine with one "
           "(the tiny model, --model tiny, rehearses on the CPU)")
 
@@ -145,12 +157,17 @@ def rehearse_plan(plan, cfg, only: str | None = None, steps: int = STEPS, timeou
     """Rehearse the plan's rows; trust the rehearsal for "fits" where it disagrees with the plan in memory. The
     worker says what it ran on (torch's view of the machine); a real model on a machine without a GPU is refused
     by the first row's worker."""
+    from shardwise.hardware import host_available_gib
     from shardwise.plan.memory import estimate
 
     results, where = [], {"accelerator": "cpu", "device": "cpu", "device_gib": 0.0}
     source = model_source(cfg, plan.spec)
     eager_job = dataclasses.replace(plan.job, compile=False)
     for sp in rows_to_rehearse(plan, only):
+        too_big = host_refused(sp, host_available_gib())
+        if too_big:
+            results.append(too_big)
+            continue
         request = {"config": dataclasses.asdict(row_config(cfg, sp.strategy, plan.job)),
                    "world": plan.setup.world, "gpus_per_node": plan.setup.gpus_per_node, "rank": RANK,
                    "steps": steps, "needs_gpu": plan.spec.name != "tiny", **source}
@@ -173,6 +190,8 @@ def rehearse_plan(plan, cfg, only: str | None = None, steps: int = STEPS, timeou
         from shardwise.plan.decide import recommend
 
         plan.recommended, plan.reasons = recommend(plan)
+    if all(r.get("host") for r in results):  # no worker ran: nothing measured says what this machine is
+        where["device"] = "this machine (no row ran)"
     cuda = where["accelerator"] == "cuda"
     return {**where, "steps": steps, "rows": results, "same_device": same_device(plan, where),
             "eager": not cuda and plan.job.compile,
