@@ -209,6 +209,9 @@ def train(model: str, data: str, name: str, length: int, row: Row, timeout: floa
         rec["tokens_per_s"] = round(statistics.median(r["tokens_per_s"] for r in steady))
         rec["step_s"] = round(statistics.median(r["step_time_s"] for r in steady), 2)
         rec["peak_gib"] = round(max(r["peak_mem_gib"] for r in rows), 2)
+    compiler = [ln for ln in (output or "").splitlines() if "Graph break" in ln or "Recompiling" in ln]
+    if compiler:  # TORCH_LOGS=recompiles,graph_breaks in the environment: what the compiler said, kept with the row
+        rec["compiler_log"] = compiler[:40]
     if rec["exit_code"] != 0:
         text = output or ""
         rec["oom"] = "OutOfMemoryError" in text or "CUDA out of memory" in text
