@@ -53,7 +53,7 @@ def _no_doctor_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def planned_gib(tmp_path, layers, tokens, tuner, dropout, tiles, compiled=True, model=None) -> float:
+def planned_row(tmp_path, layers, tokens, tuner, dropout, tiles, compiled=True, model=None):
     if model is None:
         model = tmp_path / f"llama-8b-{layers}l"
         model.mkdir()
@@ -66,7 +66,11 @@ def planned_gib(tmp_path, layers, tokens, tuner, dropout, tiles, compiled=True, 
         "--activation-checkpointing", "offload", "--mlp-tiles", str(tiles)])
     p = plan_cmd.build(args)[0]
     assert p.job.compile == compiled and p.job.offload_checkpoints and p.job.mlp_tiles == tiles
-    row = p.for_strategy("single")
+    return p.for_strategy("single")
+
+
+def planned_gib(tmp_path, *job, **kw) -> tuple[float, bool]:
+    row = planned_row(tmp_path, *job, **kw)
     return row.memory.peak_tensors / GiB, row.fits
 
 
@@ -87,3 +91,27 @@ def test_the_full_fine_tune_at_256k_plans_within_bounds_of_its_measured_peak(tmp
     measured = 49.13
     plan, fits = planned_gib(tmp_path, 0, 262144, "full", 0.0, 1, model="qwen2.5-1.5b")
     assert fits and abs(plan / measured - 1) <= TOL, f"plan {plan:.2f} GiB, measured {measured} GiB"
+
+
+# host memory: (layers or a preset, tokens, tuner, lora dropout, tiles, compiled, measured GiB): the machine's used
+# memory at its peak over its level before the run, the same rows' `host GiB` (one process on the one GPU: its
+# pinned checkpoints, its own memory, its compiler's workers, or at the start the model's load in fp32)
+HOST_ROWS = [
+    pytest.param(2, 131072, "lora", 0.0, 16, False, 6.48, id="2l-128k-eager"),  # the load: 5.54 GiB of fp32 weights
+    pytest.param(2, 262144, "lora", 0.0, 16, False, 6.42, id="2l-256k-eager"),
+    pytest.param(32, 65536, "lora", 0.0, 8, True, 30.77, id="32l-64k-nodrop-8tiles"),  # the load: 29.9 GiB
+    pytest.param(32, 131072, "lora", 0.05, 1, True, 39.8, id="32l-128k-drop-auto-1tile"),  # 32 GiB of checkpoints
+    pytest.param(32, 262144, "lora", 0.0, 16, True, 69.3, id="32l-256k-nodrop-16tiles"),  # 64 GiB of checkpoints
+    pytest.param("qwen2.5-1.5b", 262144, "full", 0.0, 1, True, 67.64, id="1.5b-full-256k"),  # 56 GiB of checkpoints
+]
+
+
+@pytest.mark.parametrize(("layers", "tokens", "tuner", "dropout", "tiles", "compiled", "measured"), HOST_ROWS)
+def test_host_memory_plans_within_bounds_of_the_measured_peak(tmp_path, layers, tokens, tuner, dropout, tiles,
+                                                              compiled, measured):
+    model = layers if isinstance(layers, str) else None
+    row = planned_row(tmp_path, 0 if model else layers, tokens, tuner, dropout, tiles, compiled=compiled,
+                      model=model)
+    plan = row.memory.host_peak / GiB
+    assert row.memory.host_peak >= row.memory.host  # never below what the rank keeps there
+    assert abs(plan / measured - 1) <= TOL, f"plan {plan:.2f} GiB of host memory, measured {measured} GiB"

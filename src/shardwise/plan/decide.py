@@ -241,6 +241,16 @@ def replica_plan(plan: Plan) -> StrategyPlan | None:
 # ----------------------------------------------------------------------------- core
 
 
+def host_peak_note(mem, job: Job, peak_need: float, host_gib: float) -> str:
+    """The ranks' host RAM at its peak (memory.host_peak) beyond what the node has: at the start, where each rank
+    loads the whole model, or in the steady state (offloaded checkpoints, the compiler's workers). A note beside
+    "fits", which counts the offloaded state only: the load's figure is one GPU's measure taken to every rank."""
+    what = (f"each rank loads the whole model on the host in {job.param_dtype}"
+            if mem.detail.get("host_phase") == "load" else "offloaded checkpoints, the process and its compiler")
+    return (f"host RAM at its peak: ~{peak_need:.0f} GiB per node ({what}), over 90% of {host_gib:.0f} GiB: the "
+            "host may run out of memory")
+
+
 def plan_strategy(spec: ModelSpec, job: Job, setup: Setup, name: str, opts: Opts) -> StrategyPlan:
     mem = estimate(spec, job, opts)
     n = max(1, shard_ranks(job, opts) // job.tp)  # data-parallel sharding: over the ranks of one tp position
@@ -254,10 +264,14 @@ def plan_strategy(spec: ModelSpec, job: Job, setup: Setup, name: str, opts: Opts
         notes.append(f"needs {mem.total / GiB:.1f} GiB per rank, {setup.device_mem_gib:.1f} GiB available")
     elif (setup.device_mem_gib - mem.total / GiB) < TIGHT * setup.device_mem_gib:
         notes.append(f"tight: {setup.device_mem_gib - mem.total / GiB:.1f} GiB left per rank")
+    peak_need = mem.host_peak * setup.gpus_per_node / GiB
     if mem.host:
-        notes.append(f"offloads {host_need:.1f} GiB per node to host RAM ({setup.host_mem_gib:.0f} GiB)")
+        notes.append(f"offloads {host_need:.1f} GiB per node to host RAM ({setup.host_mem_gib:.0f} GiB)"
+                     + (f", ~{peak_need:.0f} GiB at the peak with the processes' own" if peak_need else ""))
         if not fits_host:
             notes.append("host RAM is too small for the offloaded state")
+    if fits_host and setup.host_mem_gib and peak_need > setup.host_mem_gib * 0.9:
+        notes.append(host_peak_note(mem, job, peak_need, setup.host_mem_gib))
     return StrategyPlan(name, opts.base, presets.PRESETS[name].description, opts, mem, timing,
                         fits_dev and fits_host, setup.device_mem_gib, notes)
 

@@ -47,6 +47,8 @@ GiB = 2**30
 QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # NF4 + double-quantised absmax per 64-block
 CUDA_CONTEXT_GIB = value("cuda_context_gib")  # CUDA context + cuBLAS/NCCL workspaces, outside the allocator's count
 FRAGMENTATION = value("fragmentation")  # caching allocator: reserved exceeds allocated by a few percent
+HOST_PROCESS_GIB = value("host_process_gib")  # a rank's own host memory: interpreter, libraries, CUDA context
+HOST_COMPILE_WORKERS_GIB = value("host_compile_workers_gib")  # compiled blocks: inductor's worker pool per rank
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # torch.compile per decoder block (inductor fuses the elementwise ops and recomputes them in backward): saved
 # activations of a block, compiled / eager. Under DDP the engine keeps each compiled block one graph
@@ -143,7 +145,8 @@ class Opts:
 
 @dataclass
 class Memory:
-    """Bytes per rank on the device; `host` is what offload keeps in host RAM per rank."""
+    """Bytes per rank on the device; `host` is what offload keeps in host RAM per rank (offloaded states, offloaded
+    checkpoints), `host_peak` the rank's process at its largest in host RAM (`host_peak`)."""
 
     params: float
     grads: float
@@ -154,6 +157,7 @@ class Memory:
     allowance: float  # context + fragmentation
     host: float
     phase: str  # which moment sets the peak
+    host_peak: float = 0.0
     detail: dict = field(default_factory=dict)
 
     @property
@@ -163,7 +167,7 @@ class Memory:
     def gib(self) -> dict:
         d = {k: getattr(self, k) / GiB for k in ("params", "grads", "optimizer", "activations", "buffers")}
         d.update(peak_tensors=self.peak_tensors / GiB, allowance=self.allowance / GiB, total=self.total / GiB,
-                 host_per_rank=self.host / GiB)
+                 host_per_rank=self.host / GiB, host_peak_per_rank=self.host_peak / GiB)
         return {k: round(v, 6) for k, v in d.items()}
 
 
@@ -590,6 +594,19 @@ def eager_norm_backward(spec: ModelSpec, job: Job, o: Opts, per_layer: float) ->
     return per_layer - gone + job.tokens * spec.hidden_size * (job.c + EAGER_NORM_FP32_ROWS * 4) / job.tp
 
 
+def host_peak(spec: ModelSpec, job: Job, kept: float) -> tuple[float, str]:
+    """Host RAM of one rank's process at its largest, on a GPU: the larger of its start, where train.loop.build_model
+    loads the whole model on the CPU in its storage dtype (every rank, before the strategy moves or shards it), and
+    its steady state, where it keeps `kept` bytes there (offloaded states, pinned checkpoints) and, with compiled
+    blocks, the compiler's worker processes; the process's own memory under both. Returns (bytes, "load" or
+    "steady": which sets it). On the CPU host memory is the device's: 0 (the device figures count it)."""
+    if job.accelerator != "cuda":
+        return 0.0, "steady"
+    load = spec.total_params * job.w
+    steady = kept + (HOST_COMPILE_WORKERS_GIB * GiB if job.compile else 0.0)
+    return HOST_PROCESS_GIB * GiB + max(load, steady), "load" if load > steady else "steady"
+
+
 def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
     """Per-rank memory of one steady-state step (optimizer states exist; grads set to None by zero_grad)."""
     if o.base not in presets.SPECS:
@@ -649,6 +666,7 @@ def estimate(spec: ModelSpec, job: Job, o: Opts) -> Memory:
               "moment_a": moment_a, "moment_b": moment_b, "moment_b0": moment_b0, "moment_c": moment_c,
               "trainable_params": P_t if job.tp == 1 else trainable(spec, dataclasses.replace(job, tp=1))[0],
               "shard_ranks": N, **({"tp_local_params": P_t} if job.tp > 1 else {})}
+    host = st.host + act_detail["host_checkpoints"]
+    host_max, detail["host_phase"] = host_peak(spec, job, host)
     return Memory(params=st.params, grads=grads, optimizer=st.opt, activations=act_end, buffers=buffers,
-                  peak_tensors=peak, allowance=allowance, host=st.host + act_detail["host_checkpoints"], phase=phase,
-                  detail=detail)
+                  peak_tensors=peak, allowance=allowance, host=host, phase=phase, detail=detail, host_peak=host_max)
