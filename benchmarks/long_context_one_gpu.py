@@ -125,7 +125,8 @@ def plan(model: str, length: int, flags: tuple, smoke: bool, hardware: tuple = (
     mem = row["mem_gib"]
     return {"plan_tiles": out["job"].get("mlp_tiles_resolved"), "plan_fits": row["fits"],
             "plan_gib": round(mem["peak_tensors"], 2),
-            "plan_total_gib": round(mem["total"], 2), "plan_host_gib": round(mem["host_per_rank"], 2),
+            "plan_total_gib": round(mem["total"], 2), "plan_host_gib": round(mem["host_peak_per_rank"], 2),
+            "plan_host_kept_gib": round(mem["host_per_rank"], 2),
             "plan_step_s": row["step_time_s"], "plan_tokens_per_s": row["tokens_per_s"]}
 
 
@@ -324,15 +325,15 @@ def host_gib() -> float:
 
 
 def lengths_for(model: str, row: Row, smoke: bool, hardware: tuple = (), extra: tuple = ()) -> list[int]:
-    """The lengths to try for a row: its own, or the ladder's longest planned to fit (its pinned checkpoints within
-    3/4 of the host's RAM, a margin under the plan's 90% for the rest of the machine), then the shorter ones."""
+    """The lengths to try for a row: its own, or the ladder's longest planned to fit (the process's planned host
+    peak within 90% of the host's RAM), then the shorter ones."""
     if row.length:
         return [row.length]
     ladder = SMOKE_LADDER if smoke else LADDER
 
     def planned(n: int) -> bool:
         p = plan(model, n, row.flags, smoke, hardware, extra)
-        return bool(p.get("plan_fits")) and p.get("plan_host_gib", 0) <= 0.75 * host_gib()
+        return bool(p.get("plan_fits")) and p.get("plan_host_gib", 0) <= 0.9 * host_gib()
 
     fits = [n for n in ladder if planned(n)]
     top = max(fits) if fits else ladder[0]
