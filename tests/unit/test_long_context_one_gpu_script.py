@@ -13,7 +13,7 @@ import long_context_one_gpu as lc  # noqa: E402
 def test_plan_beside_a_row_sees_the_levers():
     h100 = ("--gpus", "1", "--gpu-memory", "80", "--gpu-type", "H100")
     plain = lc.plan("llama-3.1-8b", 262144, lc.ROWS["lora-64k-plain"].flags, smoke=False, hardware=h100)
-    levers = lc.plan("llama-3.1-8b", 262144, lc.ROWS["lora-256k"].flags, smoke=False, hardware=h100)
+    levers = lc.plan("llama-3.1-8b", 262144, lc.ROWS["lora-256k-nodrop"].flags, smoke=False, hardware=h100)
     assert not plain["plan_fits"] and levers["plan_fits"], (plain, levers)
     assert plain["plan_host_kept_gib"] == 0 and levers["plan_host_kept_gib"] == 64.0  # 32 block inputs of 2 GiB
     # the process's peak: the fp32 load (29.9 GiB) without offload; with it, the checkpoints, compiler and process

@@ -1,9 +1,9 @@
-"""What the planner's eager block backward (`memory.eager_norm_backward`) stands on, traced on the CPU with the same
+"""What the planner's block backward at its norm (`memory.norm_backward`) stands on, traced on the CPU with the same
 eager ops a GPU runs: one Hugging Face Llama decoder block in bf16, its MLP in 16 tiles (models/tiles.py), under
 non-reentrant checkpointing, is recomputed and differentiated, and every tensor storage the ops make is followed
 while it lives. The backward's peak is in the RMSNorm's variance branch (pow, mean and rsqrt's backward run op by
 op in fp32), with five fp32 (tokens x hidden) tensors alive at once: the 5 x 4 bytes per token and channel the
-planner adds for eager blocks."""
+planner adds at that moment (memory.norm_backward)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from shardwise.models.tiles import tile_mlp
-from shardwise.plan.memory import EAGER_NORM_FP32_ROWS, Job, Opts, eager_norm_backward, layer_activations
+from shardwise.plan.memory import NORM_FP32_ROWS, Job, Opts, layer_activations, norm_backward
 from shardwise.plan.model_spec import ModelSpec
 
 T, H, MLP = 512, 512, 1792  # the 8B shape's ratios: intermediate 3.5 x hidden, 4 query heads per KV head
@@ -79,19 +79,18 @@ def test_the_eager_backward_peaks_in_the_norms_variance_branch_with_the_planned_
     op, fp32_rows = traced.at_peak
     assert op.split(".")[1] in {"mul", "pow", "div"}, op  # the variance branch's elementwise backward, not a matmul
     saved = 2  # each RMSNorm's fp32 copy of its input, saved by the recomputed forward
-    assert fp32_rows == saved + EAGER_NORM_FP32_ROWS, f"{fp32_rows} fp32 (tokens x hidden) tensors alive at the peak"
+    assert fp32_rows == saved + NORM_FP32_ROWS, f"{fp32_rows} fp32 (tokens x hidden) tensors alive at the peak"
 
 
-def test_the_plan_counts_them_for_eager_blocks_only():
+def test_the_plan_counts_them_beside_the_blocks_saved_tensors_less_the_mlp_interior():
     spec = ModelSpec(name="llama-tiny-8b-ratios", source="this test", vocab_size=256, hidden_size=H,
                      intermediate_size=MLP, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=128,
                      tied_embeddings=False)
-    eager = Job(seq_len=T, micro_batch=1, checkpointing=True, tuner="lora", lora_dropout=0.0, mlp_tiles=16,
-                compile=False)
-    per_layer = sum(layer_activations(spec, eager, Opts("single")).values())
-    held = eager_norm_backward(spec, eager, Opts("single"), per_layer)
-    # beside the block's saved tensors less the MLP interior: the incoming gradient (bf16) and the fp32 rows
-    assert held - (per_layer - layer_activations(spec, eager, Opts("single"))["mlp"]) == T * H * (2 + 4 * EAGER_NORM_FP32_ROWS)
-    compiled = Job(seq_len=T, micro_batch=1, checkpointing=True, tuner="lora", lora_dropout=0.0, mlp_tiles=16,
-                   compile=True)
-    assert eager_norm_backward(spec, compiled, Opts("single"), per_layer) == 0.0
+    for compiled in (False, True):  # compiled blocks measured the same moment at 256K (norm_backward's docstring)
+        job = Job(seq_len=T, micro_batch=1, checkpointing=True, tuner="lora", lora_dropout=0.0, mlp_tiles=16,
+                  compile=compiled)
+        layer = layer_activations(spec, job, Opts("single"))
+        per_layer = sum(layer.values())
+        held = norm_backward(spec, job, Opts("single"), per_layer)
+        # beside the block's saved tensors less the MLP interior: the incoming gradient (bf16) and the fp32 rows
+        assert held - (per_layer - layer["mlp"]) == T * H * (2 + 4 * NORM_FP32_ROWS)
