@@ -436,7 +436,7 @@ def test_no_adapter_dropout_is_offered_after_every_change_that_keeps_the_trainin
     """fit_advice ranks `--lora-dropout 0` (a change to the training) after every change that keeps it: at 192K the
     activation levers fit and are named; at 256K they fit only without the adapters' dropout (measured: out of
     memory with it, 59.1 GiB without), and the line says it changes the training; with both levers already on, the
-    frozen base offloaded to the host (fsdp-offload) keeps the training and is named before it."""
+    frozen base offloaded to the host (fsdp-offload) keeps the training and is the cheapest change named."""
     from shardwise.plan.decide import fit_advice
 
     advice = fit_advice(one_gpu(196608), "single")

@@ -241,14 +241,16 @@ def replica_plan(plan: Plan) -> StrategyPlan | None:
 # ----------------------------------------------------------------------------- core
 
 
-def host_peak_note(mem, job: Job, peak_need: float, host_gib: float) -> str:
-    """The ranks' host RAM at its peak (memory.host_peak) beyond what the node has: at the start, where each rank
-    loads the whole model, or in the steady state (offloaded checkpoints, the compiler's workers). A note beside
-    "fits", which counts the offloaded state only: the load's figure is one GPU's measure taken to every rank."""
-    what = (f"each rank loads the whole model on the host in {job.param_dtype}"
-            if mem.detail.get("host_phase") == "load" else "offloaded checkpoints, the process and its compiler")
-    return (f"host RAM at its peak: ~{peak_need:.0f} GiB per node ({what}), over 90% of {host_gib:.0f} GiB: the "
-            "host may run out of memory")
+def host_peak_parts(mem, job: Job) -> str:
+    """What sets a rank's host peak (memory.host_peak), in words: the model's load at the start, or what the
+    steady state keeps there."""
+    if mem.detail.get("host_phase") == "load":
+        return (f"each rank loads the whole model in {job.param_dtype}"
+                + ("; --param-dtype bf16 halves it" if job.param_dtype == "fp32" else ""))
+    checkpoints = mem.detail.get("act.host_checkpoints", 0.0)
+    parts = (["offloaded states"] if mem.host - checkpoints > 0 else []) + (["checkpoints"] if checkpoints else []) \
+        + (["compile workers"] if job.compile else []) + ["the process"]
+    return " + ".join(parts)
 
 
 def plan_strategy(spec: ModelSpec, job: Job, setup: Setup, name: str, opts: Opts) -> StrategyPlan:
@@ -265,13 +267,16 @@ def plan_strategy(spec: ModelSpec, job: Job, setup: Setup, name: str, opts: Opts
     elif (setup.device_mem_gib - mem.total / GiB) < TIGHT * setup.device_mem_gib:
         notes.append(f"tight: {setup.device_mem_gib - mem.total / GiB:.1f} GiB left per rank")
     peak_need = mem.host_peak * setup.gpus_per_node / GiB
+    over = fits_host and setup.host_mem_gib and peak_need > setup.host_mem_gib * 0.9
     if mem.host:
         notes.append(f"offloads {host_need:.1f} GiB per node to host RAM ({setup.host_mem_gib:.0f} GiB)"
-                     + (f", ~{peak_need:.0f} GiB at the peak with the processes' own" if peak_need else ""))
+                     + (f", ~{peak_need:.0f} GiB at its peak ({host_peak_parts(mem, job)})"
+                        if peak_need and not over else ""))
         if not fits_host:
             notes.append("host RAM is too small for the offloaded state")
-    if fits_host and setup.host_mem_gib and peak_need > setup.host_mem_gib * 0.9:
-        notes.append(host_peak_note(mem, job, peak_need, setup.host_mem_gib))
+    if over:
+        notes.append(f"host RAM at its peak: ~{peak_need:,.0f} GiB per node ({host_peak_parts(mem, job)}), over 90% "
+                     f"of {setup.host_mem_gib:.0f} GiB: the host may run out of memory")
     return StrategyPlan(name, opts.base, presets.PRESETS[name].description, opts, mem, timing,
                         fits_dev and fits_host, setup.device_mem_gib, notes)
 

@@ -146,7 +146,7 @@ class Opts:
 @dataclass
 class Memory:
     """Bytes per rank on the device; `host` is what offload keeps in host RAM per rank (offloaded states, offloaded
-    checkpoints), `host_peak` the rank's process at its largest in host RAM (`host_peak`)."""
+    checkpoints), `host_peak` the rank's process at its largest in host RAM (memory.host_peak())."""
 
     params: float
     grads: float
@@ -589,8 +589,8 @@ def norm_backward(spec: ModelSpec, job: Job, o: Opts, per_layer: float) -> float
     Compiled blocks are counted the same way (with their smaller saved tensors): inductor fuses the norm's backward,
     yet every compiled row measured at 256K (2 and 32 layers, LoRA and QLoRA, with and without adapter dropout) peaks
     where this moment puts it, within 9%, and 25-32% above the compiled blocks' other moments; the cause is not
-    found. At 64K the 2-layer compiled row peaks 14% lower than this moment, an overestimate that is safe where the
-    other way (the plan 30% low) let `--mlp-tiles auto` choose counts that ran out of memory."""
+    found. At 64K the 2-layer compiled row peaks 14% lower than this moment: an overestimate, the safe side, where
+    an underestimate makes `--mlp-tiles auto` choose tile counts that run out of memory."""
     if not spec.num_layers:
         return 0.0
     d = layer_activations(spec, job, o)

@@ -142,11 +142,12 @@ def host_refused(sp, free_gib: float) -> dict | None:
     """A row whose one rank keeps more in host RAM (offloaded states, offloaded checkpoints: the plan's per-rank host
     bytes) than this machine has free is not run: it would take the machine's memory, not measure the job."""
     host = sp.memory.host / GiB
-    if host <= HOST_SHARE * free_gib:
+    if not free_gib or host <= HOST_SHARE * free_gib:  # 0: the machine's RAM is unknown, so nothing is refused
         return None
     return {"strategy": sp.strategy, "ok": False, "analytic_total_gib": sp.memory.total / GiB, "host": True,
-            "error": f"not rehearsed: one rank keeps {host:.1f} GiB in host RAM by the plan and this machine has "
-                     f"{free_gib:.1f} GiB available; rehearse it on a host with more RAM"}
+            "error": f"not rehearsed: one rank keeps {host:.1f} GiB in host RAM by the plan, over "
+                     f"{HOST_SHARE:.0%} of the {free_gib:.1f} GiB this machine has available; rehearse it on a "
+                     "host with more RAM"}
 
 
 NO_GPU = ("--rehearse: this machine has no GPU, and one rank of {model} runs on a GPU; rehearse on a machine with one "
