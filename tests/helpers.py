@@ -23,29 +23,83 @@ def benchmark_module(name: str):
     return mod
 
 
+# What the fork server of forked_ranks imports as it starts, beside the first caller's own modules: what the
+# tests/dist modules that fork ranks import (so a later module's ranks import only the test module itself), DeepSpeed
+# included (3 CPU-s in every rank that imported it itself), its accelerator chosen as those ranks choose it
+# (DS_ACCELERATOR=cpu, set for the server's start: every forked rank runs on the CPU, over gloo).
+FORKED_PRELOAD = ("torch", "transformers", "pytest", "deepspeed", "shardwise.strategies",
+                  "shardwise.strategies.gradnorm", "shardwise.strategies.parallelize", "shardwise.train.loop",
+                  "shardwise.train.dist", "shardwise.train.evaluate", "shardwise.models.sequence_parallel",
+                  "tests.helpers")
+_parked: dict = {}  # forked_ranks' fork server between uses (_server_fields)
+
+
 @contextlib.contextmanager
 def forked_ranks(*preload: str):
     """A multiprocessing context (yielded) whose processes are forks of one server that has imported torch,
-    transformers and the modules `preload` (multiprocessing's forkserver; start them with
+    transformers, FORKED_PRELOAD and the modules `preload` (multiprocessing's forkserver; start them with
     `torch.multiprocessing.start_processes(..., start_method="forkserver")`). A spawned rank is a fresh interpreter
     that imports all of that itself, 2-5 CPU-s a rank on the suite's 2 cores; here the server imports it once and
-    every rank begins with it imported. The fork server is one per process and shardwise's launcher uses it too
-    (train/zygote.py, as in-process CLI calls may), so one left running is stopped on the way in, and this one on
-    the way out, with the preload put back."""
+    every rank begins with it imported.
+
+    The server is started by the first use in this process and kept for the later ones (a start is 5-8 CPU-s of
+    imports, and a suite run has a dozen uses): the ranks set their own RANK and the rest, multiprocessing sends
+    each process the working directory and sys.path, and a test module no earlier use preloaded is imported by the
+    ranks whose target it holds. The fork server is one per process and shardwise's launcher uses it too
+    (train/zygote.py, as in-process CLI calls may), so one left running is stopped on the way in; this one is in
+    multiprocessing's slot only inside the context, and is taken out of it (still running) on the way out, with the
+    preload put back: outside, multiprocessing finds no server, as after zygote.stop."""
     import multiprocessing
     from multiprocessing import forkserver
 
     from shardwise.train import zygote
 
     zygote.stop()  # one an earlier test left would fork from its own preload and environment
-    saved = list(forkserver._forkserver._preload_modules)
+    fs = forkserver._forkserver
+    saved = list(fs._preload_modules)
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", *preload])
+    ctx.set_forkserver_preload([*FORKED_PRELOAD, *preload])  # read where a server starts: none parked, or it died
+    parked = _parked.pop("server", None)
+    if parked is not None and not _alive_child(parked["_forkserver_pid"]):
+        os.close(parked["_forkserver_alive_fd"])
+        parked = None  # gone: a new one is started below
     try:
+        with fs._lock:
+            for key in _server_fields(fs):
+                setattr(fs, key, (parked or {}).get(key))
+        if parked is None:  # started here, with the environment its ranks get
+            before = os.environ.get("DS_ACCELERATOR")
+            os.environ["DS_ACCELERATOR"] = "cpu"
+            try:
+                forkserver.ensure_running()
+            finally:
+                if before is None:
+                    del os.environ["DS_ACCELERATOR"]
+                else:
+                    os.environ["DS_ACCELERATOR"] = before
         yield ctx
     finally:
-        zygote.stop()
+        with fs._lock:
+            if fs._forkserver_pid is not None:
+                _parked["server"] = {key: getattr(fs, key) for key in _server_fields(fs)}
+            for key in _server_fields(fs):
+                setattr(fs, key, None)
         ctx.set_forkserver_preload(saved)
+
+
+def _server_fields(fs) -> list[str]:
+    """The running server's fields of a multiprocessing ForkServer: pid, "alive" pipe end, socket address (and, in
+    the Pythons that have one, its authentication key); all None where none runs."""
+    return [key for key in vars(fs) if key.startswith("_forkserver_")]
+
+
+def _alive_child(pid: int) -> bool:
+    """Whether `pid`, a child of this process, still runs (multiprocessing's own check, which raises where the child
+    was reaped by someone else)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return False
 
 
 def free_port() -> int:
