@@ -1,6 +1,6 @@
-"""The Runs page overlays the loss curves of the runs a user ticks: two real `shardwise train` runs (one rank, 6 and
-8 steps, different learning rates), a real `shardwise ui` server and a headless Chromium; the chart holds one curve
-per ticked run, each the run's own logged losses."""
+"""The Runs page overlays the loss curves of the runs a user ticks: two real training runs (one rank, 6 and 8 steps,
+different learning rates, made by the Trainer in this process: tests/inproc/trainer.py), a real `shardwise ui` server
+and a headless Chromium; the chart holds one curve per ticked run, each the run's own logged losses."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from tests.helpers import ConcurrentRuns, read_metrics
+from tests.helpers import read_metrics
+from tests.inproc.trainer import train
 from tests.ui.conftest import UIServer
 
 pytestmark = pytest.mark.timeout(400)
@@ -17,12 +18,11 @@ pytestmark = pytest.mark.timeout(400)
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
     runs_dir = tmp_path_factory.mktemp("overlay-runs")
-    common = ("train", "--strategy", "single", "--nproc-per-node", "1", "--log-every", "1", "--no-save-final",
+    common = ("--strategy", "single", "--nproc-per-node", "1", "--log-every", "1", "--no-save-final",
               "--report-to", "none")
-    runs = ConcurrentRuns()
-    runs.add("slow", *common, "--max-steps", "6", "--lr", "1e-4", "--output-dir", str(runs_dir / "slow"))
-    runs.add("fast", *common, "--max-steps", "8", "--lr", "3e-3", "--output-dir", str(runs_dir / "fast"))
-    runs.get("slow"), runs.get("fast")
+    # one rank each, in this process: a launched one-process run adds only an interpreter's start and torch's imports
+    train(*common, "--max-steps", "6", "--lr", "1e-4", "--output-dir", runs_dir / "slow")
+    train(*common, "--max-steps", "8", "--lr", "3e-3", "--output-dir", runs_dir / "fast")
     return str(runs_dir)
 
 
